@@ -1,0 +1,19 @@
+"""ComfyUI nodes of WanMesh: thin wrappers that convert ComfyUI types and call the engine."""
+
+from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
+from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
+from .vae import WanMeshVAEDecode, WanMeshVAEEncode
+
+_NODES = {
+    "WanMeshModelLoader": (WanMeshModelLoader, "WanMesh Model Loader"),
+    "WanMeshVAELoader": (WanMeshVAELoader, "WanMesh VAE Loader"),
+    "WanMeshTextEncoderLoader": (WanMeshTextEncoderLoader, "WanMesh Text Encoder Loader"),
+    "WanMeshTextEncode": (WanMeshTextEncode, "WanMesh Text Encode"),
+    "WanMeshEmptyLatent": (WanMeshEmptyLatent, "WanMesh Empty Latent"),
+    "WanMeshSampler": (WanMeshSampler, "WanMesh Sampler"),
+    "WanMeshVAEDecode": (WanMeshVAEDecode, "WanMesh VAE Decode"),
+    "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
+}
+
+NODE_CLASS_MAPPINGS = {node_id: cls for node_id, (cls, _) in _NODES.items()}
+NODE_DISPLAY_NAME_MAPPINGS = {node_id: name for node_id, (_, name) in _NODES.items()}

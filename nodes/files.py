@@ -1,0 +1,56 @@
+"""Model file lists and paths from ComfyUI's model folders (today's names first, the 2024 names as fallback)."""
+
+from __future__ import annotations
+
+import os
+
+FOLDER_ALIASES = {
+    "diffusion_models": ("diffusion_models", "unet"),
+    "text_encoders": ("text_encoders", "clip"),
+    "vae": ("vae",),
+}
+DIFFUSERS_PREFIX = "diffusers/"
+
+
+def _folder_name(kind: str) -> str:
+    import folder_paths
+
+    for name in FOLDER_ALIASES[kind]:
+        if name in folder_paths.folder_names_and_paths:
+            return name
+    raise KeyError(f"ComfyUI has no model folder for {kind!r} (looked for {', '.join(FOLDER_ALIASES[kind])})")
+
+
+def _diffusers_folders() -> list[str]:
+    import folder_paths
+
+    found = []
+    for root in folder_paths.folder_names_and_paths.get("diffusers", ([], None))[0]:
+        if os.path.isdir(root):
+            found += [DIFFUSERS_PREFIX + d for d in sorted(os.listdir(root)) if os.path.isdir(os.path.join(root, d))]
+    return found
+
+
+def list_models(kind: str) -> list[str]:
+    """Files of a model folder plus diffusers folders (shown as 'diffusers/<name>')."""
+    import folder_paths
+
+    return sorted(folder_paths.get_filename_list(_folder_name(kind))) + _diffusers_folders()
+
+
+def model_path(kind: str, name: str) -> str:
+    """The full path of a listed model; a clear error when it is gone."""
+    import folder_paths
+
+    if name.startswith(DIFFUSERS_PREFIX):
+        for root in folder_paths.folder_names_and_paths.get("diffusers", ([], None))[0]:
+            candidate = os.path.join(root, name[len(DIFFUSERS_PREFIX):])
+            if os.path.isdir(candidate):
+                return candidate
+    else:
+        path = folder_paths.get_full_path(_folder_name(kind), name)
+        if path is not None:
+            return path
+    raise FileNotFoundError(
+        f"model {name!r} was not found in ComfyUI's {kind!r} folders; refresh the node to list the files that exist"
+    )

@@ -1,0 +1,66 @@
+"""Loader nodes: the transformer (T2V or VACE), the Wan VAE and the umT5 text encoder."""
+
+from __future__ import annotations
+
+from .files import list_models, model_path
+from .runtime import Loaded, default_runner
+
+DTYPE_CHOICES = (["auto", "fp32", "bf16", "fp16"],)
+POOL_INPUT = {"pool": ("WANMESH_POOL",)}
+CATEGORY = "WanMesh"
+
+
+def _runner(pool):
+    return pool if pool is not None else default_runner()
+
+
+class WanMeshModelLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {"model_name": (list_models("diffusion_models"),), "dtype": DTYPE_CHOICES},
+            "optional": {"vace_module": (["none"] + list_models("diffusion_models"),), **POOL_INPUT},
+        }
+
+    RETURN_TYPES = ("WANMESH_MODEL",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Loads a Wan 2.1 T2V or VACE transformer (ComfyUI single file, fp8 included, or diffusers folder)."
+
+    def load(self, model_name, dtype, vace_module="none", pool=None):
+        runner = _runner(pool)
+        module = None if vace_module in (None, "none") else model_path("diffusion_models", vace_module)
+        path = model_path("diffusion_models", model_name)
+        return (Loaded(runner, runner.load_model(path, vace_module=module, dtype=dtype)),)
+
+
+class WanMeshVAELoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"vae_name": (list_models("vae"),), "dtype": DTYPE_CHOICES}, "optional": POOL_INPUT}
+
+    RETURN_TYPES = ("WANMESH_VAE",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+
+    def load(self, vae_name, dtype, pool=None):
+        runner = _runner(pool)
+        return (Loaded(runner, runner.load_vae(model_path("vae", vae_name), dtype=dtype)),)
+
+
+class WanMeshTextEncoderLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {"text_encoder_name": (list_models("text_encoders"),), "dtype": DTYPE_CHOICES},
+            "optional": POOL_INPUT,
+        }
+
+    RETURN_TYPES = ("WANMESH_TEXT_ENCODER",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+
+    def load(self, text_encoder_name, dtype, pool=None):
+        runner = _runner(pool)
+        path = model_path("text_encoders", text_encoder_name)
+        return (Loaded(runner, runner.load_text_encoder(path, dtype=dtype)),)

@@ -1,0 +1,1 @@
+"""WanMesh engine: model loading, sampling, VAE, and the worker pool. Never imports ComfyUI."""

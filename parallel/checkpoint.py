@@ -1,0 +1,351 @@
+"""Reading model weight files: safetensors (and weights-only pickles) as name maps plus per-tensor readers.
+
+A checkpoint is opened once and described by its keys, shapes and metadata without reading any tensor.
+Loaders turn it into a `WeightSource`: a map from the model's own parameter names to tensors in one or
+more files. Tensors are read one by one (optionally only a slice, for tensor-parallel ranks) and
+dequantised on the way: plain fp8 is upcast, ComfyUI "scaled fp8" weights are multiplied by their
+per-layer `scale_weight`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+COMFY_TRANSFORMER_PREFIX = "model.diffusion_model."
+SCALED_FP8_MARKER = "scaled_fp8"
+_SCALE_WEIGHT_SUFFIX = ".scale_weight"
+_SCALE_INPUT_SUFFIX = ".scale_input"
+_FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+TensorSlice = tuple[slice | int, ...] | slice | None
+
+
+class ModelFileError(ValueError):
+    """A model file or folder is missing, unreadable, or not the kind of model that was asked for."""
+
+
+def _describe_size(num_bytes: int) -> str:
+    return f"{num_bytes} bytes" if num_bytes < 1024 * 1024 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """Validate the 8-byte length prefix and JSON header so corrupt files fail with a readable message."""
+    size = path.stat().st_size
+    if size < 8:
+        raise ModelFileError(
+            f"{path}: not a safetensors file (file is {_describe_size(size)}, too short for a header)."
+        )
+    with path.open("rb") as stream:
+        (header_len,) = struct.unpack("<Q", stream.read(8))
+        if header_len > min(size - 8, _MAX_HEADER_BYTES):
+            raise ModelFileError(
+                f"{path}: not a valid safetensors file (file is {_describe_size(size)}, its header claims "
+                f"{header_len} bytes of JSON); the file is truncated or is not safetensors."
+            )
+        raw_header = stream.read(header_len)
+    try:
+        header = json.loads(raw_header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelFileError(
+            f"{path}: corrupt safetensors header (file is {_describe_size(size)}): {error}."
+        ) from None
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + header_len + data_end > size:
+        raise ModelFileError(
+            f"{path}: truncated safetensors file (file is {_describe_size(size)}, its header needs "
+            f"{_describe_size(8 + header_len + data_end)})."
+        )
+
+
+class CheckpointFile:
+    """One open weight file: keys, shapes, dtypes and metadata, with tensors read on demand."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(f"Model file not found: {self.path}")
+        self._handle: Any = None
+        self._tensors: Mapping[str, torch.Tensor] | None = None
+        self.metadata: dict[str, str] = {}
+        if self.path.suffix.lower() in PICKLE_SUFFIXES:
+            self._tensors = _load_pickle_state_dict(self.path)
+        else:
+            _check_safetensors_header(self.path)
+            try:
+                self._handle = safe_open(str(self.path), framework="pt", device="cpu")
+            except Exception as error:  # safetensors raises its own error types
+                raise ModelFileError(f"{self.path}: cannot open as safetensors: {error}") from None
+            self.metadata = dict(self._handle.metadata() or {})
+        self.keys: list[str] = list(self._tensors if self._tensors is not None else self._handle.keys())
+        self._key_set = set(self.keys)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self._tensors is not None:
+            return tuple(self._tensors[key].shape)
+        return tuple(self._handle.get_slice(key).get_shape())
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: self.shape(key) for key in self.keys}
+
+    def stored_dtype(self, key: str) -> torch.dtype:
+        if self._tensors is not None:
+            return self._tensors[key].dtype
+        return _SAFETENSORS_DTYPES[self._handle.get_slice(key).get_dtype()]
+
+    def raw(self, key: str, index: TensorSlice = None) -> torch.Tensor:
+        """The stored tensor (or a slice of it) without any dtype conversion."""
+        if self._tensors is not None:
+            tensor = self._tensors[key]
+            return tensor if index is None else tensor[index]
+        if index is None:
+            return self._handle.get_tensor(key)
+        return self._handle.get_slice(key)[index]
+
+    def has(self, key: str) -> bool:
+        return key in self._key_set
+
+    @property
+    def is_scaled_fp8(self) -> bool:
+        return self.has(SCALED_FP8_MARKER) or any(key.endswith(_SCALE_WEIGHT_SUFFIX) for key in self.keys)
+
+    def weight_keys(self) -> list[str]:
+        """Keys that hold model weights: fp8 scale factors and markers are not weights themselves."""
+        return [key for key in self.keys if not is_quantisation_key(key)]
+
+    def close(self) -> None:
+        self._handle = None
+        self._tensors = None
+
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **({"F8_E4M3": torch.float8_e4m3fn} if hasattr(torch, "float8_e4m3fn") else {}),
+    **({"F8_E5M2": torch.float8_e5m2} if hasattr(torch, "float8_e5m2") else {}),
+}
+
+
+def _load_pickle_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # weights_only refuses arbitrary pickled objects: say so plainly
+        raise ModelFileError(
+            f"{path}: cannot load as a weights-only PyTorch checkpoint ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). Only plain tensor state dicts are accepted; "
+            f"convert the file to .safetensors."
+        ) from None
+    for wrapper_key in ("state_dict", "model", "module"):
+        if isinstance(loaded, dict) and isinstance(loaded.get(wrapper_key), dict) and len(loaded) <= 3:
+            loaded = loaded[wrapper_key]
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise ModelFileError(f"{path}: expected a dict of tensors (a state dict), found {type(loaded).__name__}.")
+    return loaded
+
+
+def is_quantisation_key(key: str) -> bool:
+    return key == SCALED_FP8_MARKER or key.endswith(_SCALE_WEIGHT_SUFFIX) or key.endswith(_SCALE_INPUT_SUFFIX)
+
+
+def read_tensor(
+    handle: CheckpointFile, original_key: str, dtype: torch.dtype, index: TensorSlice = None
+) -> torch.Tensor:
+    """Read one tensor (or a slice of it) as `dtype`, dequantising fp8 and applying a scaled-fp8 factor."""
+    tensor = handle.raw(original_key, index)
+    if tensor.dtype in _FP8_DTYPES:
+        tensor = tensor.to(torch.float32)
+        scale_key = _scale_key_for(original_key)
+        if scale_key is not None and handle.has(scale_key):
+            # ComfyUI stores one scalar per layer; real weight = fp8 weight * scale_weight.
+            tensor = tensor * handle.raw(scale_key).to(torch.float32)
+    return tensor.to(dtype)
+
+
+def _scale_key_for(weight_key: str) -> str | None:
+    if not weight_key.endswith(".weight"):
+        return None
+    return weight_key[: -len(".weight")] + _SCALE_WEIGHT_SUFFIX
+
+
+def strip_prefix(keys: Iterable[str], prefix: str) -> dict[str, str]:
+    """Map each key to itself without `prefix` (only when every weight key carries it)."""
+    keys = list(keys)
+    if keys and all(key.startswith(prefix) for key in keys):
+        return {key[len(prefix):]: key for key in keys}
+    return {key: key for key in keys}
+
+
+def rename_map(
+    original_keys: Iterable[str], convert: Callable[[dict[str, str]], dict[str, str]]
+) -> dict[str, str]:
+    """{converted_key: original_key} from a key-renaming converter, without reading any tensor.
+
+    diffusers' single-file converters only rename keys, so running them on a dict whose values are the
+    original names yields the name map.
+    """
+    converted = convert({key: key for key in original_keys})
+    if any(not isinstance(value, str) for value in converted.values()):
+        raise TypeError("key converter split or transformed tensors; it cannot be used as a pure name map")
+    return converted
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one model tensor lives: which open file, under which stored key."""
+
+    file: CheckpointFile
+    key: str
+
+
+class WeightSource:
+    """Model parameter names mapped to tensors in open checkpoint files, read lazily."""
+
+    def __init__(self, refs: Mapping[str, TensorRef], description: str):
+        self.refs = dict(refs)
+        self.description = description
+
+    def names(self) -> list[str]:
+        return list(self.refs)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        ref = self.refs[name]
+        return ref.file.shape(ref.key)
+
+    def read(self, name: str, dtype: torch.dtype, index: TensorSlice = None) -> torch.Tensor:
+        ref = self.refs[name]
+        return read_tensor(ref.file, ref.key, dtype, index)
+
+    def merged_with(self, other: WeightSource) -> WeightSource:
+        return WeightSource({**self.refs, **other.refs}, f"{self.description} + {other.description}")
+
+
+def open_files(paths: Iterable[Path], stack: contextlib.ExitStack) -> list[CheckpointFile]:
+    """Open several checkpoint files, closing them when `stack` closes."""
+    files = []
+    for path in paths:
+        checkpoint = CheckpointFile(path)
+        stack.callback(checkpoint.close)
+        files.append(checkpoint)
+    return files
+
+
+def list_safetensors_shards(folder: Path, weights_name: str) -> list[Path]:
+    """The safetensors files of a diffusers/transformers model folder, single-file or sharded."""
+    index_files = sorted(folder.glob(f"{weights_name}*.safetensors.index.json"))
+    if index_files:
+        weight_map = json.loads(index_files[0].read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    preferred = sorted(folder.glob(f"{weights_name}*.safetensors"))
+    found = preferred or sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise ModelFileError(
+            f"No .safetensors weights found in folder {folder} (expected {weights_name}.safetensors or a "
+            f"sharded {weights_name}.safetensors.index.json)."
+        )
+    return found
+
+
+def resolve_model_location(path: str | Path, component: str) -> Path:
+    """The file, or the model folder of `component` (itself, or inside a pipeline folder)."""
+    location = Path(path)
+    if location.is_file():
+        return location
+    if location.is_dir():
+        if (location / "model_index.json").is_file():
+            sub_folder = location / component
+            if not (sub_folder / "config.json").is_file():
+                raise ModelFileError(
+                    f"Pipeline folder {location} has no '{component}/config.json' (it has: "
+                    f"{', '.join(sorted(p.name for p in location.iterdir()))})."
+                )
+            return sub_folder
+        if (location / "config.json").is_file():
+            return location
+        raise ModelFileError(
+            f"Folder {location} is not a model: expected config.json (a diffusers/transformers model folder) or "
+            f"model_index.json (a diffusers pipeline folder)."
+        )
+    parent = location.parent
+    listing = sorted(p.name for p in parent.iterdir())[:10] if parent.is_dir() else None
+    where = f"searched folder {parent}, which holds: {', '.join(listing) or 'nothing'}" if listing is not None \
+        else f"folder {parent} does not exist"
+    raise ModelFileError(f"Model file not found: {location.name} ({where}).")
+
+
+def first_names(names: Iterable[str], count: int = 5) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:count])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > count else "")
+
+
+def build_empty(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Construct a model with parameters on the meta device: no memory, no random init.
+
+    Buffers stay real because models compute some of them in __init__ (e.g. RoPE tables) and they are
+    not in the state dict.
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return factory()
+
+
+def _keeps_float32(name: str, keep_modules: Iterable[str]) -> bool:
+    return bool(set(name.split(".")) & set(keep_modules))
+
+
+def load_weights_into(
+    model: torch.nn.Module,
+    source: WeightSource,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    aliases: Mapping[str, str] | None = None,
+) -> torch.nn.Module:
+    """Fill an empty model from `source`, checking the names match exactly; returns it in eval mode.
+
+    `aliases` maps a model name to another model name sharing the same tensor (tied embeddings).
+    Modules the model class lists in `_keep_in_fp32_modules` stay float32, as its own loader would do.
+    """
+    aliases = dict(aliases or {})
+    expected = set(model.state_dict()) - set(aliases)
+    provided = set(source.names())
+    missing, unexpected = expected - provided, provided - expected
+    if missing or unexpected:
+        details = []
+        if missing:
+            details.append(f"missing {len(missing)} tensors: {first_names(missing)}")
+        if unexpected:
+            details.append(f"unexpected {len(unexpected)} tensors: {first_names(unexpected)}")
+        raise ModelFileError(
+            f"{source.description}: weights do not match a {type(model).__name__} built from the inferred "
+            f"config ({'; '.join(details)})."
+        )
+    keep_modules = getattr(model, "_keep_in_fp32_modules", None) or ()
+    state = {}
+    for name in sorted(expected):
+        target = torch.float32 if dtype != torch.float32 and _keeps_float32(name, keep_modules) else dtype
+        # A private copy: tensors read from a mapped file may sit at unaligned offsets, which makes CPU
+        # kernels take different (differently rounding) paths depending on the file's layout.
+        state[name] = source.read(name, target).to(device, copy=True)
+    for alias, original in aliases.items():
+        state[alias] = state[original]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,186 @@
+"""Flow-matching sampling loop for Wan 2.1 and VACE: schedulers, seeded noise, CFG, denoise < 1.
+
+Latents enter and leave as raw Wan VAE latents (DESIGN §2); the loop works on latents normalised with the
+Wan 2.1 latent mean/std. The schedulers are diffusers' own, configured as Wan's reference code samples.
+The model is any callable with the diffusers Wan transformer signature, so parallel wrappers plug in unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+SAMPLERS = ("unipc", "euler")
+TEXT_CONTEXT_LENGTH = 512  # Wan pads every prompt embedding to 512 tokens with zeros
+
+
+class Cancelled(RuntimeError):
+    """Raised at a step boundary when the caller asked to stop."""
+
+
+@dataclass
+class SampleRequest:
+    """Everything one sampling run needs besides the model. Tensors live on the CPU."""
+
+    latent: torch.Tensor  # raw latents [B, 16, T, h, w]
+    positive: list[torch.Tensor]  # prompt embeddings, each [L, text_dim]
+    negative: list[torch.Tensor]
+    seed: int
+    steps: int
+    cfg: float
+    shift: float
+    sampler: str = "unipc"
+    denoise: float = 1.0
+    vace_context: torch.Tensor | None = None  # [B, 96, T, h, w]
+    vace_strength: float = 1.0
+
+    def validate(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler {self.sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if not 0.0 < self.denoise <= 1.0:
+            raise ValueError(f"denoise must be in (0, 1], got {self.denoise}")
+        if self.shift <= 0:
+            raise ValueError(f"shift must be positive, got {self.shift}")
+        if self.latent.ndim != 5 or self.latent.shape[1] != 16:
+            raise ValueError(f"latent must be [B, 16, T, H/8, W/8], got shape {list(self.latent.shape)}")
+        if not self.positive or not self.negative:
+            raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
+        if self.vace_context is not None and self.vace_context.shape[2:] != self.latent.shape[2:]:
+            raise ValueError(
+                f"VACE context covers {list(self.vace_context.shape[2:])} latent positions but the latent is "
+                f"{list(self.latent.shape[2:])}; encode the VACE inputs at the latent's size and frame count"
+            )
+
+
+def _wan_latent_stats() -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan 2.1 latent mean/std, taken from diffusers' AutoencoderKLWan defaults (the released VAE's values)."""
+    params = inspect.signature(AutoencoderKLWan.__init__).parameters
+    mean = torch.tensor(params["latents_mean"].default, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    std = torch.tensor(params["latents_std"].default, dtype=torch.float32).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
+LATENTS_MEAN, LATENTS_STD = _wan_latent_stats()
+
+
+def normalize_latents(raw: torch.Tensor) -> torch.Tensor:
+    return (raw.float() - LATENTS_MEAN) * (1.0 / LATENTS_STD)
+
+
+def denormalize_latents(normalized: torch.Tensor) -> torch.Tensor:
+    # Written as diffusers' WanPipeline writes it, so both give bit-identical raw latents.
+    return normalized.float() / (1.0 / LATENTS_STD) + LATENTS_MEAN
+
+
+def make_scheduler(sampler: str, shift: float):
+    """A fresh diffusers scheduler for Wan flow matching with the given shift."""
+    if sampler == "unipc":
+        return UniPCMultistepScheduler(
+            num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift
+        )
+    if sampler == "euler":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
+
+
+def seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Noise drawn on the CPU from the seed, so every device and every rank starts from the same tensor."""
+    generator = torch.Generator("cpu").manual_seed(int(seed))
+    return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+
+def pad_text_context(embeddings: list[torch.Tensor], batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Stack prompt embeddings to [batch, 512, D], zero-padded as Wan does; one prompt is repeated over the batch."""
+    if len(embeddings) not in (1, batch):
+        raise ValueError(f"got {len(embeddings)} prompt embeddings for a batch of {batch}; give 1 or {batch}")
+    rows = []
+    for emb in embeddings:
+        emb = emb[:TEXT_CONTEXT_LENGTH].float()
+        rows.append(torch.cat([emb, emb.new_zeros(TEXT_CONTEXT_LENGTH - emb.shape[0], emb.shape[1])]))
+    context = torch.stack(rows)
+    if context.shape[0] != batch:
+        context = context.expand(batch, -1, -1)
+    return context.to(device=device, dtype=dtype)
+
+
+@dataclass
+class _Schedule:
+    scheduler: object
+    timesteps: torch.Tensor
+    start_sigma: float
+
+
+def _schedule(request: SampleRequest) -> _Schedule:
+    """Timesteps for `steps` steps; with denoise < 1, the last `steps` of a longer schedule (as ComfyUI does)."""
+    scheduler = make_scheduler(request.sampler, request.shift)
+    total = request.steps if request.denoise >= 1.0 else max(request.steps, int(request.steps / request.denoise))
+    scheduler.set_timesteps(total, device="cpu")
+    begin = total - request.steps
+    scheduler.set_begin_index(begin)
+    return _Schedule(scheduler, scheduler.timesteps[begin:], float(scheduler.sigmas[begin]))
+
+
+def initial_latents(request: SampleRequest, start_sigma: float) -> torch.Tensor:
+    noise = seeded_noise(tuple(request.latent.shape), request.seed)
+    if request.denoise >= 1.0:
+        return noise
+    return start_sigma * noise + (1.0 - start_sigma) * normalize_latents(request.latent)
+
+
+def sample(
+    model: Callable,
+    request: SampleRequest,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> torch.Tensor:
+    """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU)."""
+    request.validate()
+    schedule = _schedule(request)
+    batch = request.latent.shape[0]
+    positive = pad_text_context(request.positive, batch, dtype, device)
+    negative = pad_text_context(request.negative, batch, dtype, device) if request.cfg != 1.0 else None
+    extra = _vace_inputs(model, request, batch, dtype, device)
+    latents = initial_latents(request, schedule.start_sigma).to(device)
+    for index, t in enumerate(schedule.timesteps):
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"sampling cancelled before step {index + 1} of {request.steps}")
+        prediction = guided_prediction(model, latents.to(dtype), t, positive, negative, request.cfg, extra)
+        latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
+        if progress is not None:
+            progress(index + 1, request.steps)
+    return denormalize_latents(latents).cpu()
+
+
+def guided_prediction(model, latents, t, positive, negative, cfg: float, extra: dict) -> torch.Tensor:
+    """One classifier-free-guided flow prediction (a single pass when cfg is 1)."""
+    timestep = t.expand(latents.shape[0]).to(latents.device)
+    conditional = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=positive, return_dict=False, **extra)[0]
+    if negative is None:
+        return conditional
+    unconditional = model(hidden_states=latents, timestep=timestep, encoder_hidden_states=negative, return_dict=False, **extra)[0]
+    return unconditional + cfg * (conditional - unconditional)
+
+
+def _vace_inputs(model, request: SampleRequest, batch: int, dtype, device) -> dict:
+    """Keyword arguments that feed a VACE context to a VACE model; none for T2V."""
+    vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
+    if request.vace_context is None:
+        if vace_layers is not None:
+            raise ValueError("this is a VACE model: give it a VACE context (reference, control or masked video)")
+        return {}
+    if vace_layers is None:
+        raise ValueError("a VACE context was given but the model is a plain T2V model; load a VACE model or VACE module")
+    context = request.vace_context
+    if context.shape[0] != batch:
+        context = context.expand(batch, *context.shape[1:])
+    scale = torch.full((len(vace_layers),), float(request.vace_strength), device=device, dtype=dtype)
+    return {"control_hidden_states": context.to(device=device, dtype=dtype), "control_hidden_states_scale": scale}

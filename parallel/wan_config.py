@@ -1,0 +1,184 @@
+"""Recognising model files and inferring model configs from tensor shapes (never downloaded).
+
+Keys here are in the ORIGINAL layouts users have as single files: Wan / VACE transformers
+(`patch_embedding`, `blocks.N.self_attn.q`, ...), the Wan 2.1 VAE (`encoder.downsamples.N`, ...) and
+umT5 in transformers' T5 naming (`encoder.block.N.layer.0.SelfAttention.q`, ...). The configs returned
+are keyword arguments for diffusers' / transformers' model classes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, is_quantisation_key
+
+Shapes = Mapping[str, tuple[int, ...]]
+
+WAN_HEAD_DIM = 128
+VAE_LEVELS = 4
+VAE_RES_BLOCKS = 2
+UMT5_RELATIVE_MAX_DISTANCE = 128
+
+KIND_DESCRIPTIONS = {
+    "wan_t2v": "a Wan text-to-video transformer (keys patch_embedding, blocks.N.self_attn.*)",
+    "wan_vace": "a full Wan VACE transformer (keys vace_blocks.*, vace_patch_embedding plus blocks.*)",
+    "vace_module": "a VACE module (only vace_* keys; it needs a Wan T2V base model)",
+    "wan_i2v": "a Wan image-to-video transformer (keys img_emb.*)",
+    "diffusers_transformer": "a Wan transformer in diffusers key layout (keys condition_embedder.*, blocks.N.attn1.*)",
+    "wan_vae": "a Wan VAE (keys encoder.*/decoder.*)",
+    "diffusers_vae": "a Wan VAE in diffusers key layout (keys encoder.conv_in, decoder.up_blocks.*)",
+    "umt5": "a umT5 text encoder (keys shared.weight, encoder.block.N.layer.*)",
+    "clip_vision": "a CLIP vision encoder (keys visual.* / vision_model.*)",
+    "unknown": "an unrecognised model",
+}
+
+
+def detect_kind(keys: Iterable[str]) -> str:
+    """Classify a checkpoint by its key names (prefix `model.diffusion_model.` allowed)."""
+    names = {key.removeprefix(COMFY_TRANSFORMER_PREFIX) for key in keys if not is_quantisation_key(key)}
+    if not names:
+        return "unknown"
+    if any(name.startswith("img_emb.") for name in names):
+        return "wan_i2v"
+    if all(name.startswith("vace_") for name in names):
+        return "vace_module"
+    if "patch_embedding.weight" in names:
+        return "wan_vace" if "vace_patch_embedding.weight" in names else "wan_t2v"
+    if any(name.startswith("condition_embedder.") for name in names):
+        return "diffusers_transformer"
+    if "encoder.conv1.weight" in names and "decoder.conv1.weight" in names:
+        return "wan_vae"
+    if "encoder.conv_in.weight" in names and "decoder.conv_in.weight" in names:
+        return "diffusers_vae"
+    if any(name.startswith("encoder.block.") for name in names):
+        return "umt5"
+    if any(name.startswith(("visual.", "vision_model.")) for name in names):
+        return "clip_vision"
+    return "unknown"
+
+
+def describe_kind(keys: Iterable[str]) -> str:
+    return KIND_DESCRIPTIONS[detect_kind(keys)]
+
+
+def _block_count(shapes: Shapes, prefix: str) -> int:
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)\.")
+    indices = {int(match.group(1)) for key in shapes if (match := pattern.match(key))}
+    return max(indices) + 1 if indices else 0
+
+
+def _require(shapes: Shapes, key: str, what: str) -> tuple[int, ...]:
+    if key not in shapes:
+        raise ModelFileError(f"Cannot infer the {what}: tensor '{key}' is missing (found e.g. "
+                             f"{', '.join(sorted(shapes)[:5])}).")
+    return tuple(shapes[key])
+
+
+def _head_count(dim: int, metadata: Mapping[str, str] | None) -> int:
+    if metadata and "num_heads" in metadata:
+        heads = int(metadata["num_heads"])
+    elif dim % WAN_HEAD_DIM == 0:
+        heads = dim // WAN_HEAD_DIM
+    else:
+        raise ModelFileError(
+            f"Cannot infer the attention head count: hidden size {dim} is not a multiple of {WAN_HEAD_DIM} and "
+            f"the file metadata has no 'num_heads'."
+        )
+    if heads <= 0 or dim % heads:
+        raise ModelFileError(f"Metadata num_heads={heads} does not divide the hidden size {dim}.")
+    return heads
+
+
+def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None) -> dict:
+    """diffusers `WanTransformer3DModel` / `WanVACETransformer3DModel` kwargs from original-layout shapes.
+
+    A `vace_layers` entry is present exactly when the shapes describe a VACE model.
+    """
+    shapes = {key.removeprefix(COMFY_TRANSFORMER_PREFIX): tuple(shape) for key, shape in shapes.items()}
+    if any(key.startswith("img_emb.") for key in shapes):
+        raise ModelFileError(
+            "Wan image-to-video (I2V) transformers (keys img_emb.*) are not supported; use a Wan 2.1 T2V or "
+            "VACE model."
+        )
+    dim, in_channels, *patch_size = _require(shapes, "patch_embedding.weight", "patch size")
+    num_layers = _block_count(shapes, "blocks.")
+    if num_layers == 0:
+        raise ModelFileError("Cannot infer the layer count: no 'blocks.N.*' tensors found.")
+    head_out = _require(shapes, "head.head.weight", "output channels")[0]
+    patch_volume = patch_size[0] * patch_size[1] * patch_size[2]
+    heads = _head_count(dim, metadata)
+    config = {
+        "patch_size": tuple(patch_size),
+        "num_attention_heads": heads,
+        "attention_head_dim": dim // heads,
+        "in_channels": in_channels,
+        "out_channels": head_out // patch_volume,
+        "text_dim": _require(shapes, "text_embedding.0.weight", "text dim")[1],
+        "freq_dim": _require(shapes, "time_embedding.0.weight", "frequency dim")[1],
+        "ffn_dim": _require(shapes, "blocks.0.ffn.0.weight", "FFN dim")[0],
+        "num_layers": num_layers,
+        "cross_attn_norm": "blocks.0.norm3.weight" in shapes,
+        "qk_norm": "rms_norm_across_heads" if "blocks.0.self_attn.norm_q.weight" in shapes else None,
+        "eps": 1e-6,
+    }
+    vace_count = _block_count(shapes, "vace_blocks.")
+    if vace_count:
+        config["vace_layers"] = [i * num_layers // vace_count for i in range(vace_count)]
+        config["vace_in_channels"] = _require(shapes, "vace_patch_embedding.weight", "VACE input channels")[1]
+    return config
+
+
+def infer_vae_config(shapes: Shapes) -> dict:
+    """diffusers `AutoencoderKLWan` kwargs from Wan 2.1 VAE shapes (original layout)."""
+    base_dim = _require(shapes, "encoder.conv1.weight", "VAE base dim")[0]
+    z_dim = _require(shapes, "conv2.weight", "VAE latent channels")[0]
+    # diffusers' key converter is written for 4 levels of 2 residual blocks with resamples between them.
+    resample_indices = [level * (VAE_RES_BLOCKS + 1) + VAE_RES_BLOCKS for level in range(VAE_LEVELS - 1)]
+    expected_blocks = VAE_LEVELS * VAE_RES_BLOCKS + VAE_LEVELS - 1
+    found_blocks = _block_count(shapes, "encoder.downsamples.")
+    if found_blocks != expected_blocks or any(".to_qkv." in key for key in shapes if ".downsamples." in key):
+        raise ModelFileError(
+            f"Unsupported VAE layout: expected the Wan 2.1 VAE ({VAE_LEVELS} levels x {VAE_RES_BLOCKS} residual "
+            f"blocks = {expected_blocks} encoder.downsamples entries, no attention), found {found_blocks} entries."
+        )
+    first_resnets = [level * (VAE_RES_BLOCKS + 1) for level in range(VAE_LEVELS)]
+    dim_mult = [shapes[f"encoder.downsamples.{index}.residual.2.weight"][0] // base_dim for index in first_resnets]
+    return {
+        "base_dim": base_dim,
+        "z_dim": z_dim,
+        "dim_mult": dim_mult,
+        "num_res_blocks": VAE_RES_BLOCKS,
+        "attn_scales": [],
+        "temperal_downsample": [f"encoder.downsamples.{i}.time_conv.weight" in shapes for i in resample_indices],
+    }
+
+
+def infer_umt5_config(shapes: Shapes) -> dict:
+    """transformers `UMT5Config` kwargs from umT5 encoder shapes (transformers T5 naming)."""
+    embedding_key = "shared.weight" if "shared.weight" in shapes else "encoder.embed_tokens.weight"
+    vocab_size, d_model = _require(shapes, embedding_key, "vocabulary size")
+    num_layers = _block_count(shapes, "encoder.block.")
+    layer0 = "encoder.block.0.layer."
+    buckets, num_heads = _require(shapes, f"{layer0}0.SelfAttention.relative_attention_bias.weight", "head count")
+    inner_dim = _require(shapes, f"{layer0}0.SelfAttention.q.weight", "attention size")[0]
+    gated = f"{layer0}1.DenseReluDense.wi_0.weight" in shapes
+    d_ff = _require(shapes, f"{layer0}1.DenseReluDense.{'wi_0' if gated else 'wi'}.weight", "FFN size")[0]
+    return {
+        "vocab_size": vocab_size,
+        "d_model": d_model,
+        "d_kv": inner_dim // num_heads,
+        "d_ff": d_ff,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "relative_attention_num_buckets": buckets,
+        "relative_attention_max_distance": UMT5_RELATIVE_MAX_DISTANCE,
+        "feed_forward_proj": "gated-gelu" if gated else "relu",
+        "dropout_rate": 0.0,
+        "layer_norm_epsilon": 1e-6,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+        "is_encoder_decoder": False,
+        "use_cache": False,
+    }
