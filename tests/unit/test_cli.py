@@ -53,7 +53,7 @@ def test_generate_writes_video_latents_and_frames_deterministically(tiny_models,
         (["--width", "100"], "width 100 is not a positive multiple of 16 (nearest valid: 96 or 112)"),
         (["--frames", "10"], "frame count 10 is not of the form 4k+1 (nearest valid: 9 or 13)"),
         (["--world", "2"], "unrecognized arguments: --world"),
-        (["--model", "x.safetensors"], "missing --vae, --text-encoder"),
+        (["--model", "x.safetensors"], "give either --models DIR or --model/--vae/--text-encoder, not both"),
     ],
 )
 def test_bad_arguments_fail_fast_with_clear_messages(tiny_models, tmp_path, flags, message):
