@@ -1,0 +1,90 @@
+"""Fixtures for the tests against a real ComfyUI server with this pack in its ``custom_nodes``.
+
+The server is started once per test module on the ComfyUI copy that
+``tests/tools/prepare_comfyui.py`` makes, with tiny models written by
+``wanmesh make-tiny``. Outside CI a ComfyUI copy that cannot be prepared (no
+access to the package registry) skips these tests; with ``CI=true`` it fails
+them, so CI never passes without having run them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOOLS_DIR = REPO_ROOT / "tests" / "tools"
+sys.path.insert(0, str(TOOLS_DIR))
+
+from comfyui_server import ComfyUIServer, write_model_paths_config  # noqa: E402
+from workflow_graph import load_workflow, with_fresh_seed  # noqa: E402
+
+TINY_MODEL_FILES = ("diffusion_models/wan_tiny_t2v.safetensors", "diffusion_models/wan_tiny_vace.safetensors",
+                    "vae/wan_tiny_vae.safetensors", "text_encoders/umt5_tiny.safetensors")
+SERVER_START_TIMEOUT_S = 180.0
+
+
+def running_in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _run_quietly(command: list[str], what: str, timeout_s: float) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if result.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def comfyui_dir() -> Path:
+    """The prepared ComfyUI copy (``build/comfyui``) with this pack in ``custom_nodes``."""
+    try:
+        result = _run_quietly([sys.executable, str(TOOLS_DIR / "prepare_comfyui.py")],
+                              "preparing the ComfyUI copy", timeout_s=600)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        if running_in_ci():
+            pytest.fail(f"CI=true and no ComfyUI copy: {error}")
+        pytest.skip(f"no ComfyUI copy (run tests/tools/prepare_comfyui.py): {error}")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models tree written by ``wanmesh make-tiny``."""
+    models = tmp_path_factory.mktemp("models")
+    # The console script may not be on PATH (pack used from a checkout): call its entry point.
+    _run_quietly([sys.executable, "-c", "import sys; from wanmesh.parallel.cli import main; "
+                  "sys.exit(main(sys.argv[1:]))", "make-tiny", str(models)], "wanmesh make-tiny", timeout_s=300)
+    missing = [name for name in TINY_MODEL_FILES if not (models / name).is_file()]
+    assert not missing, f"wanmesh make-tiny did not write {missing} under {models}"
+    return models
+
+
+# Module scope: the server is stopped once its tests are done, not left idle while other suites run.
+@pytest.fixture(scope="module")
+def comfyui_server(comfyui_dir: Path, tiny_models_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """A running ComfyUI server; at teardown it is stopped and must leave no processes behind."""
+    work_dir = tmp_path_factory.mktemp("comfyui")
+    config = write_model_paths_config(tiny_models_dir, work_dir / "extra_model_paths.yaml")
+    server = ComfyUIServer(comfyui_dir, work_dir, config, extra_env={"OMP_NUM_THREADS": "1"})
+    try:
+        server.start(SERVER_START_TIMEOUT_S)
+    except BaseException:
+        server.stop()
+        raise
+    yield server
+    left_behind = server.stop()
+    assert not left_behind, f"processes outlived the ComfyUI server (killed now): {left_behind}"
+
+
+@pytest.fixture()
+def t2v_prompt() -> dict[str, Any]:
+    """``workflows/api/t2v.json`` with a fresh seed."""
+    return with_fresh_seed(load_workflow("api/t2v.json"))

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine and run the whole test suite (unit, distributed, real ComfyUI).
+# Installs CPU torch (pinned), the pack with its test extras, and a ComfyUI copy under build/; then pytest.
+# Extra arguments go to pytest, e.g. `tests/run.sh tests/unit -k sampler`.
+# WANMESH_SKIP_INSTALL=1 skips the install steps when they are already done.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export HF_HUB_OFFLINE=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+PYTHON="${PYTHON:-python3}"
+
+if [ "${WANMESH_SKIP_INSTALL:-0}" != "1" ]; then
+    echo "== install torch (CPU) and pin it"
+    # Torch first, then pinned: otherwise a dependency may pull a multi-GB CUDA build instead.
+    "$PYTHON" -m pip install "torch==2.13.0"
+    constraints="$(mktemp)"
+    trap 'rm -f "$constraints"' EXIT
+    echo "torch==2.13.0" >"$constraints"
+
+    echo "== install the pack with its test dependencies"
+    "$PYTHON" -m pip install -c "$constraints" -e ".[test]"
+    if "$PYTHON" -c "import torchvision" 2>/dev/null; then
+        echo "torchvision is installed; it does not match this torch build and breaks diffusers imports:" >&2
+        echo "run '$PYTHON -m pip uninstall -y torchvision'" >&2
+        exit 1
+    fi
+
+    echo "== prepare the ComfyUI copy"
+    "$PYTHON" tests/tools/prepare_comfyui.py
+fi
+
+if [ "$#" -eq 0 ]; then
+    set -- tests
+fi
+echo "== run the tests"
+# -ra lists every skip and failure in the final summary; a hung test fails after the timeout.
+# --confcutdir keeps pytest from importing the repository root (the pack's __init__.py) as a test
+# package, which fails when the checkout folder name is not a Python identifier.
+"$PYTHON" -m pytest -ra --timeout=600 --durations=15 --confcutdir=tests "$@"

@@ -1,0 +1,262 @@
+"""Drive a real ComfyUI server for the tests: start, wait until ready, post prompts, follow them, stop.
+
+Only the standard library and psutil are used, so the same helpers work from a
+test fixture and from a shell (``python tests/tools/comfyui_server.py``
+starts a server on the prepared copy with the tiny models, for poking at it by
+hand).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+# Old (2024) ComfyUI folder names first, the names today's ComfyUI uses second: the
+# config must serve both, since nodes look up the new name and fall back to the old one.
+MODEL_FOLDERS = {
+    "unet": "diffusion_models/",
+    "diffusion_models": "diffusion_models/",
+    "clip": "text_encoders/",
+    "text_encoders": "text_encoders/",
+    "vae": "vae/",
+}
+POLL_INTERVAL_S = 0.25
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
+
+
+class ComfyUIError(RuntimeError):
+    """The server did not start, stopped answering, or a prompt did not finish in time."""
+
+
+@dataclass
+class PromptResult:
+    """What ``/history`` says about a finished prompt."""
+
+    prompt_id: str
+    status: str
+    outputs: dict[str, Any]
+    messages: list[Any] = field(default_factory=list)
+
+    def error_text(self) -> str:
+        """All execution error details as one string (empty for a successful prompt)."""
+        errors = [data for event, data in self.messages if event == "execution_error"]
+        return "\n".join(json.dumps(error, indent=1) for error in errors)
+
+
+@dataclass
+class RejectedPrompt:
+    """A prompt that ``POST /prompt`` refused at validation (HTTP 400)."""
+
+    body: dict[str, Any]
+
+    def error_text(self) -> str:
+        return json.dumps(self.body, indent=1)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_model_paths_config(models_dir: Path, config_path: Path) -> Path:
+    """Write an ``extra_model_paths.yaml``-style file mapping ComfyUI's model folders into ``models_dir``."""
+    lines = ["wanmesh_tiny:", f"    base_path: {json.dumps(str(models_dir))}"]
+    lines += [f"    {name}: {folder}" for name, folder in MODEL_FOLDERS.items()]
+    config_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return config_path
+
+
+class ComfyUIServer:
+    """One ComfyUI server process (in its own process group) and an HTTP client for it."""
+
+    def __init__(self, comfy_dir: Path, work_dir: Path, model_paths_config: Path | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.comfy_dir = comfy_dir
+        self.output_dir = work_dir / "output"
+        self.log_path = work_dir / "comfyui.log"
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._work_dir = work_dir
+        self._model_paths_config = model_paths_config
+        self._extra_env = extra_env or {}
+        self._process: subprocess.Popen | None = None
+        self._log_file = None
+
+    def command(self) -> list[str]:
+        # This 2024 ComfyUI has no --cache-none: tests vary the seed instead.
+        command = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+                   "--output-directory", str(self.output_dir),
+                   "--input-directory", str(self._work_dir / "input"),
+                   "--temp-directory", str(self._work_dir), "--disable-auto-launch"]
+        if self._model_paths_config is not None:
+            command += ["--extra-model-paths-config", str(self._model_paths_config)]
+        return command
+
+    def start(self, ready_timeout_s: float = 180.0) -> None:
+        """Start the server and return once ``GET /object_info`` answers."""
+        for folder in (self.output_dir, self._work_dir / "input"):
+            folder.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self._extra_env}
+        self._log_file = self.log_path.open("wb")
+        self._process = subprocess.Popen(self.command(), cwd=self.comfy_dir, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_kill_when_parent_dies if _LIBC is not None else None)
+        self.wait_ready(ready_timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise ComfyUIError(f"ComfyUI exited with code {self._process.returncode} while starting:\n{self.log()}")
+            try:
+                self.get_json("/object_info", timeout_s=30.0)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(POLL_INTERVAL_S)
+        raise ComfyUIError(f"ComfyUI did not answer /object_info within {timeout_s:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def get_json(self, path: str, timeout_s: float = 30.0) -> Any:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout_s) as response:
+            return json.loads(response.read())
+
+    def submit(self, prompt: dict[str, Any]) -> str | RejectedPrompt:
+        """``POST /prompt``; return the prompt id, or the validation errors when the server refuses it."""
+        body = json.dumps({"prompt": prompt, "client_id": uuid.uuid4().hex}).encode()
+        request = urllib.request.Request(self.base_url + "/prompt", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30.0) as response:
+                return json.loads(response.read())["prompt_id"]
+        except urllib.error.HTTPError as error:
+            if error.code != 400:
+                raise
+            return RejectedPrompt(json.loads(error.read()))
+
+    def wait_for(self, prompt_id: str, timeout_s: float) -> PromptResult:
+        """Poll ``/history/<prompt_id>`` until the prompt has finished (successfully or not)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise ComfyUIError(f"ComfyUI exited with code {self._process.returncode} during a prompt:\n"
+                                   f"{self.log()}")
+            entry = self.get_json(f"/history/{prompt_id}").get(prompt_id)
+            if entry is not None and entry.get("status") is not None:
+                status = entry["status"]
+                return PromptResult(prompt_id, status.get("status_str", "unknown"), entry.get("outputs", {}),
+                                    status.get("messages", []))
+            time.sleep(POLL_INTERVAL_S)
+        self._interrupt()
+        raise ComfyUIError(f"prompt {prompt_id} did not finish within {timeout_s:.0f} s:\n{self.log()}")
+
+    def run(self, prompt: dict[str, Any], timeout_s: float) -> PromptResult | RejectedPrompt:
+        submitted = self.submit(prompt)
+        if isinstance(submitted, RejectedPrompt):
+            return submitted
+        return self.wait_for(submitted, timeout_s)
+
+    def _interrupt(self) -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(self.base_url + "/interrupt", data=b""), timeout=10.0)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+
+    def stop(self, grace_s: float = 30.0) -> list[str]:
+        """Stop the server like Ctrl+C would; return the processes it left behind (which are then killed)."""
+        if self._process is None:
+            return []
+        process, self._process = self._process, None
+        try:
+            descendants = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        # Escalate: SIGINT lets ComfyUI and the worker pool clean up; a parent that ignores
+        # SIGINT makes the child ignore it too, hence SIGTERM and SIGKILL after it.
+        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if process.poll() is not None:
+                break
+            process.send_signal(sig)
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        _, left_behind = psutil.wait_procs(descendants, timeout=grace_s)
+        described = [_describe(proc) for proc in left_behind]
+        for proc in left_behind:
+            _kill_quietly(proc)
+        _kill_group_quietly(process.pid)
+        self._log_file.close()
+        return described
+
+
+def _kill_when_parent_dies() -> None:
+    """Runs in the child before exec: if the test process is killed outright, the server goes too."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"pid {proc.pid}: {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {proc.pid}"
+
+
+def _kill_quietly(proc: psutil.Process) -> None:
+    try:
+        proc.kill()
+    except psutil.Error:
+        pass
+
+
+def _kill_group_quietly(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _serve_by_hand() -> None:
+    """Start a server on the prepared copy with tiny models, until Ctrl+C."""
+    import tempfile
+
+    from prepare_comfyui import prepare, REPO_ROOT
+
+    comfy_dir = prepare(REPO_ROOT / "build")
+    work_dir = Path(tempfile.mkdtemp(prefix="wanmesh-comfyui-"))
+    models = work_dir / "models"
+    subprocess.run([sys.executable, "-c", "import sys; from wanmesh.parallel.cli import main; "
+                    "sys.exit(main(sys.argv[1:]))", "make-tiny", str(models)], check=True)
+    server = ComfyUIServer(comfy_dir, work_dir,
+                           write_model_paths_config(models, work_dir / "extra_model_paths.yaml"))
+    server.start()
+    print(f"ComfyUI at {server.base_url}, log {server.log_path}; Ctrl+C stops it", flush=True)
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("left behind:", server.stop())
+
+
+if __name__ == "__main__":
+    _serve_by_hand()
