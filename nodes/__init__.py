@@ -1,10 +1,12 @@
 """ComfyUI nodes of WanMesh: thin wrappers that convert ComfyUI types and call the engine."""
 
+from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
 from .vae import WanMeshVAEDecode, WanMeshVAEEncode
 
 _NODES = {
+    "WanMeshPool": (WanMeshPool, "WanMesh Pool"),
     "WanMeshModelLoader": (WanMeshModelLoader, "WanMesh Model Loader"),
     "WanMeshVAELoader": (WanMeshVAELoader, "WanMesh VAE Loader"),
     "WanMeshTextEncoderLoader": (WanMeshTextEncoderLoader, "WanMesh Text Encoder Loader"),

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ..parallel.engine import Engine
-
-_default_engine: Engine | None = None
+from ..parallel.client import PoolRunner
 
 
-def default_runner() -> Engine:
-    """The process-wide runner used when no pool is connected: one device, the first GPU if there is one."""
-    global _default_engine
-    if _default_engine is None:
-        _default_engine = Engine("cuda" if torch.cuda.is_available() else "cpu")
-    return _default_engine
+def default_runner() -> PoolRunner:
+    """The runner of loaders with no pool connected: the live pool, else a one-rank pool (first GPU, or CPU)."""
+    return PoolRunner.current_or_single()
 
 
 @dataclass(frozen=True)
 class Loaded:
     """A model resident in a runner; nodes pass this along instead of the model itself."""
 
-    runner: Engine
+    runner: PoolRunner
     handle: str
 
 

@@ -51,6 +51,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")

@@ -8,15 +8,18 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from .engine import Engine
+from .client import PoolRunner
+from .config import ParallelConfig
+from .pool import WorkerPool
 from .sampling import SampleRequest
 from .video import latent_shape, write_mp4
 
 
-def _device(name: str | None) -> str:
-    if name == "cuda" and not torch.cuda.is_available():
+def pool_config(args) -> ParallelConfig:
+    """The worker pool the command line asked for (checked before any process starts)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
-    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+    return ParallelConfig(world=args.world, devices=args.device or "auto")
 
 
 def _progress(step: int, total: int) -> None:
@@ -25,8 +28,21 @@ def _progress(step: int, total: int) -> None:
 
 def generate(args, files: dict[str, str | None]) -> None:
     shape = latent_shape(args.width, args.height, args.frames)  # rejects bad sizes before loading anything
-    engine = Engine(_device(args.device))
+    config = pool_config(args)
     started = time.perf_counter()
+    with WorkerPool(config) as pool:
+        frames, latents = _run(PoolRunner(pool), args, files, shape)
+    write_mp4(frames, args.out, fps=args.fps)
+    if args.save_latents:
+        save_file({"latents": latents.float().contiguous()}, str(args.save_latents))
+    if args.save_frames:
+        save_file({"frames": frames.float().contiguous()}, str(args.save_frames))
+    seconds = time.perf_counter() - started
+    print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
+
+
+def _run(engine: PoolRunner, args, files, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text encoding, sampling and decoding; each model is unloaded once its part is done."""
     text = engine.load_text_encoder(files["text_encoder"], dtype=args.dtype)
     positive, negative = engine.encode_text(text, [args.prompt]), engine.encode_text(text, [args.negative])
     engine.unload(text)
@@ -38,10 +54,4 @@ def generate(args, files: dict[str, str | None]) -> None:
     latents = engine.sample(model, request, progress=_progress)
     engine.unload(model)
     frames = engine.decode(engine.load_vae(files["vae"], dtype=args.dtype), latents)
-    write_mp4(frames, args.out, fps=args.fps)
-    if args.save_latents:
-        save_file({"latents": latents.float().contiguous()}, str(args.save_latents))
-    if args.save_frames:
-        save_file({"frames": frames.float().contiguous()}, str(args.save_frames))
-    seconds = time.perf_counter() - started
-    print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}) in {seconds:.1f} s")
+    return frames, latents

@@ -1,4 +1,4 @@
-"""`wanmesh generate` end to end on the tiny models: files written, determinism, and early errors."""
+"""`wanmesh generate` end to end on the tiny models through the worker pool: files, determinism, world 2, errors."""
 
 from __future__ import annotations
 
@@ -31,11 +31,14 @@ def test_generate_writes_video_latents_and_frames_deterministically(tiny_models,
     first = _generate(models, tmp_path, "a")
     again = _generate(models, tmp_path, "b")
     other = _generate(models, tmp_path, "c", "--seed", "8")
+    two_ranks = _generate(models, tmp_path, "d", "--world", "2")
     assert first["latents"].shape == (1, 16, 2, 6, 8) and first["latents"].dtype == torch.float32
     assert first["frames"].shape == (5, 48, 64, 3)
     assert 0.0 <= float(first["frames"].min()) and float(first["frames"].max()) <= 1.0
     assert torch.equal(first["latents"], again["latents"]) and torch.equal(first["frames"], again["frames"])
     assert not torch.equal(first["latents"], other["latents"])
+    torch.testing.assert_close(two_ranks["latents"], first["latents"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(two_ranks["frames"], first["frames"], rtol=0, atol=1e-5)
     video = cv2.VideoCapture(str(tmp_path / "a.mp4"))
     count = 0
     while True:
@@ -52,7 +55,8 @@ def test_generate_writes_video_latents_and_frames_deterministically(tiny_models,
     [
         (["--width", "100"], "width 100 is not a positive multiple of 16 (nearest valid: 96 or 112)"),
         (["--frames", "10"], "frame count 10 is not of the form 4k+1 (nearest valid: 9 or 13)"),
-        (["--world", "2"], "unrecognized arguments: --world"),
+        (["--world", "3", "--device", "cpu", "--tp", "2"], "unrecognized arguments: --tp"),
+        (["--world", "0"], "world must be a positive integer, got 0"),
         (["--model", "x.safetensors"], "give either --models DIR or --model/--vae/--text-encoder, not both"),
     ],
 )

@@ -1,0 +1,293 @@
+"""The closed, versioned set of requests and replies between the pool driver and its workers.
+
+Requests and replies are typed dataclasses on both sides, but what crosses a process boundary is plain data:
+``{"protocol": VERSION, "kind": ..., "fields": {...}}`` with builtins only and every tensor replaced by a
+transport descriptor (``{"__tensor__": ...}``). The pack's own classes are never pickled, because the driver may
+know this module under another name (ComfyUI imports packs by folder name) than the worker does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+PROTOCOL_VERSION = 1
+TENSOR_TAG = "__tensor__"
+
+PackTensor = Callable[[torch.Tensor], Any]
+UnpackTensor = Callable[[Any], torch.Tensor]
+
+
+class ProtocolError(ValueError):
+    """A message that is not part of this protocol version."""
+
+
+class WorkerError(RuntimeError):
+    """A failure inside a worker (or of a worker process), as the caller sees it."""
+
+    def __init__(self, rank: int | None, error_type: str, message: str, traceback: str = ""):
+        self.rank = rank
+        self.error_type = error_type
+        self.message = message
+        self.traceback = traceback
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = f"rank {self.rank}" if self.rank is not None else "worker pool"
+        text = f"{where}: {self.error_type}: {self.message}"
+        if self.traceback:
+            text += f"\n--- traceback on {where} ---\n{self.traceback.rstrip()}"
+        return text
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": "error", "rank": self.rank, "error_type": self.error_type,
+                "message": self.message, "traceback": self.traceback}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "WorkerError":
+        return cls(data.get("rank"), data["error_type"], data["message"], data.get("traceback", ""))
+
+
+# -- message classes -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    pass
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    pass
+
+
+@dataclass(frozen=True)
+class Loaded(Reply):
+    kind: ClassVar[str] = "loaded"
+    handle: str
+
+
+@dataclass(frozen=True)
+class Embeddings(Reply):
+    kind: ClassVar[str] = "embeddings"
+    embeddings: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Latents(Reply):
+    kind: ClassVar[str] = "latents"
+    latents: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Images(Reply):
+    kind: ClassVar[str] = "images"
+    images: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Done(Reply):
+    kind: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True)
+class HealthReport(Reply):
+    """One entry per rank: rank, pid, device, loaded (handles), and what else the worker reports."""
+
+    kind: ClassVar[str] = "health_report"
+    ranks: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class DiagnosticResult(Reply):
+    kind: ClassVar[str] = "diagnostic_result"
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadModel(Request):
+    kind: ClassVar[str] = "load_model"
+    path: str
+    vace_module: str | None = None
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class LoadVae(Request):
+    kind: ClassVar[str] = "load_vae"
+    path: str
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class LoadTextEncoder(Request):
+    kind: ClassVar[str] = "load_text_encoder"
+    path: str
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class EncodeText(Request):
+    kind: ClassVar[str] = "encode_text"
+    handle: str
+    prompts: list[str]
+
+
+@dataclass(frozen=True)
+class Sample(Request):
+    """The fields of the engine's SampleRequest, plus the model handle."""
+
+    kind: ClassVar[str] = "sample"
+    handle: str
+    latent: torch.Tensor
+    positive: list[torch.Tensor]
+    negative: list[torch.Tensor]
+    seed: int
+    steps: int
+    cfg: float
+    shift: float
+    sampler: str = "unipc"
+    denoise: float = 1.0
+    vace_context: torch.Tensor | None = None
+    vace_strength: float = 1.0
+
+
+@dataclass(frozen=True)
+class Decode(Request):
+    kind: ClassVar[str] = "decode"
+    handle: str
+    latents: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Encode(Request):
+    kind: ClassVar[str] = "encode"
+    handle: str
+    frames: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Unload(Request):
+    """Unload one handle, or everything when ``handle`` is None."""
+
+    kind: ClassVar[str] = "unload"
+    handle: str | None = None
+
+
+@dataclass(frozen=True)
+class Health(Request):
+    kind: ClassVar[str] = "health"
+
+
+@dataclass(frozen=True)
+class Shutdown(Request):
+    kind: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class Diagnostic(Request):
+    """Diagnostics, not inference: ``op="echo"`` sends ``tensors`` back (the transport benchmark uses it);
+    further ops exist only when the pool was started with a diagnostics file (fault-injection tests)."""
+
+    kind: ClassVar[str] = "diagnostic"
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+REQUESTS: dict[str, type[Request]] = {
+    cls.kind: cls
+    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, Sample, Decode, Encode, Unload, Health, Shutdown, Diagnostic)
+}
+REPLIES: dict[str, type[Reply]] = {
+    cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, Done, HealthReport, DiagnosticResult)
+}
+REPLY_TO: dict[type[Request], type[Reply]] = {
+    LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, Sample: Latents,
+    Decode: Images, Encode: Latents, Unload: Done, Health: HealthReport, Shutdown: Done, Diagnostic: DiagnosticResult,
+}
+LOADS = (LoadModel, LoadVae, LoadTextEncoder)
+
+
+# -- plain-data encoding -------------------------------------------------------------------------------
+
+
+def _to_plain(value: Any, pack: PackTensor, where: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {TENSOR_TAG: pack(value)}
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v, pack, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ProtocolError(f"{where}: dictionary keys must be strings")
+        return {k: _to_plain(v, pack, f"{where}.{k}") for k, v in value.items()}
+    raise ProtocolError(f"{where}: {type(value).__name__} cannot cross the worker boundary (plain data and tensors only)")
+
+
+def _from_plain(value: Any, unpack: UnpackTensor) -> Any:
+    if isinstance(value, dict):
+        if TENSOR_TAG in value:
+            return unpack(value[TENSOR_TAG])
+        return {k: _from_plain(v, unpack) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_plain(v, unpack) for v in value]
+    return value
+
+
+def encode_message(message: Message, pack: PackTensor) -> dict[str, Any]:
+    """A request or reply as plain data; ``pack`` turns each tensor into a transport descriptor."""
+    if type(message).kind not in REQUESTS and type(message).kind not in REPLIES:
+        raise ProtocolError(f"{type(message).__name__} is not a message of protocol version {PROTOCOL_VERSION}")
+    fields = {
+        f.name: _to_plain(getattr(message, f.name), pack, f"{message.kind}.{f.name}") for f in dataclasses.fields(message)
+    }
+    return {"protocol": PROTOCOL_VERSION, "kind": message.kind, "fields": fields}
+
+
+def decode_message(data: dict[str, Any], unpack: UnpackTensor) -> Message:
+    """The typed message for plain data made by :func:`encode_message`; unknown versions, kinds or fields fail."""
+    if not isinstance(data, dict) or data.get("protocol") != PROTOCOL_VERSION:
+        version = data.get("protocol") if isinstance(data, dict) else None
+        raise ProtocolError(f"protocol version {version!r} received, this side speaks version {PROTOCOL_VERSION}")
+    kind = data.get("kind")
+    cls = REQUESTS.get(kind) or REPLIES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}; known: {', '.join([*REQUESTS, *REPLIES])}")
+    fields = data.get("fields", {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(fields) - names:
+        raise ProtocolError(f"{kind}: unknown fields {sorted(set(fields) - names)}; valid: {sorted(names)}")
+    try:
+        return cls(**{name: _from_plain(value, unpack) for name, value in fields.items()})
+    except TypeError as exc:
+        raise ProtocolError(f"{kind}: {exc}") from None
+
+
+def tensors_in(message: Message) -> list[torch.Tensor]:
+    """Every tensor a message carries (to size transfers up front)."""
+    found: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    for f in dataclasses.fields(message):
+        walk(getattr(message, f.name))
+    return found

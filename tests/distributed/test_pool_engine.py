@@ -1,0 +1,81 @@
+"""The pool serving the real engine on tiny models: world 2 gives what one in-process Engine gives,
+models stay resident between requests, and a restarted pool reloads them under the same handles."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+
+import pytest
+import torch
+
+from wanmesh.parallel import protocol as P
+from wanmesh.parallel.config import ParallelConfig
+from wanmesh.parallel.engine import Engine
+from wanmesh.parallel.pool import WorkerError, WorkerPool
+from wanmesh.parallel.sampling import SampleRequest
+from wanmesh.parallel.video import latent_shape
+
+DEADLINE_S = 400
+SAMPLE = dict(seed=7, steps=2, cfg=4.0, shift=3.0, sampler="unipc")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    from wanmesh.parallel.tiny import make_tiny
+
+    paths = {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
+    yield paths
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """One Engine in this process, the same requests."""
+    engine = Engine("cpu")
+    text = engine.load_text_encoder(tiny["text_encoder"])
+    positive, negative = engine.encode_text(text, ["a cat"]), engine.encode_text(text, [""])
+    model = engine.load_model(tiny["t2v"])
+    latent = torch.zeros(latent_shape(32, 32, 5))
+    latents = engine.sample(model, SampleRequest(latent=latent, positive=positive, negative=negative, **SAMPLE))
+    frames = engine.decode(engine.load_vae(tiny["vae"]), latents)
+    return {"positive": positive, "negative": negative, "latents": latents, "frames": frames}
+
+
+def test_world_two_serves_the_engine_like_one_engine(tiny, reference, monkeypatch):
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    close = dict(rtol=1e-5, atol=1e-5)
+    with WorkerPool(ParallelConfig(world=2, devices="cpu"), timeout_s=300) as pool:
+        text = pool.call(P.LoadTextEncoder(tiny["text_encoder"])).handle
+        positive = pool.call(P.EncodeText(text, ["a cat"])).embeddings
+        negative = pool.call(P.EncodeText(text, [""])).embeddings
+        torch.testing.assert_close(positive, reference["positive"], **close)
+        model = pool.call(P.LoadModel(tiny["t2v"])).handle
+        assert pool.call(P.LoadModel(tiny["t2v"])).handle == model  # resident: same key, no second copy
+
+        steps = []
+        request = P.Sample(model, torch.zeros(latent_shape(32, 32, 5)), positive, negative, **SAMPLE)
+        latents = pool.call(request, progress=lambda s, n: steps.append((s, n))).latents
+        assert steps == [(1, 2), (2, 2)]
+        torch.testing.assert_close(latents, reference["latents"], **close)
+        vae = pool.call(P.LoadVae(tiny["vae"])).handle
+        frames = pool.call(P.Decode(vae, latents)).images
+        torch.testing.assert_close(frames, reference["frames"], **close)
+        for rank in pool.health().ranks:
+            assert set(rank["loaded"]) == {text, model, vae}
+
+        with pytest.raises(WorkerError, match=r"rank \d: KeyError: .*no vae is loaded under 'vae\|nope'"):
+            pool.call(P.Decode("vae|nope", latents))
+
+        os.kill(pool.pids()[1], signal.SIGKILL)
+        with pytest.raises(WorkerError, match="WorkerDied"):
+            pool.health()
+        again = pool.call(request).latents  # fresh pool: the model is reloaded under the same handle
+        torch.testing.assert_close(again, reference["latents"], **close)
+        assert pool.starts == 2
+        assert {h for r in pool.health().ranks for h in r["loaded"]} == {model}
+
+        pool.call(P.Unload())
+        assert all(r["loaded"] == [] for r in pool.health().ranks)

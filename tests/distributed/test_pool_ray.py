@@ -1,0 +1,55 @@
+"""The Ray backend on a local Ray started by the test: CPU actors with gloo, same results as the local pool."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]'); the Ray backend is untested")
+
+from wanmesh.parallel import protocol as P  # noqa: E402
+from wanmesh.parallel.config import ParallelConfig  # noqa: E402
+from wanmesh.parallel.pool import CallCancelled, WorkerError, WorkerPool  # noqa: E402
+
+DIAGNOSTICS = str(Path(__file__).with_name("pool_diagnostics.py"))
+DEADLINE_S = 300
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"WANMESH_WORKER_THREADS": "1", "OMP_NUM_THREADS": "1"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def test_ray_pool_results_progress_cancel_and_a_dead_actor(local_ray):
+    config = ParallelConfig(world=2, devices="cpu", backend="ray")
+    with WorkerPool(config, diagnostics=DIAGNOSTICS, timeout_s=120, start_timeout_s=240) as pool:
+        x = torch.randn(6, 3, dtype=torch.float64)
+        reply = pool.call(P.Diagnostic("scaled_gather", tensors=[x]))
+        torch.testing.assert_close(reply.tensors[0], x * 2 + 1, rtol=0, atol=0)
+        assert [r["rank"] for r in pool.health().ranks] == [0, 1]
+
+        seen = []
+        with pytest.raises(CallCancelled):
+            pool.call(P.Diagnostic("steps", {"steps": 1000, "step_s": 0.02}),
+                      progress=lambda s, n: seen.append(s), should_cancel=lambda: len(seen) >= 3)
+        assert seen[:3] == [1, 2, 3] and len(seen) < 1000
+
+        victim = pool._backend.actor_pids()[1]
+        with pytest.raises(WorkerError, match="rank 1: WorkerDied"):
+            pool.call(P.Diagnostic("steps", {"steps": 1000, "step_s": 0.02}),
+                      progress=lambda s, n: s == 2 and os.kill(victim, signal.SIGKILL))
+        again = pool.call(P.Diagnostic("scaled_gather", tensors=[x]))
+        torch.testing.assert_close(again.tensors[0], x * 2 + 1, rtol=0, atol=0)
+        assert pool.starts == 2
