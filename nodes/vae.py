@@ -1,33 +1,45 @@
-"""VAE decode and encode nodes."""
+"""VAE decode and encode nodes (optionally tiled; tiles are shared by the pool's first vae_patch ranks)."""
 
 from __future__ import annotations
 
 from .convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
 
 CATEGORY = "WanMesh"
+TILE_OPTIONS = {
+    "tile_px": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 8,
+                        "tooltip": "tile edge in pixels; 0: whole frames (256 when the pool shares VAE work)"}),
+    "overlap_px": ("INT", {"default": 64, "min": 0, "max": 2048, "step": 8,
+                           "tooltip": "overlap of neighbouring tiles in pixels (at most half the tile)"}),
+}
+
+
+def _tiles(tile_px: int, overlap_px: int) -> dict:
+    return {"tile_px": tile_px or None, "overlap_px": overlap_px if tile_px else None}
 
 
 class WanMeshVAEDecode:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"vae": ("WANMESH_VAE",), "samples": ("LATENT",)}}
+        return {"required": {"vae": ("WANMESH_VAE",), "samples": ("LATENT",)}, "optional": TILE_OPTIONS}
 
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
     CATEGORY = CATEGORY
 
-    def decode(self, vae, samples):
-        return (frames_to_image(vae.runner.decode(vae.handle, latent_to_tensor(samples))),)
+    def decode(self, vae, samples, tile_px=0, overlap_px=64):
+        frames = vae.runner.decode(vae.handle, latent_to_tensor(samples), **_tiles(tile_px, overlap_px))
+        return (frames_to_image(frames),)
 
 
 class WanMeshVAEEncode:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"vae": ("WANMESH_VAE",), "pixels": ("IMAGE",)}}
+        return {"required": {"vae": ("WANMESH_VAE",), "pixels": ("IMAGE",)}, "optional": TILE_OPTIONS}
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"
     CATEGORY = CATEGORY
 
-    def encode(self, vae, pixels):
-        return (tensor_to_latent(vae.runner.encode(vae.handle, image_to_frames(pixels))),)
+    def encode(self, vae, pixels, tile_px=0, overlap_px=64):
+        latents = vae.runner.encode(vae.handle, image_to_frames(pixels), **_tiles(tile_px, overlap_px))
+        return (tensor_to_latent(latents),)

@@ -85,7 +85,7 @@ def format_table(config: ParallelConfig, shape: tuple[int, ...], r: dict[str, fl
     return "\n".join(lines)
 
 
-def bench_pool(args: argparse.Namespace) -> dict[str, float]:
+def run(args: argparse.Namespace) -> dict[str, float]:
     """Run the benchmark described by ``args`` (see :func:`add_arguments`), print a table, return the numbers."""
     config = ParallelConfig(world=args.world, devices=args.devices, backend=args.backend)
     shape = (args.frames, args.height, args.width, 3)
@@ -99,13 +99,3 @@ def bench_pool(args: argparse.Namespace) -> dict[str, float]:
     if args.json is not None:
         args.json.write_text(json.dumps({"config": config.to_dict(), "shape": shape, **results}, indent=2))
     return results
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="wanmesh bench pool", description=__doc__)
-    add_arguments(parser)
-    bench_pool(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -264,7 +264,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bench_tp(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     settings = resolve(args)
     rows = [row for tp in settings["degrees"] for row in _run_world(tp, settings)]
     print(f"wanmesh bench tp: {settings['model']}, {settings['device']} {settings['dtype']}, latent "
@@ -275,17 +275,3 @@ def bench_tp(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wanmesh bench tp", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return bench_tp(args)
-    except ValueError as error:
-        parser.exit(2, f"wanmesh bench tp: error: {error}\n")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

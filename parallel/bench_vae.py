@@ -31,7 +31,7 @@ SPATIAL_FACTOR = 8
 TEMPORAL_FACTOR = 4
 
 
-def add_bench_vae_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of `wanmesh bench vae`."""
     parser.add_argument("--frames", type=int, default=17, help="video frames (4n + 1); latents get (frames-1)/4 + 1")
     parser.add_argument("--height", type=int, default=256, help="video height in pixels (multiple of 8)")
@@ -47,8 +47,8 @@ def add_bench_vae_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     return parser
 
 
-def bench_vae(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the benchmark described by ``args`` (see :func:`add_bench_vae_arguments`), print a table, return the rows."""
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the benchmark described by ``args`` (see :func:`add_arguments`), print a table, return the rows."""
     patches = _parse_patches(args.patches)
     latent_shape = _latent_shape(args.frames, args.height, args.width)
     tile_px, overlap_px = resolve_tile_options(args.tile_px, args.overlap_px, SPATIAL_FACTOR)
@@ -62,11 +62,6 @@ def bench_vae(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows += [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     print(_format_table(rows, args, latent_shape, tile_px, overlap_px, patches))
     return rows
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = add_bench_vae_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    bench_vae(parser.parse_args(argv))
 
 
 def _parse_patches(text: str) -> list[int]:
@@ -213,7 +208,3 @@ def _format_table(
             f"peak memory over start per rank x{memory:.2f} (largest rank)"
         )
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    main()

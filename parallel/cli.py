@@ -51,7 +51,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (must divide the head count)")
+    par.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
+    par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
+    par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")
@@ -67,10 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from .bench_dit import add_arguments as add_dit_arguments
-
-    add_dit_arguments(bench_sub.add_parser("dit", help="one denoise step: WanMesh against diffusers"))
+    for name, (module, help_text) in BENCHMARKS.items():
+        _bench_module(module).add_arguments(bench_sub.add_parser(name, help=help_text))
     return parser
+
+
+BENCHMARKS = {
+    "dit": ("bench_dit", "one denoise step: WanMesh against diffusers' transformer"),
+    "pool": ("bench_pool", "worker pool: empty round trip, moving a video to the workers and back"),
+    "tp": ("bench_tp", "tensor parallelism: bytes per collective, time per step, weight memory"),
+    "vae": ("bench_vae", "VAE patch parallelism: decode time and peak memory per rank"),
+    "attention": ("bench_attention", "ring attention with and without overlap against all-gather attention"),
+}
+
+
+def _bench_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def resolve_model_files(args) -> dict[str, str | None]:
@@ -121,9 +140,7 @@ def _run(args) -> int:
         generate(args, files)
         return 0
     if args.command == "bench":
-        from .bench_dit import run as run_dit
-
-        return {"dit": run_dit}[args.bench](args)
+        return _bench_module(BENCHMARKS[args.bench][0]).run(args) or 0
     return 2
 
 

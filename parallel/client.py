@@ -13,6 +13,7 @@ from . import protocol as P
 from .config import ParallelConfig
 from .pool import CallCancelled, WorkerPool, current_pool, get_pool
 from .sampling import Cancelled, SampleRequest
+from .vae_tiling import check_tiles
 from .video import check_latent
 
 
@@ -62,8 +63,10 @@ class PoolRunner:
             raise Cancelled(str(cancelled)) from cancelled
         return reply.latents
 
-    def decode(self, handle: str, latents: torch.Tensor) -> torch.Tensor:
-        return self.pool.call(P.Decode(handle=handle, latents=latents)).images
+    def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        check_tiles(tile_px, overlap_px)
+        return self.pool.call(P.Decode(handle=handle, latents=latents, tile_px=tile_px, overlap_px=overlap_px)).images
 
-    def encode(self, handle: str, frames: torch.Tensor) -> torch.Tensor:
-        return self.pool.call(P.Encode(handle=handle, frames=frames)).latents
+    def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        check_tiles(tile_px, overlap_px)
+        return self.pool.call(P.Encode(handle=handle, frames=frames, tile_px=tile_px, overlap_px=overlap_px)).latents

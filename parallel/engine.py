@@ -10,12 +10,17 @@ from typing import Callable
 
 import torch
 
+import torch.distributed as dist
+
 from . import loaders
+from .patch_executor import effective_patch_size
 from .sampling import Cancelled, SampleRequest, sample
+from .vae_tiling import tiled_decode, tiled_encode
 from .video import check_latent, frames_to_pixels, pixels_to_frames
 
 __all__ = ["Engine", "Cancelled", "SampleRequest", "resolve_dtype", "DTYPES"]
 
+DEFAULT_PARALLEL_TILE_PX = 256  # tile edge when VAE work is spread over ranks and no tile size was given
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -33,8 +38,12 @@ class Engine:
 
     def __init__(self, device: str | torch.device = "cpu", parallel=None):
         self.device = torch.device(device)
-        self.parallel = parallel
+        self.parallel = parallel  # ParallelContext of this rank, or None for a plain single-device engine
         self._models: dict[str, object] = {}
+        self._vae_groups: dict[int, object] = {}
+
+    def _degree(self, dim: str) -> int:
+        return self.parallel.size(dim) if self.parallel is not None and self.parallel.is_distributed else 1
 
     # -- loading ---------------------------------------------------------------------------------------
 
@@ -46,9 +55,17 @@ class Engine:
     def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto") -> str:
         torch_dtype = resolve_dtype(dtype, self.device)
         key = f"model|{path}|{vace_module or ''}|{torch_dtype}"
+        if self._degree("tp") == 1:
+            return self._load(
+                key,
+                lambda: loaders.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device),
+            )
+        from .sharded_loading import load_transformer_tp
+
+        tp_group = self.parallel.tp_group
         return self._load(
             key,
-            lambda: loaders.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device),
+            lambda: load_transformer_tp(path, vace_module=vace_module, dtype=torch_dtype, device=self.device, tp_group=tp_group),
         )
 
     def load_vae(self, path: str, *, dtype: str = "auto") -> str:
@@ -89,20 +106,68 @@ class Engine:
         model = self._get(handle, "model")
         check_conditioning(model, request)
         dtype = next(model.parameters()).dtype
-        return sample(model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop)
+        rows = self._batch_rows(request.latent.shape[0])
+        latents = sample(
+            model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows
+        )
+        return self._gather_batch(latents, request.latent.shape[0])
+
+    def _batch_rows(self, batch: int) -> range:
+        """The batch rows this data-parallel replica samples: contiguous, near-equal shares."""
+        dp = self._degree("dp")
+        if dp == 1:
+            return range(batch)
+        index = self.parallel.coord("dp")
+        return range(index * batch // dp, (index + 1) * batch // dp)
+
+    def _gather_batch(self, latents: torch.Tensor, batch: int) -> torch.Tensor:
+        """Reassemble the whole batch from the data-parallel replicas (every replica gets it)."""
+        dp = self._degree("dp")
+        if dp == 1:
+            return latents
+        # all_gather needs equal shapes: pad every share to the largest, then cut by the known row ranges.
+        largest = -(-batch // dp)
+        padded = latents.new_zeros((largest, *latents.shape[1:]))
+        padded[: latents.shape[0]] = latents
+        pieces = [torch.empty_like(padded) for _ in range(dp)]
+        dist.all_gather(pieces, padded.to(self.device).contiguous(), group=self.parallel.dp_group)
+        shares = [(i * batch // dp, (i + 1) * batch // dp) for i in range(dp)]
+        return torch.cat([piece[: stop - start].cpu() for piece, (start, stop) in zip(pieces, shares)])
+
+    def _tiling(self, tile_px: int | None):
+        """(tile group, tile edge, whether this rank decodes tiles). The tile group is the first vae_patch ranks;
+        a tile edge of None means whole frames on this rank."""
+        size = 1
+        if self.parallel is not None and self.parallel.is_distributed:
+            size = effective_patch_size(self.parallel.config.vae_patch, self.parallel.world)
+        if size == 1:
+            return None, tile_px, True
+        if size not in self._vae_groups:  # every rank runs every request, so all ranks create it together
+            self._vae_groups[size] = dist.new_group(ranks=list(range(size)))
+        return self._vae_groups[size], tile_px or DEFAULT_PARALLEL_TILE_PX, self.parallel.rank < size
 
     @torch.no_grad()
-    def decode(self, handle: str, latents: torch.Tensor) -> torch.Tensor:
-        """Raw latents [B, 16, T, h, w] -> frames [B*F, H, W, 3] in 0..1."""
+    def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        """Raw latents [B, 16, T, h, w] -> frames [B*F, H, W, 3] in 0..1 on the first rank (None on the others).
+
+        With a tile edge (or vae_patch > 1) the frames are cut into overlapping tiles spread over the tile ranks."""
         vae = self._get(handle, "vae")
         if latents.ndim != 5 or latents.shape[1] != vae.config.z_dim:
             raise ValueError(f"expected Wan latents [B, {vae.config.z_dim}, T, h, w], got shape {list(latents.shape)}")
-        pixels = vae.decode(latents.to(self.device, vae.dtype), return_dict=False)[0]
-        return pixels_to_frames(pixels)
+        group, tile_px, takes_part = self._tiling(tile_px)
+        if not takes_part:
+            return None
+        if tile_px is None:
+            pixels = vae.decode(latents.to(self.device, vae.dtype), return_dict=False)[0]
+        else:
+            pixels = tiled_decode(vae, latents, tile_px=tile_px, overlap_px=overlap_px, group=group)
+        return None if pixels is None else pixels_to_frames(pixels)
 
     @torch.no_grad()
-    def encode(self, handle: str, frames: torch.Tensor) -> torch.Tensor:
-        """Frames [F, H, W, 3] in 0..1 -> raw latents [1, 16, T, h, w] (the posterior mode, as Wan uses)."""
+    def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        """Frames [F, H, W, 3] in 0..1 -> raw latents [1, 16, T, h, w] (the posterior mode, as Wan uses).
+
+        Tiling works as in `decode`; the merged latents reach every tile rank."""
         vae = self._get(handle, "vae")
         pixels = frames_to_pixels(frames)
         count, height, width = pixels.shape[2:]
@@ -111,8 +176,12 @@ class Engine:
                 f"cannot encode {count} frames of {width}x{height}: the Wan VAE needs 4k+1 frames and sides that "
                 "are multiples of 8"
             )
-        posterior = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist
-        return posterior.mode().float().cpu()
+        group, tile_px, takes_part = self._tiling(tile_px)
+        if not takes_part:
+            return None
+        if tile_px is None:
+            return vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode().float().cpu()
+        return tiled_encode(vae, pixels, tile_px=tile_px, overlap_px=overlap_px, group=group).float().cpu()
 
 
 def check_conditioning(model, request: SampleRequest) -> None:

@@ -12,6 +12,7 @@ from .client import PoolRunner
 from .config import ParallelConfig
 from .pool import WorkerPool
 from .sampling import SampleRequest
+from .vae_tiling import check_tiles
 from .video import latent_shape, write_mp4
 
 
@@ -19,7 +20,7 @@ def pool_config(args) -> ParallelConfig:
     """The worker pool the command line asked for (checked before any process starts)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
-    return ParallelConfig(world=args.world, devices=args.device or "auto")
+    return ParallelConfig(world=args.world, tp=args.tp, vae_patch=args.vae_patch, devices=args.device or "auto")
 
 
 def _progress(step: int, total: int) -> None:
@@ -29,6 +30,7 @@ def _progress(step: int, total: int) -> None:
 def generate(args, files: dict[str, str | None]) -> None:
     shape = latent_shape(args.width, args.height, args.frames)  # rejects bad sizes before loading anything
     config = pool_config(args)
+    check_tiles(args.vae_tile, args.vae_overlap)
     started = time.perf_counter()
     with WorkerPool(config) as pool:
         frames, latents = _run(PoolRunner(pool), args, files, shape)
@@ -53,5 +55,6 @@ def _run(engine: PoolRunner, args, files, shape) -> tuple[torch.Tensor, torch.Te
     )
     latents = engine.sample(model, request, progress=_progress)
     engine.unload(model)
-    frames = engine.decode(engine.load_vae(files["vae"], dtype=args.dtype), latents)
+    vae = engine.load_vae(files["vae"], dtype=args.dtype)
+    frames = engine.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
     return frames, latents

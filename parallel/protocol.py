@@ -166,6 +166,8 @@ class Decode(Request):
     kind: ClassVar[str] = "decode"
     handle: str
     latents: torch.Tensor
+    tile_px: int | None = None  # None: whole frames (or the default tile when vae_patch > 1)
+    overlap_px: int | None = None  # None: a quarter of the tile
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,8 @@ class Encode(Request):
     kind: ClassVar[str] = "encode"
     handle: str
     frames: torch.Tensor
+    tile_px: int | None = None
+    overlap_px: int | None = None
 
 
 @dataclass(frozen=True)

@@ -126,11 +126,13 @@ def _schedule(request: SampleRequest) -> _Schedule:
     return _Schedule(scheduler, scheduler.timesteps[begin:], float(scheduler.sigmas[begin]))
 
 
-def initial_latents(request: SampleRequest, start_sigma: float) -> torch.Tensor:
-    noise = seeded_noise(tuple(request.latent.shape), request.seed)
+def initial_latents(request: SampleRequest, start_sigma: float, rows: range) -> torch.Tensor:
+    """Seeded noise for the whole batch (so any subset of rows matches one device), mixed with the input latent."""
+    noise = seeded_noise(tuple(request.latent.shape), request.seed)[rows.start : rows.stop]
     if request.denoise >= 1.0:
         return noise
-    return start_sigma * noise + (1.0 - start_sigma) * normalize_latents(request.latent)
+    source = normalize_latents(request.latent[rows.start : rows.stop])
+    return start_sigma * noise + (1.0 - start_sigma) * source
 
 
 def sample(
@@ -141,20 +143,27 @@ def sample(
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    rows: range | None = None,
 ) -> torch.Tensor:
-    """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU)."""
+    """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU).
+
+    `rows` samples only those batch rows (a data-parallel share); an empty share still follows every step so
+    that collective progress and cancel checks stay in step with the other replicas."""
     request.validate()
     schedule = _schedule(request)
-    batch = request.latent.shape[0]
-    positive = pad_text_context(request.positive, batch, dtype, device)
-    negative = pad_text_context(request.negative, batch, dtype, device) if request.cfg != 1.0 else None
-    extra = _vace_inputs(model, request, batch, dtype, device)
-    latents = initial_latents(request, schedule.start_sigma).to(device)
+    rows = range(request.latent.shape[0]) if rows is None else rows
+    positive = _rows(pad_text_context(request.positive, request.latent.shape[0], dtype, device), rows)
+    negative = None
+    if request.cfg != 1.0:
+        negative = _rows(pad_text_context(request.negative, request.latent.shape[0], dtype, device), rows)
+    extra = _vace_inputs(model, request, rows, dtype, device)
+    latents = initial_latents(request, schedule.start_sigma, rows).to(device)
     for index, t in enumerate(schedule.timesteps):
         if should_stop is not None and should_stop():
             raise Cancelled(f"sampling cancelled before step {index + 1} of {request.steps}")
-        prediction = guided_prediction(model, latents.to(dtype), t, positive, negative, request.cfg, extra)
-        latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
+        if len(rows):
+            prediction = guided_prediction(model, latents.to(dtype), t, positive, negative, request.cfg, extra)
+            latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
         if progress is not None:
             progress(index + 1, request.steps)
     return denormalize_latents(latents).cpu()
@@ -170,7 +179,11 @@ def guided_prediction(model, latents, t, positive, negative, cfg: float, extra: 
     return unconditional + cfg * (conditional - unconditional)
 
 
-def _vace_inputs(model, request: SampleRequest, batch: int, dtype, device) -> dict:
+def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
+    return tensor[rows.start : rows.stop]
+
+
+def _vace_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
     """Keyword arguments that feed a VACE context to a VACE model; none for T2V."""
     vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
     if request.vace_context is None:
@@ -180,7 +193,9 @@ def _vace_inputs(model, request: SampleRequest, batch: int, dtype, device) -> di
     if vace_layers is None:
         raise ValueError("a VACE context was given but the model is a plain T2V model; load a VACE model or VACE module")
     context = request.vace_context
+    batch = request.latent.shape[0]
     if context.shape[0] != batch:
         context = context.expand(batch, *context.shape[1:])
+    context = _rows(context, rows)
     scale = torch.full((len(vace_layers),), float(request.vace_strength), device=device, dtype=dtype)
     return {"control_hidden_states": context.to(device=device, dtype=dtype), "control_hidden_states_scale": scale}

@@ -53,6 +53,17 @@ def resolve_tile_options(tile_px: int, overlap_px: int | None, ratio: int) -> tu
     return tile_px, overlap_px
 
 
+WAN_SPATIAL_FACTOR = 8
+
+
+def check_tiles(tile_px: int | None, overlap_px: int | None) -> None:
+    """Driver-side check of the user's tile options (None: no tiling), before any worker work."""
+    if tile_px is not None:
+        resolve_tile_options(tile_px, overlap_px, WAN_SPATIAL_FACTOR)
+    elif overlap_px is not None:
+        raise ValueError("an overlap was given without a tile size; give the tile size too")
+
+
 def tile_spans(size: int, tile: int, overlap: int) -> list[Span]:
     """Overlapping ``[start, end)`` spans covering ``size``: stride ``tile - overlap``, the last one cut at the border.
 

@@ -83,8 +83,8 @@ ENGINE_DISPATCH: dict[type[P.Request], Handler] = {
     P.LoadTextEncoder: lambda ctx, r: P.Loaded(ctx.engine.load_text_encoder(r.path, dtype=r.dtype)),
     P.EncodeText: lambda ctx, r: P.Embeddings(ctx.engine.encode_text(r.handle, list(r.prompts))),
     P.Sample: _sample,
-    P.Decode: lambda ctx, r: P.Images(ctx.engine.decode(r.handle, r.latents)),
-    P.Encode: lambda ctx, r: P.Latents(ctx.engine.encode(r.handle, r.frames)),
+    P.Decode: lambda ctx, r: P.Images(ctx.engine.decode(r.handle, r.latents, r.tile_px, r.overlap_px)),
+    P.Encode: lambda ctx, r: P.Latents(ctx.engine.encode(r.handle, r.frames, r.tile_px, r.overlap_px)),
     P.Unload: _unload,
 }
 
