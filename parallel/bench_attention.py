@@ -11,9 +11,7 @@ prints a table and writes a plot.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -25,6 +23,7 @@ import torch.distributed as dist
 
 from .attention import attention, ring_attention, ulysses_attention
 from .collectives import CollectiveCounter
+from .spawn import spawn_ranks
 
 METHODS = ("ring_overlap", "ring_serial", "allgather", "ulysses", "torch_cp")
 _DEFAULTS = {
@@ -32,7 +31,7 @@ _DEFAULTS = {
     "cuda": {"seq_lens": "4096,16384,32760", "heads": 12, "head_dim": 128, "dtype": "bfloat16"},
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+BENCH_DEADLINE_S = 1800.0  # a whole world of ranks; also the process-group timeout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,40 +190,21 @@ def _bench_point(settings: dict, seq_len: int, device: torch.device) -> list[dic
     return [{"degree": world, "seq_len": seq_len, **row} for row in rows]
 
 
-def _rank_main(rank: int, world: int, port: int, settings: dict, result_path: str) -> None:
-    if settings["device"] == "cpu":
-        torch.set_num_threads(1)  # ranks share the host's cores
+def _rank_main(rank: int, world: int, settings: dict, result_path: str) -> None:
     device = torch.device("cuda", rank) if settings["device"] == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank, world_size=world, timeout=_PROCESS_GROUP_TIMEOUT,
-    )
-    try:
-        rows = [row for seq_len in settings["seq_lens"] for row in _bench_point(settings, seq_len, device)]
-        if rank == 0:
-            Path(result_path).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+    rows = [row for seq_len in settings["seq_lens"] for row in _bench_point(settings, seq_len, device)]
+    if rank == 0:
+        Path(result_path).write_text(json.dumps(rows))
 
 
 # ------------------------------------------------------------------ driver
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_world(degree: int, settings: dict) -> list[dict]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as folder:
         result_path = str(Path(folder) / "rows.json")
-        mp.start_processes(_rank_main, args=(degree, _free_port(), settings, result_path), nprocs=degree,
-                           join=True, start_method="spawn")
+        spawn_ranks(_rank_main, degree, args=(settings, result_path), device=settings["device"],
+                    deadline_s=BENCH_DEADLINE_S, pg_timeout_s=BENCH_DEADLINE_S)
         return json.loads(Path(result_path).read_text())
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import socket
 import statistics
 import tempfile
 import threading
@@ -31,9 +29,10 @@ from .collectives import CollectiveCounter
 from .loaders import transformer_weight_source
 from .sharded_loading import load_transformer_tp, weight_bytes
 from .tensor_parallel import analytic_collectives, check_tp_degree
+from .spawn import spawn_ranks
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+BENCH_DEADLINE_S = 1800.0  # a whole world of ranks; also the process-group timeout
 _TEXT_TOKENS = 512
 _DEFAULT_SIZE = {"tiny": (128, 96, 17), "real": (832, 480, 81)}  # width, height, frames
 
@@ -209,36 +208,20 @@ def _measure(settings: dict, device: torch.device) -> dict:
             "device_peak_bytes": device_peak}
 
 
-def _rank_main(rank: int, world: int, port: int, settings: dict, result_folder: str) -> None:
-    if settings["device"] == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads() // world))  # ranks share the host's cores
+def _rank_main(rank: int, world: int, settings: dict, result_folder: str) -> None:
     device = torch.device("cuda", rank) if settings["device"] == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=_PROCESS_GROUP_TIMEOUT)
-    try:
-        row = _measure(settings, device)
-        Path(result_folder, f"rank{rank}.json").write_text(json.dumps(row))
-    finally:
-        dist.destroy_process_group()
+    row = _measure(settings, device)
+    Path(result_folder, f"rank{rank}.json").write_text(json.dumps(row))
 
 
 # ------------------------------------------------------------------ driver
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_world(tp: int, settings: dict) -> list[dict]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(_rank_main, args=(tp, _free_port(), settings, folder), nprocs=tp, join=True,
-                           start_method="spawn")
+        threads = max(1, torch.get_num_threads() // tp)  # ranks share the host's cores
+        spawn_ranks(_rank_main, tp, args=(settings, folder), device=settings["device"], threads=threads,
+                    deadline_s=BENCH_DEADLINE_S, pg_timeout_s=BENCH_DEADLINE_S)
         return [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(tp)]
 
 

@@ -10,11 +10,9 @@ CUDA it is the peak allocated by PyTorch.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .patch_executor import assign_by_workload
 from .vae_tiling import resolve_tile_options, split_spatial, tiled_decode
+from .spawn import spawn_ranks
 
 SPATIAL_FACTOR = 8
 TEMPORAL_FACTOR = 4
@@ -89,48 +87,18 @@ def _check_devices(device: str, ranks: int) -> None:
 
 
 def _spawn_ranks(world: int, settings: dict[str, Any], out_dir: Path, timeout: float) -> None:
-    context = mp.start_processes(
-        _bench_rank, args=(world, _free_port(), settings, str(out_dir)), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"VAE benchmark at vae_patch {world} did not finish within {timeout:.0f}s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    spawn_ranks(_bench_rank, world, args=(settings, str(out_dir)), device=settings["device"],
+                deadline_s=timeout, pg_timeout_s=settings["timeout"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bench_rank(rank: int, world: int, port: int, settings: dict[str, Any], out_dir: str) -> None:
-    torch.set_num_threads(1)
+def _bench_rank(rank: int, world: int, settings: dict[str, Any], out_dir: str) -> None:
     torch.set_flush_denormal(True)  # random weights can drift into denormals, which would distort CPU timings
     device = torch.device(f"cuda:{rank}" if settings["device"] == "cuda" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=settings["timeout"]),
-    )
-    try:
-        vae = _random_wan_vae(settings["base_dim"], device)
-        latents = torch.randn(settings["latent_shape"], generator=torch.Generator().manual_seed(0)).to(device)
-        result = _time_decodes(vae, latents, settings, device)
-        result.update(rank=rank, vae_patch=world, tiles=_tiles_of_rank(settings, world, rank))
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    vae = _random_wan_vae(settings["base_dim"], device)
+    latents = torch.randn(settings["latent_shape"], generator=torch.Generator().manual_seed(0)).to(device)
+    result = _time_decodes(vae, latents, settings, device)
+    result.update(rank=rank, vae_patch=world, tiles=_tiles_of_rank(settings, world, rank))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def _random_wan_vae(base_dim: int, device: torch.device) -> torch.nn.Module:

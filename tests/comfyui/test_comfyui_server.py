@@ -1,4 +1,8 @@
-"""The pack inside a real ComfyUI server: node registration, a text-to-video prompt, bad input."""
+"""The pack inside a real ComfyUI server: node registration, text-to-video through the worker pool, bad input.
+
+Every prompt runs in a background pool of CPU ranks; the server fixture checks at teardown that no worker
+process outlives the server.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,15 @@ from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
 from PIL import Image
 from prepare_comfyui import PACK_FOLDER_NAME
 from workflow_graph import (WORKFLOWS_DIR, api_widget_names, load_workflow, node_of_type, widget_names_from_object_info,
-                            with_fresh_seed)
+                            with_fresh_seed, with_inputs)
 
-CORE_NODE_IDS = ("WanMeshModelLoader", "WanMeshVAELoader", "WanMeshTextEncoderLoader", "WanMeshTextEncode",
-                 "WanMeshEmptyLatent", "WanMeshSampler", "WanMeshVAEDecode", "WanMeshVAEEncode")
+CORE_NODE_IDS = ("WanMeshPool", "WanMeshModelLoader", "WanMeshVAELoader", "WanMeshTextEncoderLoader",
+                 "WanMeshTextEncode", "WanMeshEmptyLatent", "WanMeshSampler", "WanMeshVAEDecode", "WanMeshVAEEncode")
 PROMPT_TIMEOUT_S = 420.0
+# Latents of a parallel run agree with one rank's within 1e-4; after the VAE and 8-bit rounding that is a step or two.
+PIXEL_TOLERANCE = 2
+SINGLE_RANK_POOL = {"devices": "cpu", "world": 1, "tp": 1, "ulysses": 1, "ring": 1, "cfg_parallel": False,
+                    "vae_patch": 1}
 API_WORKFLOWS = sorted(path.name for path in (WORKFLOWS_DIR / "api").glob("*.json"))
 
 
@@ -40,6 +48,26 @@ def saved_images(server: ComfyUIServer, result: PromptResult, save_node_id: str)
     missing = [str(path) for path in paths if not path.is_file()]
     assert not missing, f"/history lists files that were not written: {missing}"
     return paths
+
+
+def save_node_id_of(prompt: dict[str, Any]) -> str:
+    return next(node_id for node_id, node in prompt.items() if node["class_type"] == "SaveImage")
+
+
+def run_to_frames(server: ComfyUIServer, prompt: dict[str, Any], filename_prefix: str) -> np.ndarray:
+    """Run a prompt and read back the PNG frames its SaveImage node wrote, as ``[frames, H, W, 3]`` uint8."""
+    prompt = with_inputs(prompt, "SaveImage", filename_prefix=filename_prefix)
+    result = run_successfully(server, prompt)
+    frames = []
+    for path in saved_images(server, result, save_node_id_of(prompt)):
+        with Image.open(path) as image:
+            frames.append(np.asarray(image.convert("RGB")))
+    return np.stack(frames)
+
+
+def largest_pixel_difference(first: np.ndarray, second: np.ndarray) -> int:
+    assert first.shape == second.shape, f"frame stacks differ in shape: {first.shape} vs {second.shape}"
+    return int(np.abs(first.astype(np.int16) - second.astype(np.int16)).max())
 
 
 def test_object_info_lists_every_wanmesh_node(comfyui_server: ComfyUIServer) -> None:
@@ -75,10 +103,16 @@ def test_api_workflow_matches_node_definitions(comfyui_server: ComfyUIServer, na
 
 def test_t2v_workflow_writes_one_png_per_frame(comfyui_server: ComfyUIServer, t2v_prompt: dict[str, Any]) -> None:
     latent = node_of_type(t2v_prompt, "WanMeshEmptyLatent")["inputs"]
-    save_node_id = next(node_id for node_id, node in t2v_prompt.items() if node["class_type"] == "SaveImage")
+    pool = node_of_type(t2v_prompt, "WanMeshPool")["inputs"]
+    assert (pool["devices"], pool["world"]) == ("cpu:2", 2), f"the example should run on two CPU ranks: {pool}"
+    save_node_id = save_node_id_of(t2v_prompt)
     prefix = t2v_prompt[save_node_id]["inputs"]["filename_prefix"]
 
     result = run_successfully(comfyui_server, t2v_prompt)
+
+    # The pool stays resident between prompts, so its workers are among the server's processes now.
+    workers = comfyui_server.descendants()
+    assert len(workers) >= pool["world"], f"expected {pool['world']} worker processes, found {workers}"
 
     paths = saved_images(comfyui_server, result, save_node_id)
     assert len(paths) == latent["length"] * latent["batch_size"]
@@ -104,3 +138,27 @@ def test_bad_width_fails_clearly_and_server_keeps_serving(comfyui_server: ComfyU
         f"the error should name the input and the valid neighbours 96 and 112:\n{message}")
     run_successfully(comfyui_server, t2v_prompt)
 
+
+def test_tensor_parallel_workflow_matches_one_rank(comfyui_server: ComfyUIServer) -> None:
+    """``t2v_tp2`` (tp 2, VAE tiles over 2 ranks) writes the frames one rank writes with the same seed and tiles."""
+    # The workflow's own fixed seed keeps the comparison repeatable (its graph differs from t2v's: no cache hit).
+    parallel_prompt = load_workflow("api/t2v_tp2.json")
+    pool = node_of_type(parallel_prompt, "WanMeshPool")["inputs"]
+    assert (pool["world"], pool["tp"], pool["vae_patch"]) == (2, 2, 2), pool
+    decode = node_of_type(parallel_prompt, "WanMeshVAEDecode")["inputs"]
+    assert (decode["tile_px"], decode["overlap_px"]) == (32, 8), decode
+    single_rank_prompt = with_inputs(parallel_prompt, "WanMeshPool", **SINGLE_RANK_POOL)
+    seed = node_of_type(parallel_prompt, "WanMeshSampler")["inputs"]["seed"]
+    other_seed_prompt = with_inputs(single_rank_prompt, "WanMeshSampler", seed=(seed + 1) % 2**31)
+
+    parallel = run_to_frames(comfyui_server, parallel_prompt, "wanmesh_tp2")
+    single_rank = run_to_frames(comfyui_server, single_rank_prompt, "wanmesh_world1")
+    other_seed = run_to_frames(comfyui_server, other_seed_prompt, "wanmesh_world1_other_seed")
+
+    latent = node_of_type(parallel_prompt, "WanMeshEmptyLatent")["inputs"]
+    assert parallel.shape == (latent["length"], latent["height"], latent["width"], 3)
+    difference = largest_pixel_difference(parallel, single_rank)
+    assert difference <= PIXEL_TOLERANCE, f"tp 2 frames differ from one rank's by up to {difference}/255"
+    # The comparison means something only if another seed lands well outside the tolerance.
+    seed_difference = largest_pixel_difference(single_rank, other_seed)
+    assert seed_difference > 8 * PIXEL_TOLERANCE, f"a different seed changed the frames by only {seed_difference}/255"

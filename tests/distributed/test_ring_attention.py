@@ -6,18 +6,16 @@ attention over the whole (unpadded) sequence.
 """
 
 import datetime
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from wanmesh.parallel.attention import ring_attention, ulysses_attention
 from wanmesh.parallel.bench_attention import METHODS, _bench_point
 from wanmesh.parallel.collectives import CollectiveCounter
+from wanmesh.parallel.spawn import spawn_ranks
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 HARD_DEADLINE_S = 180.0
@@ -28,34 +26,12 @@ BATCH, HEADS, HEAD_DIM = 2, 4, 8
 # ------------------------------------------------------------------ spawning
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_entry(rank: int, world: int, port: int, check_name: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT
-    )
-    try:
-        globals()[check_name](rank, world)
-    finally:
-        dist.destroy_process_group()
+def _rank_entry(rank: int, world: int, check_name: str) -> None:
+    globals()[check_name](rank, world)
 
 
 def _run_world(world: int, check_name: str) -> None:
-    context = mp.start_processes(
-        _rank_entry, args=(world, _free_port(), check_name), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + HARD_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"world of {world} ranks running {check_name} missed its {HARD_DEADLINE_S:.0f} s deadline")
+    spawn_ranks(_rank_entry, world, args=(check_name,), deadline_s=HARD_DEADLINE_S)
 
 
 # ------------------------------------------------------------------ data and reference

@@ -11,23 +11,19 @@ The world of 4 also runs tp=2 inside two sub-groups (group ranks, not global ran
 from __future__ import annotations
 
 import copy
-import datetime
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from wanmesh.parallel.collectives import CollectiveCounter
 from wanmesh.parallel.loaders import load_transformer
 from wanmesh.parallel.sampling import SampleRequest, sample
 from wanmesh.parallel.sharded_loading import load_transformer_tp, weight_bytes
 from wanmesh.parallel.tensor_parallel import analytic_collectives, apply_tensor_parallel
+from wanmesh.parallel.spawn import spawn_ranks
 from wanmesh.parallel.tiny import TINY_TRANSFORMER, make_tiny
 
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 HARD_DEADLINE_S = 300.0
 TOLERANCE = 1e-4
 LATENT_SHAPE = (1, 16, 2, 8, 8)  # 2 x 4 x 4 = 32 video tokens after the 1x2x2 patch
@@ -41,35 +37,13 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
 # ------------------------------------------------------------------ spawning
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_entry(rank: int, world: int, port: int, check_name: str, paths: dict[str, str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=PROCESS_GROUP_TIMEOUT
-    )
-    try:
-        with torch.no_grad():
-            globals()[check_name](rank, world, paths)
-    finally:
-        dist.destroy_process_group()
+def _rank_entry(rank: int, world: int, check_name: str, paths: dict[str, str]) -> None:
+    with torch.no_grad():
+        globals()[check_name](rank, world, paths)
 
 
 def _run_world(world: int, check_name: str, paths: dict[str, str]) -> None:
-    context = mp.start_processes(
-        _rank_entry, args=(world, _free_port(), check_name, paths), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + HARD_DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"world of {world} ranks running {check_name} missed its {HARD_DEADLINE_S:.0f} s deadline")
+    spawn_ranks(_rank_entry, world, args=(check_name, paths), deadline_s=HARD_DEADLINE_S)
 
 
 # ------------------------------------------------------------------ checks inside a rank

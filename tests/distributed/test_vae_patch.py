@@ -7,16 +7,13 @@ group of its own. Each rank saves what it got; the test process compares.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from wanmesh.parallel.spawn import spawn_ranks
 
 WORLD = 4
 PATCH_GROUPS = {2: [0, 1], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
@@ -59,57 +56,23 @@ def _run_all(vae, group, tag: str, out_dir: Path) -> None:
     torch.save(saved, out_dir / f"{tag}_rank{dist.get_rank()}.pt")
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )
-    try:
-        vae = _tiny_vae()
-        # new_group is collective: every rank creates every group, in the same order.
-        single = dist.new_group([0])
-        groups = {size: dist.new_group(ranks) for size, ranks in PATCH_GROUPS.items()}
-        if rank == 0:
-            _run_all(vae, single, "single", Path(out_dir))
-        for size, ranks in PATCH_GROUPS.items():
-            if rank in ranks:
-                _run_all(vae, groups[size], f"patch{size}", Path(out_dir))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_with_deadline(out_dir: Path) -> None:
-    context = mp.start_processes(
-        _rank_main, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"distributed VAE test passed its {DEADLINE_S}s deadline")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+def _rank_main(rank: int, world: int, out_dir: str) -> None:
+    vae = _tiny_vae()
+    # new_group is collective: every rank creates every group, in the same order.
+    single = dist.new_group([0])
+    groups = {size: dist.new_group(ranks) for size, ranks in PATCH_GROUPS.items()}
+    if rank == 0:
+        _run_all(vae, single, "single", Path(out_dir))
+    for size, ranks in PATCH_GROUPS.items():
+        if rank in ranks:
+            _run_all(vae, groups[size], f"patch{size}", Path(out_dir))
+    dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def rank_outputs(tmp_path_factory) -> Path:
     out_dir = tmp_path_factory.mktemp("vae_patch")
-    _spawn_with_deadline(out_dir)
+    spawn_ranks(_rank_main, WORLD, args=(str(out_dir),), deadline_s=DEADLINE_S, pg_timeout_s=PG_TIMEOUT_S)
     return out_dir
 
 

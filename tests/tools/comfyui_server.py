@@ -98,6 +98,8 @@ class ComfyUIServer:
         self._extra_env = extra_env or {}
         self._process: subprocess.Popen | None = None
         self._log_file = None
+        # Every descendant ever seen: a worker pool replaced mid-run must be gone by the end as well.
+        self._seen_descendants: set[psutil.Process] = set()
 
     def command(self) -> list[str]:
         # This 2024 ComfyUI has no --cache-none: tests vary the seed instead.
@@ -132,6 +134,17 @@ class ComfyUIServer:
                 time.sleep(POLL_INTERVAL_S)
         raise ComfyUIError(f"ComfyUI did not answer /object_info within {timeout_s:.0f} s:\n{self.log()}")
 
+    def descendants(self) -> list[psutil.Process]:
+        """The server's live child processes, recursively (worker pools included); all are remembered for ``stop``."""
+        if self._process is None:
+            return []
+        try:
+            found = psutil.Process(self._process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        self._seen_descendants.update(found)
+        return found
+
     def log(self) -> str:
         if not self.log_path.exists():
             return ""
@@ -161,6 +174,7 @@ class ComfyUIServer:
             if self._process.poll() is not None:
                 raise ComfyUIError(f"ComfyUI exited with code {self._process.returncode} during a prompt:\n"
                                    f"{self.log()}")
+            self.descendants()
             entry = self.get_json(f"/history/{prompt_id}").get(prompt_id)
             if entry is not None and entry.get("status") is not None:
                 status = entry["status"]
@@ -183,14 +197,18 @@ class ComfyUIServer:
             pass
 
     def stop(self, grace_s: float = 30.0) -> list[str]:
-        """Stop the server like Ctrl+C would; return the processes it left behind (which are then killed)."""
+        """Stop the server like Ctrl+C would; return the processes it left behind (which are then killed).
+
+        "Left behind" covers every descendant seen while the server ran (``descendants``, called on each poll
+        of a running prompt and here), not only those alive now: a worker of a pool that was replaced and
+        then re-parented away from the server still counts.
+        """
         if self._process is None:
             return []
+        self.descendants()
+        # is_running() also compares start times, so a reused pid is not mistaken for a seen process.
+        descendants = [proc for proc in self._seen_descendants if proc.is_running()]
         process, self._process = self._process, None
-        try:
-            descendants = psutil.Process(process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            descendants = []
         # Escalate: SIGINT lets ComfyUI and the worker pool clean up; a parent that ignores
         # SIGINT makes the child ignore it too, hence SIGTERM and SIGKILL after it.
         for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):

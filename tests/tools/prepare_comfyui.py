@@ -21,7 +21,6 @@ import argparse
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys

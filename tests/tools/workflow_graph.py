@@ -45,11 +45,20 @@ def node_of_type(prompt: dict[str, Any], class_type: str) -> dict[str, Any]:
     return matches[0]
 
 
+def with_inputs(prompt: dict[str, Any], class_type: str, **inputs: Any) -> dict[str, Any]:
+    """A copy of an API-format prompt with some inputs of its one ``class_type`` node replaced."""
+    changed = copy.deepcopy(prompt)
+    node_inputs = node_of_type(changed, class_type)["inputs"]
+    unknown = sorted(set(inputs) - node_inputs.keys())
+    if unknown:
+        raise ValueError(f"{class_type} has no inputs {unknown}; it has {sorted(node_inputs)}")
+    node_inputs.update(inputs)
+    return changed
+
+
 def with_fresh_seed(prompt: dict[str, Any]) -> dict[str, Any]:
     """A copy of an API-format prompt with a new sampler seed, so ComfyUI's cache cannot answer it."""
-    fresh = copy.deepcopy(prompt)
-    node_of_type(fresh, "WanMeshSampler")["inputs"]["seed"] = random.randint(0, MAX_SEED)
-    return fresh
+    return with_inputs(prompt, "WanMeshSampler", seed=random.randint(0, MAX_SEED))
 
 
 def is_link(value: Any) -> bool:

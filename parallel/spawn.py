@@ -1,0 +1,72 @@
+"""Run one function on N freshly spawned ranks joined by a process group, with a hard deadline.
+
+Benchmarks and distributed tests use this to stand up a small world without the worker pool. Ranks meet
+through a FileStore in a temporary folder, so nothing listens on a network port; a rank that raises, or a
+world that misses its deadline, kills every rank and raises in the caller, so no rank is left hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DeadlineExceeded(TimeoutError):
+    """The spawned world did not finish in time; its ranks were killed."""
+
+
+def _rank_entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, device: str,
+                pg_timeout_s: float, threads: int) -> None:
+    torch.set_num_threads(threads)
+    local = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    if local.type == "cuda":
+        torch.cuda.set_device(local)
+    dist.init_process_group(
+        "nccl" if local.type == "cuda" else "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *,
+    args: tuple = (),
+    device: str = "cpu",
+    deadline_s: float = 300.0,
+    pg_timeout_s: float = 60.0,
+    threads: int = 1,
+) -> None:
+    """Call `fn(rank, world, *args)` on `world` spawned ranks (module-level `fn`, picklable `args`).
+
+    Results travel however `fn` chooses (typically files in a folder passed in `args`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        store_path = str(Path(folder) / "store")
+        context = mp.start_processes(
+            _rank_entry, args=(world, store_path, fn, args, device, pg_timeout_s, threads),
+            nprocs=world, join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + deadline_s
+        try:
+            while not context.join(timeout=max(min(deadline - time.monotonic(), 2.0), 0.1)):
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded(f"{world} ranks running {fn.__name__} missed their {deadline_s:.0f} s deadline")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
