@@ -1,16 +1,18 @@
 """Drive a real ComfyUI server for the tests: start, wait until ready, post prompts, follow them, stop.
 
-Only the standard library and psutil are used, so the same helpers work from a
-test fixture and from a shell (``python tests/tools/comfyui_server.py``
-starts a server on the prepared copy with the tiny models, for poking at it by
-hand).
+Only the standard library, psutil and aiohttp (a ComfyUI dependency, for the
+``/ws`` event stream) are used, so the same helpers work from a test fixture
+and from a shell (``python tests/tools/comfyui_server.py`` starts a server on
+the prepared copy with the tiny models, for poking at it by hand).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import json
+import threading
 import os
 import signal
 import socket
@@ -22,8 +24,9 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import aiohttp
 import psutil
 
 # Old (2024) ComfyUI folder names first, the names today's ComfyUI uses second: the
@@ -154,9 +157,12 @@ class ComfyUIServer:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout_s) as response:
             return json.loads(response.read())
 
-    def submit(self, prompt: dict[str, Any]) -> str | RejectedPrompt:
-        """``POST /prompt``; return the prompt id, or the validation errors when the server refuses it."""
-        body = json.dumps({"prompt": prompt, "client_id": uuid.uuid4().hex}).encode()
+    def submit(self, prompt: dict[str, Any], client_id: str | None = None) -> str | RejectedPrompt:
+        """``POST /prompt``; return the prompt id, or the validation errors when the server refuses it.
+
+        ``client_id`` names the ``/ws`` listener that gets the prompt's progress events (see ``listen``).
+        """
+        body = json.dumps({"prompt": prompt, "client_id": client_id or uuid.uuid4().hex}).encode()
         request = urllib.request.Request(self.base_url + "/prompt", data=body,
                                          headers={"Content-Type": "application/json"})
         try:
@@ -181,7 +187,7 @@ class ComfyUIServer:
                 return PromptResult(prompt_id, status.get("status_str", "unknown"), entry.get("outputs", {}),
                                     status.get("messages", []))
             time.sleep(POLL_INTERVAL_S)
-        self._interrupt()
+        self.interrupt()
         raise ComfyUIError(f"prompt {prompt_id} did not finish within {timeout_s:.0f} s:\n{self.log()}")
 
     def run(self, prompt: dict[str, Any], timeout_s: float) -> PromptResult | RejectedPrompt:
@@ -190,7 +196,18 @@ class ComfyUIServer:
             return submitted
         return self.wait_for(submitted, timeout_s)
 
-    def _interrupt(self) -> None:
+    def listen(self, connect_timeout_s: float = 30.0) -> EventListener:
+        """A connected ``/ws`` listener; pass its ``client_id`` to ``submit`` to receive that prompt's events."""
+        listener = EventListener(self.base_url)
+        try:
+            listener.start(connect_timeout_s)
+        except BaseException:
+            listener.close()
+            raise
+        return listener
+
+    def interrupt(self) -> None:
+        """``POST /interrupt``: stop the prompt running now (queued prompts still run)."""
         try:
             urllib.request.urlopen(urllib.request.Request(self.base_url + "/interrupt", data=b""), timeout=10.0)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -226,6 +243,94 @@ class ComfyUIServer:
         _kill_group_quietly(process.pid)
         self._log_file.close()
         return described
+
+
+@dataclass(frozen=True)
+class ServerEvent:
+    """One JSON message from ``/ws``: ``{"type": kind, "data": data}``."""
+
+    kind: str
+    data: dict[str, Any]
+
+
+class EventListener:
+    """A ``/ws?clientId=...`` websocket client collecting the server's JSON events in a background thread.
+
+    This ComfyUI sends ``progress`` and ``executing`` only to the socket whose client id submitted the
+    prompt, and ``execution_interrupted`` to every socket. Binary messages (preview images) are skipped.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        self.client_id = uuid.uuid4().hex
+        self._url = base_url.replace("http://", "ws://", 1) + f"/ws?clientId={self.client_id}"
+        self._events: list[ServerEvent] = []
+        self._changed = threading.Condition()
+        self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._socket: aiohttp.ClientWebSocketResponse | None = None
+        self._thread = threading.Thread(target=self._run, name="comfyui-ws", daemon=True)
+
+    def start(self, connect_timeout_s: float) -> None:
+        """Connect, and return once the server's greeting (a ``status`` event) has arrived."""
+        self._thread.start()
+        self.wait_for(lambda event: event.kind == "status", connect_timeout_s, "the /ws greeting")
+
+    def events(self) -> list[ServerEvent]:
+        with self._changed:
+            return list(self._events)
+
+    def wait_for(self, matches: Callable[[ServerEvent], bool], timeout_s: float, what: str) -> ServerEvent:
+        """The first event (received so far or later) that ``matches``; ComfyUIError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                found = next((event for event in self._events if matches(event)), None)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if self._failure is not None or left <= 0 or not self._thread.is_alive():
+                    kinds = [event.kind for event in self._events]
+                    raise ComfyUIError(f"no {what} within {timeout_s:g} s (events so far: {kinds}; "
+                                       f"listener failure: {self._failure!r})")
+                self._changed.wait(min(left, POLL_INTERVAL_S))
+
+    def close(self) -> None:
+        loop, socket_ = self._loop, self._socket
+        if loop is not None and socket_ is not None and not loop.is_closed():
+            try:
+                asyncio.run_coroutine_threadsafe(socket_.close(), loop).result(timeout=10.0)
+            except (RuntimeError, TimeoutError, aiohttp.ClientError):
+                pass  # the loop already ended: the socket is closed with it
+        self._thread.join(timeout=10.0)
+
+    def __enter__(self) -> EventListener:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._listen())
+        except BaseException as error:  # handed to the test thread by wait_for
+            self._failure = error
+        finally:
+            with self._changed:
+                self._changed.notify_all()
+
+    async def _listen(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(self._url, heartbeat=None) as socket_:
+                self._socket = socket_
+                async for message in socket_:
+                    if message.type == aiohttp.WSMsgType.TEXT:
+                        self._record(json.loads(message.data))
+
+    def _record(self, message: dict[str, Any]) -> None:
+        with self._changed:
+            self._events.append(ServerEvent(message["type"], message.get("data") or {}))
+            self._changed.notify_all()
 
 
 def _kill_when_parent_dies() -> None:
