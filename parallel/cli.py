@@ -54,6 +54,11 @@ def _add_generate(sub) -> None:
     par = p.add_argument_group("parallelism")
     par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (must divide the head count)")
+    par.add_argument("--ulysses", type=int, default=1,
+                     help="Ulysses sequence-parallel degree (tp x ulysses must divide the head count)")
+    par.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
+    par.add_argument("--cfg-parallel", action="store_true",
+                     help="run the conditional and unconditional passes on two halves of the pool")
     par.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
     par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
     par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")

@@ -6,13 +6,15 @@ resident between requests, keyed by kind, file and options, until unloaded.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Callable
 
 import torch
-
 import torch.distributed as dist
 
 from . import loaders
+from .guidance import guidance_for
 from .patch_executor import effective_patch_size
 from .sampling import Cancelled, SampleRequest, sample
 from .vae_tiling import tiled_decode, tiled_encode
@@ -55,18 +57,25 @@ class Engine:
     def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto") -> str:
         torch_dtype = resolve_dtype(dtype, self.device)
         key = f"model|{path}|{vace_module or ''}|{torch_dtype}"
-        if self._degree("tp") == 1:
-            return self._load(
-                key,
-                lambda: loaders.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device),
-            )
-        from .sharded_loading import load_transformer_tp
+        return self._load(key, lambda: self._load_transformer(path, vace_module, torch_dtype))
 
-        tp_group = self.parallel.tp_group
-        return self._load(
-            key,
-            lambda: load_transformer_tp(path, vace_module=vace_module, dtype=torch_dtype, device=self.device, tp_group=tp_group),
-        )
+    def _load_transformer(self, path: str, vace_module: str | None, torch_dtype: torch.dtype):
+        """The transformer, tensor-parallel when tp > 1, then with its sequence split when ring x ulysses > 1."""
+        if self._degree("tp") * self._degree("ulysses") > 1:  # heads split over these: check before reading weights
+            self.parallel.config.check_heads(transformer_heads(path, vace_module))
+        if self._degree("tp") == 1:
+            model = loaders.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device)
+        else:
+            from .sharded_loading import load_transformer_tp
+
+            model = load_transformer_tp(
+                path, vace_module=vace_module, dtype=torch_dtype, device=self.device, tp_group=self.parallel.tp_group
+            )
+        if self._degree("ring") * self._degree("ulysses") > 1:
+            from .context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, ring_group=self.parallel.ring_group, ulysses_group=self.parallel.ulysses_group)
+        return model
 
     def load_vae(self, path: str, *, dtype: str = "auto") -> str:
         torch_dtype = resolve_dtype(dtype, self.device)
@@ -108,9 +117,17 @@ class Engine:
         dtype = next(model.parameters()).dtype
         rows = self._batch_rows(request.latent.shape[0])
         latents = sample(
-            model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows
+            model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows,
+            guidance=self._guidance(),
         )
         return self._gather_batch(latents, request.latent.shape[0])
+
+    def _guidance(self):
+        """CFG parallel: this rank's half of the guidance passes (the plain two-pass guidance otherwise)."""
+        cfg = self._degree("cfg")
+        if cfg == 1:
+            return None
+        return guidance_for(self.parallel.cfg_group, cfg, self.parallel.coord("cfg"))
 
     def _batch_rows(self, batch: int) -> range:
         """The batch rows this data-parallel replica samples: contiguous, near-equal shares."""
@@ -195,3 +212,11 @@ def check_conditioning(model, request: SampleRequest) -> None:
                     f"{name} conditioning has shape {list(emb.shape)} but this model takes text embeddings of width "
                     f"{text_dim}; encode the prompt with the text encoder that belongs to the model"
                 )
+
+
+def transformer_heads(path: str, vace_module: str | None = None) -> int:
+    """The attention head count of a transformer file or folder, read from its config without loading weights."""
+    with contextlib.ExitStack() as stack:
+        model_class, config, _ = loaders.transformer_weight_source(path, vace_module, stack)
+    default = inspect.signature(model_class.__init__).parameters["num_attention_heads"].default
+    return int(config.get("num_attention_heads", default))

@@ -20,7 +20,10 @@ def pool_config(args) -> ParallelConfig:
     """The worker pool the command line asked for (checked before any process starts)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
-    return ParallelConfig(world=args.world, tp=args.tp, vae_patch=args.vae_patch, devices=args.device or "auto")
+    return ParallelConfig(
+        world=args.world, tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel,
+        vae_patch=args.vae_patch, devices=args.device or "auto",
+    )
 
 
 def _progress(step: int, total: int) -> None:

@@ -144,11 +144,13 @@ def sample(
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     rows: range | None = None,
+    guidance: Callable | None = None,
 ) -> torch.Tensor:
     """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU).
 
     `rows` samples only those batch rows (a data-parallel share); an empty share still follows every step so
-    that collective progress and cancel checks stay in step with the other replicas."""
+    that collective progress and cancel checks stay in step with the other replicas. `guidance` replaces
+    `guided_prediction` (same signature), e.g. to split the CFG passes over ranks."""
     request.validate()
     schedule = _schedule(request)
     rows = range(request.latent.shape[0]) if rows is None else rows
@@ -162,7 +164,9 @@ def sample(
         if should_stop is not None and should_stop():
             raise Cancelled(f"sampling cancelled before step {index + 1} of {request.steps}")
         if len(rows):
-            prediction = guided_prediction(model, latents.to(dtype), t, positive, negative, request.cfg, extra)
+            prediction = (guidance or guided_prediction)(
+                model, latents.to(dtype), t, positive, negative, request.cfg, extra
+            )
             latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
         if progress is not None:
             progress(index + 1, request.steps)

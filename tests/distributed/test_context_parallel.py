@@ -1,0 +1,122 @@
+"""Context parallelism through the worker pool equals one device, for the T2V and the VACE model.
+
+Each configuration starts one pool and samples both models (4 unipc steps with CFG); the final latents
+must equal those of a single-device Engine in this process within 1e-4. Configurations: ring 2; ring 3
+over a sequence that does not divide by 3 (padded and masked); Ulysses 2; Ulysses 2 x ring 2 (USP, also
+over a sequence that does not divide by 4); TP 2 x ring 2; CFG parallel x ring 2. Then `wanmesh generate`
+with Ulysses 2 x ring 2 equals `--world 1`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from wanmesh.parallel.cli import main
+from wanmesh.parallel.client import PoolRunner
+from wanmesh.parallel.config import ParallelConfig
+from wanmesh.parallel.engine import Engine
+from wanmesh.parallel.pool import WorkerPool
+from wanmesh.parallel.sampling import SampleRequest
+from wanmesh.parallel.tiny import TINY_TRANSFORMER, make_tiny
+
+DEADLINE_S = 900  # the whole file; a hung rank dumps every thread's stack and ends the run
+TOLERANCE = 1e-4
+PATCH = TINY_TRANSFORMER["patch_size"]
+EVEN = (1, 16, 2, 8, 8)  # 2 x 4 x 4 = 32 tokens: even over 2 and 4 ranks, not over 3
+UNEVEN_FOR_4 = (1, 16, 2, 6, 10)  # 2 x 3 x 5 = 30 tokens
+
+CONFIGS = {
+    "ring2": (dict(world=2, ring=2), [EVEN]),
+    "ring3_uneven": (dict(world=3, ring=3), [EVEN]),
+    "ulysses2": (dict(world=2, ulysses=2), [EVEN]),
+    "ulysses2_ring2": (dict(world=4, ulysses=2, ring=2), [EVEN, UNEVEN_FOR_4]),
+    "tp2_ring2": (dict(world=4, tp=2, ring=2), [EVEN]),
+    "cfg_parallel_ring2": (dict(world=4, cfg_parallel=True, ring=2), [EVEN]),
+}
+
+
+def _tokens(shape: tuple[int, ...]) -> int:
+    return math.prod(size // patch for size, patch in zip(shape[2:], PATCH))
+
+
+def _request(shape: tuple[int, ...], vace: bool) -> SampleRequest:
+    generator = torch.Generator().manual_seed(7)
+    text_dim = TINY_TRANSFORMER["text_dim"]
+    return SampleRequest(
+        latent=torch.zeros(shape), positive=[torch.randn(9, text_dim, generator=generator)],
+        negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, cfg=5.0, shift=3.0,
+        sampler="unipc", vace_context=torch.randn(1, 96, *shape[2:], generator=generator) if vace else None,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    root = tmp_path_factory.mktemp("cp_tiny")
+    paths = {name: str(path) for name, path in make_tiny(root).items()}
+    yield {**paths, "root": str(root)}
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Single-device latents, computed on demand and kept, keyed by (model, latent shape)."""
+    engine = Engine("cpu")
+    handles = {kind: engine.load_model(tiny[kind]) for kind in ("t2v", "vace")}
+    cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def latents(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if (kind, shape) not in cache:
+            cache[kind, shape] = engine.sample(handles[kind], _request(shape, vace=kind == "vace"))
+        return cache[kind, shape]
+
+    return latents
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_worker(monkeypatch):
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+
+
+def test_the_uneven_cases_really_pad():
+    assert _tokens(EVEN) % 3 and _tokens(UNEVEN_FOR_4) % 4
+    assert _tokens(EVEN) % 4 == 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_context_parallel_equals_one_device(name, tiny, reference):
+    degrees, shapes = CONFIGS[name]
+    with WorkerPool(ParallelConfig(devices="cpu", **degrees), timeout_s=300) as pool:
+        runner = PoolRunner(pool)
+        for kind in ("t2v", "vace"):
+            handle = runner.load_model(tiny[kind])
+            for shape in shapes:
+                expected = reference(kind, shape)
+                actual = runner.sample(handle, _request(shape, vace=kind == "vace"))
+                assert actual.shape == expected.shape
+                error = (actual - expected).abs().max().item()
+                assert error <= TOLERANCE, f"{name} {kind} {shape}: max difference {error}"
+            runner.unload(handle)
+    assert expected.std() > 0.1
+
+
+def _generate(models: str, out_dir, name: str, *flags: str) -> torch.Tensor:
+    main([
+        "generate", "--models", models, "--prompt", "a lighthouse at night", "--negative", "blurry",
+        "--width", "64", "--height", "48", "--frames", "5", "--steps", "4", "--sampler", "unipc", "--seed", "3",
+        "--device", "cpu", "--out", str(out_dir / f"{name}.mp4"), "--save-latents", str(out_dir / f"{name}.safetensors"),
+        *flags,
+    ])
+    return load_file(out_dir / f"{name}.safetensors")["latents"]
+
+
+def test_generate_with_ulysses_and_ring_equals_one_rank(tiny, tmp_path):
+    single = _generate(tiny["root"], tmp_path, "single", "--world", "1")
+    usp = _generate(tiny["root"], tmp_path, "usp", "--world", "4", "--ulysses", "2", "--ring", "2")
+    assert single.std() > 0.1
+    assert (usp - single).abs().max() <= TOLERANCE
