@@ -36,6 +36,7 @@ CONFIGS = {
     "ulysses2": (dict(world=2, ulysses=2), [EVEN]),
     "ulysses2_ring2": (dict(world=4, ulysses=2, ring=2), [EVEN, UNEVEN_FOR_4]),
     "tp2_ring2": (dict(world=4, tp=2, ring=2), [EVEN]),
+    "tp2_ulysses2": (dict(world=4, tp=2, ulysses=2), [EVEN]),
     "cfg_parallel_ring2": (dict(world=4, cfg_parallel=True, ring=2), [EVEN]),
 }
 
