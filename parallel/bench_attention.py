@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import torch.distributed as dist
 
 from .attention import attention, ring_attention, ulysses_attention
 from .collectives import CollectiveCounter
-from .spawn import spawn_ranks
+from .spawn import slowest_rank_median_s, spawn_ranks
 
 METHODS = ("ring_overlap", "ring_serial", "allgather", "ulysses", "torch_cp")
 _DEFAULTS = {
@@ -96,21 +94,9 @@ def _resolve(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------ inside a rank
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int, warmups: int = 2) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median over repeats of the slowest rank's wall time, in milliseconds."""
-    for _ in range(warmups):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        samples.append(elapsed.item() * 1e3)
-    return statistics.median(samples)
+    return slowest_rank_median_s(fn, device, repeats, warmups=2) * 1e3
 
 
 def _sent_bytes(fn: Callable[[], object], device: torch.device) -> int:

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ from .collectives import CollectiveCounter
 from .loaders import transformer_weight_source
 from .sharded_loading import load_transformer_tp, weight_bytes
 from .tensor_parallel import analytic_collectives, check_tp_degree
-from .spawn import spawn_ranks
+from .spawn import slowest_rank_median_s, spawn_ranks
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BENCH_DEADLINE_S = 1800.0  # a whole world of ranks; also the process-group timeout
@@ -165,21 +163,6 @@ def _inputs(settings: dict, device: torch.device, dtype: torch.dtype) -> tuple[t
     return latents, context[:1], context[1:], extra
 
 
-def _slowest_median_s(step, device: torch.device, repeats: int) -> float:
-    step()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        samples.append(elapsed.item())
-    return statistics.median(samples)
-
-
 def _measure(settings: dict, device: torch.device) -> dict:
     from .sampling import guided_prediction
 
@@ -200,7 +183,7 @@ def _measure(settings: dict, device: torch.device) -> dict:
         dim=settings["dim"], tp=tp, activation_bytes=torch.finfo(dtype).bits // 8,
     )
     with torch.no_grad():
-        step_s = _slowest_median_s(
+        step_s = slowest_rank_median_s(
             lambda: guided_prediction(model, latents, timestep[0], positive, negative, 5.0, extra), device,
             settings["repeats"])
     return {"tp": tp, "rank": dist.get_rank(), "collectives": counter.as_dict(), "analytic": analytic,

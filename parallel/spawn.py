@@ -8,6 +8,7 @@ world that misses its deadline, kills every rank and raises in the caller, so no
 from __future__ import annotations
 
 import datetime
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -70,3 +71,20 @@ def spawn_ranks(
                 if process.is_alive():
                     process.kill()
                     process.join()
+
+
+def slowest_rank_median_s(fn: Callable[[], Any], device: torch.device, repeats: int, warmups: int = 1) -> float:
+    """Median over `repeats` calls of the slowest rank's wall time, in seconds (every rank must call this)."""
+    for _ in range(warmups):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(elapsed.item())
+    return statistics.median(samples)
