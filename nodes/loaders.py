@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ..parallel.engine import DTYPES
 from .files import list_models, model_path
 from .runtime import Loaded, default_runner
 
-DTYPE_CHOICES = (["auto", "fp32", "bf16", "fp16"],)
+DTYPE_CHOICES = (["auto", *DTYPES],)
 POOL_INPUT = {"pool": ("WANMESH_POOL",)}
 CATEGORY = "WanMesh"
 
