@@ -82,11 +82,16 @@ class Engine:
         return self._load(f"vae|{path}|{torch_dtype}", lambda: loaders.load_vae(path, dtype=torch_dtype, device=self.device))
 
     def load_text_encoder(self, path: str, *, dtype: str = "auto") -> str:
+        """umT5, tensor-parallel over the tp group when tp > 1 (then every rank of the group encodes together)."""
         torch_dtype = resolve_dtype(dtype, self.device)
-        return self._load(
-            f"text|{path}|{torch_dtype}",
-            lambda: loaders.load_text_encoder(path, dtype=torch_dtype, device=self.device),
-        )
+        return self._load(f"text|{path}|{torch_dtype}", lambda: self._load_umt5(path, torch_dtype))
+
+    def _load_umt5(self, path: str, torch_dtype: torch.dtype):
+        if self._degree("tp") == 1:
+            return loaders.load_text_encoder(path, dtype=torch_dtype, device=self.device)
+        from .text_encoder_tp import load_text_encoder_tp
+
+        return load_text_encoder_tp(path, dtype=torch_dtype, device=self.device, tp_group=self.parallel.tp_group)
 
     def unload(self, handle: str | None = None) -> None:
         if handle is None:

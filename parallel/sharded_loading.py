@@ -20,7 +20,14 @@ from torch import nn
 
 from .checkpoint import TensorSlice, WeightSource, build_empty, load_weights_into
 from .loaders import transformer_weight_source
-from .tensor_parallel import check_tp_degree, shard_index, shard_modules_, tensor_parallel_plan, tp_size_and_rank
+from .tensor_parallel import (
+    TensorParallelPlan,
+    check_tp_degree,
+    shard_index,
+    shard_modules_,
+    tensor_parallel_plan,
+    tp_size_and_rank,
+)
 
 __all__ = ["ShardedWeightSource", "load_transformer_shard", "load_transformer_tp", "weight_bytes"]
 
@@ -94,12 +101,15 @@ def load_transformer_tp(
                                   vace_module=vace_module, dtype=dtype, device=device)
 
 
-def weight_bytes(model: nn.Module) -> dict[str, int]:
+def weight_bytes(model: nn.Module, plan: TensorParallelPlan | None = None) -> dict[str, int]:
     """Bytes of this rank's parameters: ``sharded`` (those the plan splits), ``replicated`` and ``total``.
 
-    For a full model, ``sharded`` counts what the plan would split, so tp=1 compares like with like.
+    The plan is ``plan`` when given (a transformers model's own ``tp_plan`` is not ours), else the one a
+    sharded Wan transformer records, else the Wan transformer plan. For a full model, ``sharded`` counts
+    what the plan would split, so tp=1 compares like with like.
     """
-    sharded_names = set((getattr(model, "tp_plan", None) or tensor_parallel_plan(model)).shard_dims())
+    plan = plan or getattr(model, "tp_plan", None) or tensor_parallel_plan(model)
+    sharded_names = set(plan.shard_dims())
     sharded = replicated = 0
     for name, parameter in model.named_parameters():
         size = parameter.numel() * parameter.element_size()

@@ -10,6 +10,8 @@ which modules are split over the ranks of a tensor-parallel group:
 * the FFN: ``ffn.net.0.proj`` column-sharded, ``ffn.net.2`` row-sharded with one all-reduce.
 
 Embeddings, modulation tables, norms, the head and the VACE ``proj_in`` / ``proj_out`` stay replicated.
+The same plans and modules shard transformers' umT5 text encoder (see ``text_encoder_tp``), whose per-layer
+relative position bias table has one column per head and splits by columns (the ``head_table`` style).
 Each attention module's ``heads`` becomes the local head count, so diffusers' own ``WanAttnProcessor`` (and
 any processor that unflattens with ``attn.heads``) runs unchanged. Activations between blocks are
 replicated: the sharded model takes the same arguments and returns the same output on every rank.
@@ -35,12 +37,15 @@ from torch.nn import functional as F
 __all__ = [
     "ColumnParallelLinear", "DistributedRMSNorm", "RowParallelLinear", "TensorParallelPlan",
     "analytic_collectives", "apply_tensor_parallel", "check_tp_degree", "shard_index", "shard_modules_",
+    "shard_planned_modules_",
     "tensor_parallel_plan", "tp_size_and_rank",
 ]
 
-COLUMN, ROW, NORM = "column", "row", "norm"
+COLUMN, ROW, NORM, HEAD_TABLE = "column", "row", "norm", "head_table"
 # Which dimension of each parameter a style splits; parameters not listed (a row linear's bias) are replicated.
-_SHARD_DIMS = {COLUMN: {"weight": 0, "bias": 0}, ROW: {"weight": 1}, NORM: {"weight": 0}}
+# A head table is an nn.Embedding with one column per attention head (T5's relative position bias).
+_SHARD_DIMS = {COLUMN: {"weight": 0, "bias": 0}, ROW: {"weight": 1}, NORM: {"weight": 0}, HEAD_TABLE: {"weight": 1}}
+DIFFUSERS_HEAD_ATTRIBUTES = ("heads", "inner_dim", "kv_inner_dim")
 
 
 # --------------------------------------------------------------------------------------
@@ -99,10 +104,12 @@ def shard_index(shape: tuple[int, ...] | torch.Size, dim: int, rank: int, tp: in
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """Module path -> style (``column``, ``row`` or ``norm``), plus the attention modules whose heads split."""
+    """Module path -> style (``column``, ``row``, ``norm`` or ``head_table``), plus the attention modules whose
+    heads split and the attributes of those modules that count heads (divided by tp when sharding)."""
 
     styles: dict[str, str] = field(default_factory=dict)
     attention_modules: tuple[str, ...] = ()
+    head_attributes: tuple[str, ...] = DIFFUSERS_HEAD_ATTRIBUTES
 
     def shard_dims(self) -> dict[str, int]:
         """{parameter name: dimension split over the ranks}; every other parameter is replicated."""
@@ -243,6 +250,14 @@ class DistributedRMSNorm(nn.Module):
         return f"local_features={self.weight.shape[0]}, full_features={self.full_features}, eps={self.eps}"
 
 
+def _sharded_head_table(table: nn.Embedding, rank: int, tp: int) -> nn.Embedding:
+    """An embedding holding rank ``rank``'s block of columns (heads); no communication."""
+    weight = _local_copy(table.weight, shard_index(table.weight.shape, 1, rank, tp))
+    sharded = nn.Embedding(table.num_embeddings, table.embedding_dim // tp, device="meta", dtype=weight.dtype)
+    sharded.weight = nn.Parameter(weight, requires_grad=False)
+    return sharded
+
+
 def _replace_module(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, child, module)
@@ -253,18 +268,26 @@ def _sharded_module(module: nn.Module, style: str, rank: int, tp: int, group) ->
         return ColumnParallelLinear.from_linear(module, rank, tp)
     if style == ROW:
         return RowParallelLinear.from_linear(module, rank, tp, group)
+    if style == HEAD_TABLE:
+        return _sharded_head_table(module, rank, tp)
     return DistributedRMSNorm.from_rms_norm(module, rank, tp, group)
 
 
-def shard_modules_(model: nn.Module, plan: TensorParallelPlan, rank: int, tp: int, group) -> nn.Module:
-    """Swap the planned modules for rank ``rank``'s shards, in place (meta parameters stay meta)."""
+def shard_planned_modules_(model: nn.Module, plan: TensorParallelPlan, rank: int, tp: int, group) -> nn.Module:
+    """Swap the planned modules for rank ``rank``'s shards and divide the head counts, in place (meta
+    parameters stay meta). Records nothing on the model (transformers' models own ``tp_size`` / ``tp_plan``)."""
     for path, style in plan.styles.items():
         _replace_module(model, path, _sharded_module(model.get_submodule(path), style, rank, tp, group))
     for path in plan.attention_modules:
         attention = model.get_submodule(path)
-        attention.heads //= tp
-        attention.inner_dim //= tp
-        attention.kv_inner_dim //= tp
+        for attribute in plan.head_attributes:
+            setattr(attention, attribute, getattr(attention, attribute) // tp)
+    return model
+
+
+def shard_modules_(model: nn.Module, plan: TensorParallelPlan, rank: int, tp: int, group) -> nn.Module:
+    """``shard_planned_modules_`` for a diffusers model, recording ``tp_size``, ``tp_rank`` and ``tp_plan`` on it."""
+    shard_planned_modules_(model, plan, rank, tp, group)
     model.tp_size, model.tp_rank, model.tp_plan = tp, rank, plan
     return model
 

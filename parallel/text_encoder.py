@@ -138,20 +138,31 @@ def _folder_parts(folder: Path, stack: contextlib.ExitStack):
     return config, source, tokenizer_from_bytes(spiece_path.read_bytes(), str(spiece_path))
 
 
+def open_text_encoder(
+    path: str | Path, stack: contextlib.ExitStack
+) -> tuple[UMT5Config, WeightSource, dict[str, str], sentencepiece.SentencePieceProcessor]:
+    """(config, weight source, tied-weight aliases, tokenizer) of a umT5 file or folder; reads no weights.
+
+    The files stay open until ``stack`` closes. Shared by the single-device and the tensor-parallel loaders.
+    """
+    location = resolve_model_location(path, "text_encoder")
+    parts = _folder_parts(location, stack) if location.is_dir() else _file_parts(location, stack)
+    config, source, tokenizer = parts
+    if tokenizer.get_piece_size() > config.vocab_size:
+        raise ModelFileError(f"{location}: tokenizer has {tokenizer.get_piece_size()} tokens but the model "
+                             f"embeds only {config.vocab_size}.")
+    source, aliases = _embedding_source(source)
+    return config, source, aliases, tokenizer
+
+
 def load_text_encoder(path: str, *, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu") -> TextEncoder:
     """umT5 from a ComfyUI single file (with `spiece_model`) or a transformers / diffusers pipeline folder."""
-    location = resolve_model_location(path, "text_encoder")
     with contextlib.ExitStack() as stack:
-        parts = _folder_parts(location, stack) if location.is_dir() else _file_parts(location, stack)
-        config, source, tokenizer = parts
-        if tokenizer.get_piece_size() > config.vocab_size:
-            raise ModelFileError(f"{location}: tokenizer has {tokenizer.get_piece_size()} tokens but the model "
-                                 f"embeds only {config.vocab_size}.")
-        source, aliases = _embedding_source(source)
+        config, source, aliases, tokenizer = open_text_encoder(path, stack)
         model = build_empty(lambda: UMT5EncoderModel(config))
         load_weights_into(model, source, dtype=dtype, device=device, aliases=aliases)
     return TextEncoder(model, tokenizer)
 
 
-__all__ = ["TextEncoder", "clean_prompt", "load_text_encoder", "tokenizer_from_bytes"]
+__all__ = ["TextEncoder", "clean_prompt", "load_text_encoder", "open_text_encoder", "tokenizer_from_bytes"]
