@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checks import assert_same_state
 from wanmesh.parallel.collectives import CollectiveCounter
 from wanmesh.parallel.loaders import load_transformer
 from wanmesh.parallel.sampling import SampleRequest, sample
@@ -105,13 +106,6 @@ def _check_weight_bytes(label: str, full: torch.nn.Module, sharded: torch.nn.Mod
     assert local_bytes["replicated"] == full_bytes["replicated"], f"{label}: {local_bytes} vs full {full_bytes}"
 
 
-def _same_state(label: str, first: torch.nn.Module, second: torch.nn.Module) -> None:
-    first_state, second_state = first.state_dict(), second.state_dict()
-    assert first_state.keys() == second_state.keys(), label
-    for name, tensor in first_state.items():
-        assert torch.equal(tensor, second_state[name]), f"{label}: {name} differs"
-
-
 def _check_model(kind: str, paths: dict[str, str], group, tp: int) -> None:
     vace = kind == "vace"
     full = load_transformer(paths[kind])
@@ -120,11 +114,11 @@ def _check_model(kind: str, paths: dict[str, str], group, tp: int) -> None:
     _check_sampling(label, full, sharded, vace, group)
     _check_traffic(label, sharded, vace, tp)
     _check_weight_bytes(label, full, sharded, tp)
-    _same_state(f"{label}: apply_tensor_parallel vs sharded loading",
+    assert_same_state(f"{label}: apply_tensor_parallel vs sharded loading",
                 apply_tensor_parallel(copy.deepcopy(full), group), sharded)
     if vace:
         merged = load_transformer_tp(paths["t2v"], vace_module=paths["vace_module"], tp_group=group)
-        _same_state(f"{label}: VACE module merged onto T2V", merged, sharded)
+        assert_same_state(f"{label}: VACE module merged onto T2V", merged, sharded)
 
 
 def _check_image_cross_attention(group, tp: int) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checks import assert_same_state
 from wanmesh.parallel.sharded_loading import weight_bytes
 from wanmesh.parallel.spawn import spawn_ranks
 from wanmesh.parallel.text_encoder import load_text_encoder
@@ -53,13 +54,6 @@ def _check_weight_bytes(label: str, full: torch.nn.Module, sharded: torch.nn.Mod
     assert local_bytes["replicated"] == full_bytes["replicated"], f"{label}: {local_bytes} vs full {full_bytes}"
 
 
-def _same_state(label: str, first: torch.nn.Module, second: torch.nn.Module) -> None:
-    first_state, second_state = first.state_dict(), second.state_dict()
-    assert first_state.keys() == second_state.keys(), label
-    for name, tensor in first_state.items():
-        assert torch.equal(tensor, second_state[name]), f"{label}: {name} differs"
-
-
 def check_text_encoder_tp2(rank: int, world: int, paths: dict[str, str]) -> None:
     full = load_text_encoder(paths["text_encoder"])
     expected = full.encode(PROMPTS)
@@ -67,7 +61,7 @@ def check_text_encoder_tp2(rank: int, world: int, paths: dict[str, str]) -> None
         sharded = load_text_encoder_tp(path, tp_group=None)
         _check_encoding(label, expected, sharded)
         _check_weight_bytes(label, full.model, sharded.model)
-    _same_state("apply_text_encoder_tp vs sharded loading",
+    assert_same_state("apply_text_encoder_tp vs sharded loading",
                 apply_text_encoder_tp(copy.deepcopy(full.model), None), sharded.model)
 
 

@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from checks import write_fp8_variant
 from wanmesh.parallel import checkpoint
 from wanmesh.parallel.sharded_loading import weight_bytes
 from wanmesh.parallel.tensor_parallel import shard_index
@@ -42,25 +42,10 @@ def test_plan_shards_attention_heads_bias_table_and_feed_forward(tiny_reference)
     assert not any("shared" in name or "layer_norm" in name for name in dims)
 
 
-def _write_fp8(source, target, scaled: bool) -> None:
-    variant = {}
-    for name, tensor in load_file(source).items():
-        if tensor.dim() == 2 and name.endswith(".weight"):
-            scale = tensor.abs().max() / 448.0 if scaled else None
-            variant[name] = (tensor / scale if scaled else tensor).to(FP8)
-            if scaled:
-                variant[name[: -len("weight")] + "scale_weight"] = scale.reshape(1)
-        else:
-            variant[name] = tensor
-    if scaled:
-        variant["scaled_fp8"] = torch.empty(0, dtype=FP8)
-    save_file(variant, target)
-
-
 def _format_path(tiny_models, tmp_path, kind: str) -> str:
     if kind in ("fp8", "scaled_fp8"):
         path = tmp_path / f"umt5_{kind}.safetensors"
-        _write_fp8(tiny_models["text_encoder"], path, scaled=kind == "scaled_fp8")
+        write_fp8_variant(tiny_models["text_encoder"], path, scaled=kind == "scaled_fp8")
         return str(path)
     return str(tiny_models["text_encoder" if kind == "file" else "diffusers_t2v"])
 

@@ -13,9 +13,8 @@ import math
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
+from checks import write_fp8_variant
 from wanmesh.parallel import checkpoint
 from wanmesh.parallel.loaders import load_transformer, transformer_weight_source
 from wanmesh.parallel.sharded_loading import load_transformer_shard, weight_bytes
@@ -101,26 +100,10 @@ def test_without_a_process_group_the_model_is_untouched(tiny_reference):
 # ------------------------------------------------------------------ sharded loading, every format
 
 
-def _write_fp8(source, target, scaled: bool) -> None:
-    variant = {}
-    for name, tensor in load_file(source).items():
-        if tensor.dim() == 2 and name.endswith(".weight"):
-            scale = tensor.abs().max() / 448.0 if scaled else None
-            variant[name] = (tensor / scale if scaled else tensor).to(FP8)
-            if scaled:
-                variant[name[: -len("weight")] + "scale_weight"] = scale.reshape(1)
-        else:
-            variant[name] = tensor
-    if scaled:
-        variant["scaled_fp8"] = torch.empty(0, dtype=FP8)
-    with safe_open(source, "pt") as handle:
-        save_file(variant, target, metadata=handle.metadata())
-
-
 def _format_paths(tiny_models, tmp_path, kind: str) -> tuple[str, str | None]:
     if kind in ("fp8", "scaled_fp8"):
         path = tmp_path / f"{kind}.safetensors"
-        _write_fp8(tiny_models["t2v"], path, scaled=kind == "scaled_fp8")
+        write_fp8_variant(tiny_models["t2v"], path, scaled=kind == "scaled_fp8")
         return str(path), None
     if kind == "vace_module":
         return str(tiny_models["t2v"]), str(tiny_models["vace_module"])
