@@ -18,7 +18,6 @@ from wanmesh.parallel.tensor_parallel import shard_index
 from wanmesh.parallel.text_encoder import load_text_encoder
 from wanmesh.parallel.text_encoder_tp import load_text_encoder_shard, text_encoder_tp_plan
 
-FP8 = torch.float8_e4m3fn
 
 
 def _expected_styles(num_layers: int) -> dict[str, str]:

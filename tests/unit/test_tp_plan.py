@@ -25,7 +25,6 @@ from wanmesh.parallel.tensor_parallel import (
     tensor_parallel_plan,
 )
 
-FP8 = torch.float8_e4m3fn
 
 
 def _expected_block_styles(prefix: str) -> dict[str, str]:
