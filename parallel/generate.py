@@ -1,4 +1,4 @@
-"""`wanmesh generate`: text to video through the engine, writing an MP4 and optionally latents and frames."""
+"""`wanmesh generate`: text to video through the worker pool, writing an MP4 and optionally latents and frames."""
 
 from __future__ import annotations
 
@@ -46,18 +46,18 @@ def generate(args, files: dict[str, str | None]) -> None:
     print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
 
 
-def _run(engine: PoolRunner, args, files, shape) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(runner: PoolRunner, args, files, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """Text encoding, sampling and decoding; each model is unloaded once its part is done."""
-    text = engine.load_text_encoder(files["text_encoder"], dtype=args.dtype)
-    positive, negative = engine.encode_text(text, [args.prompt]), engine.encode_text(text, [args.negative])
-    engine.unload(text)
-    model = engine.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
+    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
+    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
+    runner.unload(text)
+    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
     request = SampleRequest(
         latent=torch.zeros(shape), positive=positive, negative=negative, seed=args.seed, steps=args.steps,
         cfg=args.cfg, shift=args.shift, sampler=args.sampler,
     )
-    latents = engine.sample(model, request, progress=_progress)
-    engine.unload(model)
-    vae = engine.load_vae(files["vae"], dtype=args.dtype)
-    frames = engine.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
+    latents = runner.sample(model, request, progress=_progress)
+    runner.unload(model)
+    vae = runner.load_vae(files["vae"], dtype=args.dtype)
+    frames = runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
     return frames, latents
