@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..parallel.engine import DTYPES
+from ..parallel import DTYPE_NAMES
 from .files import list_models, model_path
 from .runtime import Loaded, default_runner
 
-DTYPE_CHOICES = (["auto", *DTYPES],)
+DTYPE_CHOICES = (list(DTYPE_NAMES),)
 POOL_INPUT = {"pool": ("WANMESH_POOL",)}
 CATEGORY = "WanMesh"
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..parallel.client import PoolRunner
-from ..parallel.config import BACKENDS, ParallelConfig
+from ..parallel import BACKENDS, ParallelConfig, PoolRunner
 
 DEGREE = {"default": 1, "min": 1, "max": 64}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..parallel.client import PoolRunner
+from ..parallel import PoolRunner
 
 
 def default_runner() -> PoolRunner:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel.sampling import SAMPLERS, Cancelled, SampleRequest
-from ..parallel.video import latent_shape
+from ..parallel import SAMPLERS, Cancelled, SampleRequest, latent_shape
 from .convert import conditioning_to_embeddings, embeddings_to_conditioning, latent_to_tensor, tensor_to_latent
 from .runtime import interrupted, progress_reporter, raise_if_interrupted
 
@@ -72,17 +71,16 @@ class WanMeshSampler:
 
     def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise, vace=None):
         request = SampleRequest(
+            handle=model.handle,
             latent=latent_to_tensor(latent_image),
             positive=conditioning_to_embeddings(positive),
             negative=conditioning_to_embeddings(negative),
-            seed=seed, steps=steps, cfg=cfg, shift=shift, sampler=sampler_name, denoise=denoise,
+            seed=seed, steps=steps, guidance_scale=cfg, shift=shift, sampler=sampler_name, denoise=denoise,
             vace_context=None if vace is None else vace["context"],
             vace_strength=1.0 if vace is None else vace["strength"],
         )
         try:
-            samples = model.runner.sample(
-                model.handle, request, progress=progress_reporter(steps), should_stop=interrupted
-            )
+            samples = model.runner.sample(request, progress=progress_reporter(steps), should_stop=interrupted)
         except Cancelled:
             raise_if_interrupted()
             raise

@@ -1,1 +1,26 @@
-"""WanMesh engine: model loading, sampling, VAE, and the worker pool. Never imports ComfyUI."""
+"""WanMesh's engine and the small public API the ComfyUI nodes and the command line use. Never imports ComfyUI.
+
+Importing this package is light (torch and the standard library; no diffusers or transformers): ComfyUI
+imports the pack at start-up. Model libraries load in the workers, or when a command needs them.
+
+Processes: ``driver/`` runs in the ComfyUI or CLI process, ``worker/`` in each worker process,
+``distributed/``, ``models/`` and ``sampling/`` in the workers; ``config``, ``protocol``, ``errors`` and
+``transport`` are shared by both sides. See ARCHITECTURE.md.
+"""
+
+from .config import (
+    BACKENDS,
+    DTYPE_NAMES,
+    SAMPLERS,
+    ParallelConfig,
+    check_video_size,
+    latent_shape,
+)
+from .driver.runner import PoolRunner
+from .errors import Cancelled, WorkerError
+from .protocol import SampleRequest
+
+__all__ = [
+    "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
+    "PoolRunner", "Cancelled", "WorkerError", "SampleRequest",
+]

@@ -1,20 +1,32 @@
-"""ParallelConfig: how many ranks the worker pool has and how they split the work.
+"""ParallelConfig and every check of user-given numbers, written once; runs in the driver (and workers).
+
+ParallelConfig is how many ranks the worker pool has and how they split the work.
 
 The rank layout is ``world = dp x cfg x ulysses x ring x tp`` with ``tp`` varying fastest, so tensor-parallel
 peers are neighbours (and share a machine on a cluster). ``cfg`` is 2 with CFG parallel (conditional and
 unconditional passes on two halves of the pool) and ``dp`` (data-parallel replicas that split the batch) fills
 whatever the other degrees leave; with a batch of one the extra replicas still share the VAE patch work.
 
-Everything here is checked up front, before a process starts, with messages that name the numbers.
+Everything here is checked up front, before a process starts, with messages that name the numbers. The
+video geometry (sizes, frame counts, latent shapes, VAE tiles), the sampling settings and the head-count
+divisibility of the parallel degrees are checked here too, so every caller (nodes, command line, workers)
+gives the same one-line error. Light at import: plain Python only (torch is imported where a tensor is checked).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 BACKENDS = ("local", "ray")
-MESH_DIMS = ("dp", "cfg", "ulysses", "ring", "tp")  # outermost first; tp varies fastest
+MESH_DIMS = ("dp", "cfg", "ulysses", "ring", "tp")  # outermost first; tp varies fastest; cfg = the CFG-parallel split
+SAMPLERS = ("unipc", "euler")
+DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
+SPATIAL_STRIDE = 16  # VAE 8x times the transformer's 2x2 patches
+VAE_SPATIAL_FACTOR = 8
+TEMPORAL_STRIDE = 4  # frames are 4k + 1
+LATENT_CHANNELS = 16
 
 
 def _as_device_tuple(devices: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -63,13 +75,14 @@ class ParallelConfig:
     # -- derived degrees ----------------------------------------------------------------------------------
 
     @property
-    def cfg(self) -> int:
+    def cfg_degree(self) -> int:
+        """Ranks the CFG passes are split over: 2 with CFG parallel, else 1 (not the guidance scale)."""
         return 2 if self.cfg_parallel else 1
 
     @property
     def model_parallel(self) -> int:
         """Ranks that cooperate on one denoising pass: cfg x ulysses x ring x tp."""
-        return self.cfg * self.ulysses * self.ring * self.tp
+        return self.cfg_degree * self.ulysses * self.ring * self.tp
 
     @property
     def dp(self) -> int:
@@ -78,7 +91,7 @@ class ParallelConfig:
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """Sizes along ``MESH_DIMS``."""
-        return (self.dp, self.cfg, self.ulysses, self.ring, self.tp)
+        return (self.dp, self.cfg_degree, self.ulysses, self.ring, self.tp)
 
     # -- checks -------------------------------------------------------------------------------------------
 
@@ -89,7 +102,7 @@ class ParallelConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         product = self.model_parallel
         if self.world % product:
-            factors = f"cfg x ulysses x ring x tp = {self.cfg} x {self.ulysses} x {self.ring} x {self.tp} = {product}"
+            factors = f"cfg x ulysses x ring x tp = {self.cfg_degree} x {self.ulysses} x {self.ring} x {self.tp} = {product}"
             valid = ", ".join(str(product * k) for k in range(1, 5))
             raise ValueError(
                 f"world={self.world} is not a multiple of {factors}; with these degrees valid worlds are {valid}, ... "
@@ -119,14 +132,7 @@ class ParallelConfig:
 
     def check_heads(self, num_heads: int) -> None:
         """Attention heads are split over tp x ulysses ranks: fail when a loaded model cannot be split so."""
-        split = self.tp * self.ulysses
-        if num_heads % split:
-            divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-            raise ValueError(
-                f"the model has {num_heads} attention heads, which do not divide over tp x ulysses = "
-                f"{self.tp} x {self.ulysses} = {split} ranks; tp x ulysses must divide {num_heads} "
-                f"(one of {', '.join(map(str, divisors))})"
-            )
+        check_head_split(num_heads, tp=self.tp, ulysses=self.ulysses)
 
     def rank_devices(self, cuda_count: int | None = None) -> list[str]:
         """The device of each rank on this machine (local backend). ``cuda_count``: visible GPUs (default: ask torch)."""
@@ -182,3 +188,117 @@ def rank_coordinates(config: ParallelConfig, rank: int) -> dict[str, int]:
         remainder //= size
     return {name: coords[name] for name in MESH_DIMS}
 
+
+
+# -- head split ------------------------------------------------------------------------------------------
+
+
+def _divisors(value: int) -> str:
+    return ", ".join(str(d) for d in range(1, value + 1) if value % d == 0)
+
+
+def check_head_split(num_heads: int, *, tp: int = 1, ulysses: int = 1, ffn_dim: int | None = None) -> None:
+    """Tensor parallelism splits whole heads (and the FFN width); Ulysses splits each tp rank's heads again."""
+    for name, degree in (("tp", tp), ("ulysses", ulysses)):
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"{name} must be a positive integer, got {degree!r}")
+    split = tp * ulysses
+    if num_heads % split and ulysses == 1:
+        raise ValueError(
+            f"tp={tp} does not divide the model's {num_heads} attention heads; tensor parallelism splits whole "
+            f"heads, so tp must divide {num_heads} (one of {_divisors(num_heads)})"
+        )
+    if num_heads % split:
+        raise ValueError(
+            f"the model has {num_heads} attention heads, which do not divide over tp x ulysses = "
+            f"{tp} x {ulysses} = {split} ranks; tp x ulysses must divide {num_heads} (one of {_divisors(num_heads)})"
+        )
+    if ffn_dim is not None and ffn_dim % tp:
+        raise ValueError(
+            f"tp={tp} does not divide the model's FFN width {ffn_dim}; valid tp for this model: "
+            f"{_divisors(math.gcd(num_heads, ffn_dim))}"
+        )
+
+
+# -- video geometry ----------------------------------------------------------------------------------------
+
+
+def _nearest(value: int, step: int, offset: int, minimum: int) -> str:
+    """The valid values of the form step*k + offset (at least ``minimum``) just below and above ``value``."""
+    below = (value - offset) // step * step + offset
+    candidates = [v for v in (below, below + step) if v >= minimum] or [minimum]
+    return " or ".join(str(v) for v in dict.fromkeys(candidates))
+
+
+def check_frame_count(frames: int, what: str = "frame count") -> None:
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % TEMPORAL_STRIDE:
+        near = _nearest(frames, TEMPORAL_STRIDE, 1, 1) if isinstance(frames, int) else "1, 5, 9, ..."
+        raise ValueError(f"{what} {frames} is not of the form 4k+1 (nearest valid: {near})")
+
+
+def check_video_size(width: int, height: int, frames: int, multiple: int = SPATIAL_STRIDE) -> None:
+    """Reject sizes Wan cannot handle, naming the nearest valid values, before any work starts."""
+    problems = []
+    for name, value in (("width", width), ("height", height)):
+        if value < multiple or value % multiple:
+            near = _nearest(value, multiple, 0, multiple)
+            problems.append(f"{name} {value} is not a positive multiple of {multiple} (nearest valid: {near})")
+    try:
+        check_frame_count(frames)
+    except ValueError as error:
+        problems.append(str(error))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def latent_shape(width: int, height: int, frames: int, batch: int = 1) -> tuple[int, int, int, int, int]:
+    """The raw Wan latent shape [B, 16, T, H/8, W/8] of a video; bad sizes are refused first."""
+    check_video_size(width, height, frames)
+    return (batch, LATENT_CHANNELS, (frames - 1) // TEMPORAL_STRIDE + 1, height // 8, width // 8)
+
+
+def check_latent(latent) -> None:
+    """A latent the transformer can take: [B, 16, T, h, w] with even h and w (2x2 patches)."""
+    if latent.ndim != 5 or latent.shape[1] != LATENT_CHANNELS or min(latent.shape) < 1:
+        raise ValueError(f"latent must be [B, 16, T, H/8, W/8] raw Wan latents, got shape {list(latent.shape)}")
+    h, w = latent.shape[-2:]
+    if h % 2 or w % 2:
+        raise ValueError(
+            f"latent spatial size {h}x{w} must be even (video size a multiple of 16); got a {w * 8}x{h * 8} video"
+        )
+
+
+def resolve_tile_options(tile_px: int, overlap_px: int | None, ratio: int = VAE_SPATIAL_FACTOR) -> tuple[int, int]:
+    """Validate the tile edge and overlap (pixels); the overlap defaults to a quarter tile, a multiple of ``ratio``."""
+    if isinstance(tile_px, bool) or not isinstance(tile_px, int) or tile_px < ratio or tile_px % ratio:
+        raise ValueError(f"tile_px must be a positive multiple of the VAE's spatial factor {ratio}, got {tile_px!r}")
+    if overlap_px is None:
+        overlap_px = (tile_px // 4) // ratio * ratio
+    if not isinstance(overlap_px, int) or overlap_px % ratio or not 0 <= overlap_px <= tile_px // 2:
+        raise ValueError(
+            f"overlap_px must be a multiple of {ratio} between 0 and half the tile ({tile_px // 2}), got {overlap_px!r}"
+        )
+    return tile_px, overlap_px
+
+
+def check_tiles(tile_px: int | None, overlap_px: int | None) -> None:
+    """The user's VAE tile options (None: no tiling), before any worker work."""
+    if tile_px is not None:
+        resolve_tile_options(tile_px, overlap_px)
+    elif overlap_px is not None:
+        raise ValueError("an overlap was given without a tile size; give the tile size too")
+
+
+# -- sampling settings -------------------------------------------------------------------------------------
+
+
+def check_sampling(*, sampler: str, steps: int, shift: float, denoise: float) -> None:
+    """The denoising settings, before any worker work."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if not 0.0 < denoise <= 1.0:
+        raise ValueError(f"denoise must be in (0, 1], got {denoise}")
+    if shift <= 0:
+        raise ValueError(f"shift must be positive, got {shift}")

@@ -14,41 +14,14 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from .config import check_latent, check_sampling
+from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
+
 PROTOCOL_VERSION = 1
 TENSOR_TAG = "__tensor__"
 
 PackTensor = Callable[[torch.Tensor], Any]
 UnpackTensor = Callable[[Any], torch.Tensor]
-
-
-class ProtocolError(ValueError):
-    """A message that is not part of this protocol version."""
-
-
-class WorkerError(RuntimeError):
-    """A failure inside a worker (or of a worker process), as the caller sees it."""
-
-    def __init__(self, rank: int | None, error_type: str, message: str, traceback: str = ""):
-        self.rank = rank
-        self.error_type = error_type
-        self.message = message
-        self.traceback = traceback
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        where = f"rank {self.rank}" if self.rank is not None else "worker pool"
-        text = f"{where}: {self.error_type}: {self.message}"
-        if self.traceback:
-            text += f"\n--- traceback on {where} ---\n{self.traceback.rstrip()}"
-        return text
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"kind": "error", "rank": self.rank, "error_type": self.error_type,
-                "message": self.message, "traceback": self.traceback}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "WorkerError":
-        return cls(data.get("rank"), data["error_type"], data["message"], data.get("traceback", ""))
 
 
 # -- message classes -----------------------------------------------------------------------------------
@@ -143,22 +116,39 @@ class EncodeText(Request):
 
 
 @dataclass(frozen=True)
-class Sample(Request):
-    """The fields of the engine's SampleRequest, plus the model handle."""
+class SampleRequest(Request):
+    """One sampling run on a loaded model, used end to end: built by the nodes and the command line, checked
+    in the driver, sent to the workers, read by the denoising loop. Tensors live on the CPU.
+
+    ``guidance_scale`` is the classifier-free guidance scale (ComfyUI's "cfg"); how many ranks the guidance
+    passes are split over is ``ParallelConfig.cfg_parallel``, a property of the pool, not of the request.
+    """
 
     kind: ClassVar[str] = "sample"
     handle: str
-    latent: torch.Tensor
-    positive: list[torch.Tensor]
+    latent: torch.Tensor  # raw latents [B, 16, T, h, w]
+    positive: list[torch.Tensor]  # prompt embeddings, each [L, text_dim]
     negative: list[torch.Tensor]
     seed: int
     steps: int
-    cfg: float
+    guidance_scale: float
     shift: float
     sampler: str = "unipc"
     denoise: float = 1.0
-    vace_context: torch.Tensor | None = None
+    vace_context: torch.Tensor | None = None  # [B, 96, T, h, w]
     vace_strength: float = 1.0
+
+    def validate(self) -> None:
+        """Everything that can be checked without the model; the driver calls it before sending."""
+        check_sampling(sampler=self.sampler, steps=self.steps, shift=self.shift, denoise=self.denoise)
+        check_latent(self.latent)
+        if not self.positive or not self.negative:
+            raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
+        if self.vace_context is not None and self.vace_context.shape[2:] != self.latent.shape[2:]:
+            raise ValueError(
+                f"VACE context covers {list(self.vace_context.shape[2:])} latent positions but the latent is "
+                f"{list(self.latent.shape[2:])}; encode the VACE inputs at the latent's size and frame count"
+            )
 
 
 @dataclass(frozen=True)
@@ -210,13 +200,13 @@ class Diagnostic(Request):
 
 REQUESTS: dict[str, type[Request]] = {
     cls.kind: cls
-    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, Sample, Decode, Encode, Unload, Health, Shutdown, Diagnostic)
+    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, Decode, Encode, Unload, Health, Shutdown, Diagnostic)
 }
 REPLIES: dict[str, type[Reply]] = {
     cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, Done, HealthReport, DiagnosticResult)
 }
 REPLY_TO: dict[type[Request], type[Reply]] = {
-    LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, Sample: Latents,
+    LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, SampleRequest: Latents,
     Decode: Images, Encode: Latents, Unload: Done, Health: HealthReport, Shutdown: Done, Diagnostic: DiagnosticResult,
 }
 LOADS = (LoadModel, LoadVae, LoadTextEncoder)

@@ -1,7 +1,8 @@
 """Fixtures for the tests against a real ComfyUI server with this pack in its ``custom_nodes``.
 
-The server is started once per test module on the ComfyUI copy that
-``tests/tools/prepare_comfyui.py`` makes, with tiny models written by
+The servers are started once per test module on the ComfyUI copies that
+``tests/tools/prepare_comfyui.py`` makes (``comfyui_server``: the 2024 copy;
+``recent_comfyui_server``: ComfyUI 0.3.75), with tiny models written by
 ``wanmesh make-tiny``. Outside CI a ComfyUI copy that cannot be prepared (no
 access to the package registry) skips these tests; with ``CI=true`` it fails
 them, so CI never passes without having run them.
@@ -21,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOLS_DIR = REPO_ROOT / "tests" / "tools"
 sys.path.insert(0, str(TOOLS_DIR))
 
-from comfyui_server import ComfyUIServer, write_model_paths_config  # noqa: E402
+from comfyui_server import ComfyUIServer, RecentComfyUIServer, write_model_paths_config  # noqa: E402
 from workflow_graph import load_workflow, with_fresh_seed  # noqa: E402
 
 TINY_MODEL_FILES = ("diffusion_models/wan_tiny_t2v.safetensors", "diffusion_models/wan_tiny_vace.safetensors",
@@ -41,17 +42,31 @@ def _run_quietly(command: list[str], what: str, timeout_s: float) -> subprocess.
     return result
 
 
-@pytest.fixture(scope="session")
-def comfyui_dir() -> Path:
-    """The prepared ComfyUI copy (``build/comfyui``) with this pack in ``custom_nodes``."""
+def _prepared_comfyui(which: str) -> Path:
+    """Run ``prepare_comfyui.py --which <which>`` and return the folder it prints (fail in CI, else skip)."""
     try:
-        result = _run_quietly([sys.executable, str(TOOLS_DIR / "prepare_comfyui.py")],
-                              "preparing the ComfyUI copy", timeout_s=600)
+        result = _run_quietly([sys.executable, str(TOOLS_DIR / "prepare_comfyui.py"), "--which", which],
+                              f"preparing the {which} ComfyUI copy", timeout_s=600)
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         if running_in_ci():
-            pytest.fail(f"CI=true and no ComfyUI copy: {error}")
-        pytest.skip(f"no ComfyUI copy (run tests/tools/prepare_comfyui.py): {error}")
+            pytest.fail(f"CI=true and no {which} ComfyUI copy: {error}")
+        pytest.skip(f"no {which} ComfyUI copy (run tests/tools/prepare_comfyui.py --which {which}): {error}")
     return Path(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def comfyui_dir() -> Path:
+    """The prepared 2024 ComfyUI copy (``build/comfyui``) with this pack in ``custom_nodes``."""
+    return _prepared_comfyui("2024")
+
+
+@pytest.fixture(scope="session")
+def recent_comfyui_dir() -> Path:
+    """The prepared ComfyUI 0.3.75 copy (``build/comfyui-recent``) with this pack in ``custom_nodes``.
+
+    Preparing it also installs what that ComfyUI needs (frontend, templates, av, ...) into this Python.
+    """
+    return _prepared_comfyui("recent")
 
 
 @pytest.fixture(scope="session")
@@ -66,14 +81,12 @@ def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models
 
 
-# Module scope: the server is stopped once its tests are done, not left idle while other suites run.
-@pytest.fixture(scope="module")
-def comfyui_server(comfyui_dir: Path, tiny_models_dir: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
-    """A running ComfyUI server; at teardown it is stopped and must leave no processes behind."""
+def _serve(server_class: type[ComfyUIServer], comfy_dir: Path, tiny_models_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """Start a server with the tiny models, hand it over, then stop it and check that it left no processes."""
     work_dir = tmp_path_factory.mktemp("comfyui")
     config = write_model_paths_config(tiny_models_dir, work_dir / "extra_model_paths.yaml")
-    server = ComfyUIServer(comfyui_dir, work_dir, config, extra_env={"OMP_NUM_THREADS": "1"})
+    server = server_class(comfy_dir, work_dir, config, extra_env={"OMP_NUM_THREADS": "1"})
     try:
         server.start(SERVER_START_TIMEOUT_S)
     except BaseException:
@@ -82,6 +95,21 @@ def comfyui_server(comfyui_dir: Path, tiny_models_dir: Path,
     yield server
     left_behind = server.stop()
     assert not left_behind, f"processes outlived the ComfyUI server (killed now): {left_behind}"
+
+
+# Module scope: the server is stopped once its tests are done, not left idle while other suites run.
+@pytest.fixture(scope="module")
+def comfyui_server(comfyui_dir: Path, tiny_models_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """A running 2024 ComfyUI server; at teardown it is stopped and must leave no processes behind."""
+    yield from _serve(ComfyUIServer, comfyui_dir, tiny_models_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def recent_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """A running ComfyUI 0.3.75 server; at teardown it is stopped and must leave no processes behind."""
+    yield from _serve(RecentComfyUIServer, recent_comfyui_dir, tiny_models_dir, tmp_path_factory)
 
 
 @pytest.fixture()

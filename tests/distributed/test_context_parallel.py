@@ -9,6 +9,8 @@ with Ulysses 2 x ring 2 equals `--world 1`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import faulthandler
 import math
 
@@ -17,12 +19,12 @@ import torch
 from safetensors.torch import load_file
 
 from wanmesh.parallel.cli import main
-from wanmesh.parallel.client import PoolRunner
+from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.config import ParallelConfig
-from wanmesh.parallel.engine import Engine
-from wanmesh.parallel.pool import WorkerPool
-from wanmesh.parallel.sampling import SampleRequest
-from wanmesh.parallel.tiny import TINY_TRANSFORMER, make_tiny
+from wanmesh.parallel.worker.executors import RankExecutor
+from wanmesh.parallel.driver.pool import WorkerPool
+from wanmesh.parallel.protocol import SampleRequest
+from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, make_tiny
 
 DEADLINE_S = 900  # the whole file; a hung rank dumps every thread's stack and ends the run
 TOLERANCE = 1e-4
@@ -49,8 +51,8 @@ def _request(shape: tuple[int, ...], vace: bool) -> SampleRequest:
     generator = torch.Generator().manual_seed(7)
     text_dim = TINY_TRANSFORMER["text_dim"]
     return SampleRequest(
-        latent=torch.zeros(shape), positive=[torch.randn(9, text_dim, generator=generator)],
-        negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, cfg=5.0, shift=3.0,
+        handle="", latent=torch.zeros(shape), positive=[torch.randn(9, text_dim, generator=generator)],
+        negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, guidance_scale=5.0, shift=3.0,
         sampler="unipc", vace_context=torch.randn(1, 96, *shape[2:], generator=generator) if vace else None,
     )
 
@@ -67,13 +69,13 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny):
     """Single-device latents, computed on demand and kept, keyed by (model, latent shape)."""
-    engine = Engine("cpu")
+    engine = RankExecutor("cpu")
     handles = {kind: engine.load_model(tiny[kind]) for kind in ("t2v", "vace")}
     cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def latents(kind: str, shape: tuple[int, ...]) -> torch.Tensor:
         if (kind, shape) not in cache:
-            cache[kind, shape] = engine.sample(handles[kind], _request(shape, vace=kind == "vace"))
+            cache[kind, shape] = engine.sample(replace(_request(shape, vace=kind == "vace"), handle=handles[kind]))
         return cache[kind, shape]
 
     return latents
@@ -98,7 +100,7 @@ def test_context_parallel_equals_one_device(name, tiny, reference):
             handle = runner.load_model(tiny[kind])
             for shape in shapes:
                 expected = reference(kind, shape)
-                actual = runner.sample(handle, _request(shape, vace=kind == "vace"))
+                actual = runner.sample(replace(_request(shape, vace=kind == "vace"), handle=handle))
                 assert actual.shape == expected.shape
                 error = (actual - expected).abs().max().item()
                 assert error <= TOLERANCE, f"{name} {kind} {shape}: max difference {error}"

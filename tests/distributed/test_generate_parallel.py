@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from wanmesh.parallel.cli import main
-from wanmesh.parallel.client import PoolRunner
+from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.config import ParallelConfig
-from wanmesh.parallel.pool import WorkerPool
-from wanmesh.parallel.sampling import SampleRequest
-from wanmesh.parallel.tiny import make_tiny
-from wanmesh.parallel.video import latent_shape
+from wanmesh.parallel.driver.pool import WorkerPool
+from wanmesh.parallel.protocol import SampleRequest
+from wanmesh.parallel.models.tiny import make_tiny
+from wanmesh.parallel.config import latent_shape
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def test_data_parallel_batch_split_equals_one_rank(models):
     shape = latent_shape(64, 48, 5, batch=3)
     embeddings = [torch.randn(6, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     request = SampleRequest(
-        latent=torch.zeros(shape), positive=embeddings[:1], negative=embeddings[1:], seed=11, steps=3, cfg=4.0,
+        handle="", latent=torch.zeros(shape), positive=embeddings[:1], negative=embeddings[1:], seed=11, steps=3, guidance_scale=4.0,
         shift=3.0, sampler="unipc",
     )
     results = {}
@@ -70,7 +72,7 @@ def test_data_parallel_batch_split_equals_one_rank(models):
         with WorkerPool(ParallelConfig(world=world, devices="cpu"), timeout_s=300) as pool:
             runner = PoolRunner(pool)
             handle = runner.load_model(str(models / "diffusion_models" / "wan_tiny_t2v.safetensors"))
-            results[world] = runner.sample(handle, request)
+            results[world] = runner.sample(replace(request, handle=handle))
     assert results[1].shape == shape
     # batch size changes the CPU GEMM blocking, so rows agree to float tolerance, not bit for bit
     assert (results[2] - results[1]).abs().max() <= 1e-4

@@ -20,7 +20,7 @@ import torch
 
 from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import ParallelConfig
-from wanmesh.parallel.pool import CallCancelled, WorkerError, WorkerPool, close_cached_pool, get_pool
+from wanmesh.parallel.driver.pool import Cancelled, WorkerError, WorkerPool, close_cached_pool, get_pool
 
 DIAGNOSTICS = str(Path(__file__).with_name("pool_diagnostics.py"))
 PACK_DIR = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ class TestFaultsAndCancel:
 
     def test_cancel_stops_every_rank_at_a_step_boundary(self, pool):
         pids, seen = pool.pids(), []
-        with pytest.raises(CallCancelled, match="cancelled"):
+        with pytest.raises(Cancelled, match="cancelled"):
             pool.call(P.Diagnostic("steps", {"steps": 1000, "step_s": 0.02}),
                       progress=lambda s, n: seen.append(s), should_cancel=lambda: len(seen) >= 3)
         assert 3 <= len(seen) < 1000 and seen == list(range(1, len(seen) + 1))

@@ -3,6 +3,7 @@ models stay resident between requests, and a restarted pool reloads them under t
 
 from __future__ import annotations
 
+
 import faulthandler
 import os
 import signal
@@ -12,19 +13,19 @@ import torch
 
 from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import ParallelConfig
-from wanmesh.parallel.engine import Engine
-from wanmesh.parallel.pool import WorkerError, WorkerPool
-from wanmesh.parallel.sampling import SampleRequest
-from wanmesh.parallel.video import latent_shape
+from wanmesh.parallel.worker.executors import RankExecutor
+from wanmesh.parallel.driver.pool import WorkerError, WorkerPool
+from wanmesh.parallel.protocol import SampleRequest
+from wanmesh.parallel.config import latent_shape
 
 DEADLINE_S = 400
-SAMPLE = dict(seed=7, steps=2, cfg=4.0, shift=3.0, sampler="unipc")
+SAMPLE = dict(seed=7, steps=2, guidance_scale=4.0, shift=3.0, sampler="unipc")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-    from wanmesh.parallel.tiny import make_tiny
+    from wanmesh.parallel.models.tiny import make_tiny
 
     paths = {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
     yield paths
@@ -34,12 +35,12 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny):
     """One Engine in this process, the same requests."""
-    engine = Engine("cpu")
+    engine = RankExecutor("cpu")
     text = engine.load_text_encoder(tiny["text_encoder"])
     positive, negative = engine.encode_text(text, ["a cat"]), engine.encode_text(text, [""])
     model = engine.load_model(tiny["t2v"])
     latent = torch.zeros(latent_shape(32, 32, 5))
-    latents = engine.sample(model, SampleRequest(latent=latent, positive=positive, negative=negative, **SAMPLE))
+    latents = engine.sample(SampleRequest(handle=model, latent=latent, positive=positive, negative=negative, **SAMPLE))
     frames = engine.decode(engine.load_vae(tiny["vae"]), latents)
     return {"positive": positive, "negative": negative, "latents": latents, "frames": frames}
 
@@ -56,7 +57,7 @@ def test_world_two_serves_the_engine_like_one_engine(tiny, reference, monkeypatc
         assert pool.call(P.LoadModel(tiny["t2v"])).handle == model  # resident: same key, no second copy
 
         steps = []
-        request = P.Sample(model, torch.zeros(latent_shape(32, 32, 5)), positive, negative, **SAMPLE)
+        request = P.SampleRequest(model, torch.zeros(latent_shape(32, 32, 5)), positive, negative, **SAMPLE)
         latents = pool.call(request, progress=lambda s, n: steps.append((s, n))).latents
         assert steps == [(1, 2), (2, 2)]
         torch.testing.assert_close(latents, reference["latents"], **close)

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[
 
 from wanmesh.parallel import protocol as P  # noqa: E402
 from wanmesh.parallel.config import ParallelConfig  # noqa: E402
-from wanmesh.parallel.pool import CallCancelled, WorkerError, WorkerPool  # noqa: E402
+from wanmesh.parallel.driver.pool import Cancelled, WorkerError, WorkerPool  # noqa: E402
 
 DIAGNOSTICS = str(Path(__file__).with_name("pool_diagnostics.py"))
 DEADLINE_S = 300
@@ -41,7 +41,7 @@ def test_ray_pool_results_progress_cancel_and_a_dead_actor(local_ray):
         assert [r["rank"] for r in pool.health().ranks] == [0, 1]
 
         seen = []
-        with pytest.raises(CallCancelled):
+        with pytest.raises(Cancelled):
             pool.call(P.Diagnostic("steps", {"steps": 1000, "step_s": 0.02}),
                       progress=lambda s, n: seen.append(s), should_cancel=lambda: len(seen) >= 3)
         assert seen[:3] == [1, 2, 3] and len(seen) < 1000

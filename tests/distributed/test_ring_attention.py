@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from wanmesh.parallel.attention import ring_attention, ulysses_attention
-from wanmesh.parallel.bench_attention import METHODS, _bench_point
-from wanmesh.parallel.collectives import CollectiveCounter
-from wanmesh.parallel.spawn import spawn_ranks
+from wanmesh.parallel.distributed.attention import ring_attention, ulysses_attention
+from wanmesh.parallel.bench.attention import METHODS, _bench_point
+from wanmesh.parallel.distributed.collectives import CollectiveCounter
+from wanmesh.parallel.distributed.spawn import spawn_ranks
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 HARD_DEADLINE_S = 180.0

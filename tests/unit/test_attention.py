@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wanmesh.parallel.attention import BACKENDS, _LseMerger, attention, select_backend
+from wanmesh.parallel.distributed.attention import BACKENDS, _LseMerger, attention, select_backend
 
 
 def _random_qkv(batch, q_len, kv_len, heads, dim, dtype, seed):

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from wanmesh.parallel.bench_attention import _resolve, add_arguments, format_table, write_plot
+from wanmesh.parallel.bench.attention import _resolve, add_arguments, format_table, write_plot
 
 ROWS = [
     {"degree": 2, "seq_len": 64, "method": "ring_overlap", "time_ms": 1.5, "sent_bytes": 65536,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from wanmesh.parallel.collectives import CollectiveCounter
+from wanmesh.parallel.distributed.collectives import CollectiveCounter
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from wanmesh.parallel.config import MESH_DIMS, ParallelConfig, rank_coordinates
 
 def test_dp_fills_what_the_other_degrees_leave():
     config = ParallelConfig(world=8, tp=2, cfg_parallel=True)
-    assert (config.cfg, config.model_parallel, config.dp) == (2, 4, 2)
+    assert (config.cfg_degree, config.model_parallel, config.dp) == (2, 4, 2)
     assert config.mesh_shape == (2, 2, 1, 1, 2)
 
 

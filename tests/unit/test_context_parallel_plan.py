@@ -6,19 +6,19 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
-from wanmesh.parallel import engine as engine_module
-from wanmesh.parallel.attention import attention
+from wanmesh.parallel.worker import residency as residency_module
+from wanmesh.parallel.distributed.attention import attention
 from wanmesh.parallel.config import ParallelConfig
-from wanmesh.parallel.context_parallel import (
+from wanmesh.parallel.distributed.context_parallel import (
     ContextParallelAttnProcessor,
     SequenceShard,
     apply_context_parallel,
     check_ulysses_heads,
     context_parallel_plan,
 )
-from wanmesh.parallel.engine import Engine
-from wanmesh.parallel.mesh import ParallelContext
-from wanmesh.parallel.tiny import TINY_TRANSFORMER, TINY_VACE
+from wanmesh.parallel.worker.executors import RankExecutor
+from wanmesh.parallel.distributed.mesh import ParallelContext
+from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, TINY_VACE
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +105,10 @@ def test_engine_checks_heads_before_reading_weights(tiny_models, monkeypatch):
     def must_not_load(*args, **kwargs):
         raise AssertionError("weights were read before the head check")
 
-    monkeypatch.setattr(engine_module.loaders, "load_transformer", must_not_load)
+    monkeypatch.setattr(residency_module.wan, "load_transformer", must_not_load)
     config = ParallelConfig(world=3, ulysses=3, devices="cpu")
     # A context that reports itself distributed; the check must fail before any process group is used.
     parallel = ParallelContext(config=config, rank=0, device=torch.device("cpu"), mesh=object(),
                                coords={"dp": 0, "cfg": 0, "ulysses": 0, "ring": 0, "tp": 0})
     with pytest.raises(ValueError, match="4 attention heads"):
-        Engine("cpu", parallel=parallel).load_model(str(tiny_models["t2v"]))
+        RankExecutor("cpu", parallel=parallel).load_model(str(tiny_models["t2v"]))

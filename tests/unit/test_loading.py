@@ -10,9 +10,9 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from wanmesh.parallel.checkpoint import CheckpointFile, ModelFileError, read_tensor
-from wanmesh.parallel.loaders import load_text_encoder, load_transformer, load_vae
-from wanmesh.parallel.wan_config import infer_transformer_config
+from wanmesh.parallel.models.checkpoint import CheckpointFile, ModelFileError, read_tensor
+from wanmesh.parallel.models.wan import load_text_encoder, load_transformer, load_vae
+from wanmesh.parallel.models.detect import infer_transformer_config
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -31,8 +31,9 @@ def only_builtins(value):
 
 
 def sample_request():
-    return P.Sample(handle="model|x", latent=torch.randn(1, 16, 2, 4, 4), positive=[torch.randn(5, 8)],
-                    negative=[torch.randn(5, 8)], seed=3, steps=4, cfg=5.0, shift=3.0, vace_context=None)
+    return P.SampleRequest(handle="model|x", latent=torch.randn(1, 16, 2, 4, 4), positive=[torch.randn(5, 8)],
+                    negative=[torch.randn(5, 8)], seed=3, steps=4, guidance_scale=5.0, shift=3.0,
+                           vace_context=None)
 
 
 @pytest.mark.parametrize("message", [

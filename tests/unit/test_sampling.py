@@ -6,16 +6,13 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
 
-from wanmesh.parallel.engine import Engine
-from wanmesh.parallel.loaders import load_transformer, load_vae
-from wanmesh.parallel.sampling import (
-    Cancelled,
-    SampleRequest,
-    denormalize_latents,
-    pad_text_context,
-    sample,
-)
-from wanmesh.parallel.video import latent_shape
+from wanmesh.parallel.worker.executors import RankExecutor
+from wanmesh.parallel.models.wan import load_transformer, load_vae
+from wanmesh.parallel.config import latent_shape
+from wanmesh.parallel.errors import Cancelled
+from wanmesh.parallel.protocol import SampleRequest
+from wanmesh.parallel.sampling.latents import denormalize_latents
+from wanmesh.parallel.sampling.loop import pad_text_context, sample
 
 WIDTH, HEIGHT, FRAMES = 64, 48, 5
 
@@ -26,10 +23,11 @@ def _embeddings(dim: int, seed: int, length: int) -> list[torch.Tensor]:
 
 def _request(text_dim: int, **overrides) -> SampleRequest:
     fields = dict(
+        handle="model|unused",
         latent=torch.zeros(latent_shape(WIDTH, HEIGHT, FRAMES)),
         positive=_embeddings(text_dim, 1, 7),
         negative=_embeddings(text_dim, 2, 3),
-        seed=123, steps=4, cfg=5.0, shift=3.0, sampler="unipc",
+        seed=123, steps=4, guidance_scale=5.0, shift=3.0, sampler="unipc",
     )
     fields.update(overrides)
     return SampleRequest(**fields)
@@ -62,7 +60,7 @@ def test_matches_diffusers_wan_pipeline(tiny_models, t2v, sampler):
         prompt_embeds=pad_text_context(request.positive, 1, torch.float32, "cpu"),
         negative_prompt_embeds=pad_text_context(request.negative, 1, torch.float32, "cpu"),
         height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=request.steps,
-        guidance_scale=request.cfg, generator=torch.Generator("cpu").manual_seed(request.seed), output_type="latent",
+        guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed), output_type="latent",
     ).frames
     reference = denormalize_latents(reference)
     assert ours.shape == reference.shape == request.latent.shape
@@ -79,8 +77,8 @@ def test_same_seed_same_result_other_seed_differs(t2v):
 
 
 def test_cfg_one_uses_only_the_positive_prompt(t2v):
-    request = _request(t2v.config.text_dim, cfg=1.0)
-    swapped = _request(t2v.config.text_dim, cfg=1.0, negative=_embeddings(t2v.config.text_dim, 99, 5))
+    request = _request(t2v.config.text_dim, guidance_scale=1.0)
+    swapped = _request(t2v.config.text_dim, guidance_scale=1.0, negative=_embeddings(t2v.config.text_dim, 99, 5))
     assert torch.equal(sample(t2v, request), sample(t2v, swapped))
 
 
@@ -124,24 +122,24 @@ def test_progress_every_step_and_cancel_at_a_step_boundary(t2v):
     ],
 )
 def test_bad_requests_are_rejected(t2v, overrides, message):
-    with pytest.raises(ValueError, match=message):
-        sample(t2v, _request(t2v.config.text_dim, **overrides))
+    with pytest.raises(ValueError, match=message):  # the driver's check, before anything is sent to a worker
+        _request(t2v.config.text_dim, **overrides).validate()
 
 
 def test_engine_rejects_mismatched_conditioning_and_vace(tiny_models, t2v):
-    engine = Engine("cpu")
+    engine = RankExecutor("cpu")
     handle = engine.load_model(str(tiny_models["t2v"]))
     with pytest.raises(ValueError, match="takes text embeddings of width 64"):
-        engine.sample(handle, _request(4096))
+        engine.sample(_request(4096, handle=handle))
     shape = list(latent_shape(WIDTH, HEIGHT, FRAMES))
     with pytest.raises(ValueError, match="plain T2V model"):
-        engine.sample(handle, _request(64, vace_context=torch.zeros([1, 96] + shape[2:])))
+        engine.sample(_request(64, handle=handle, vace_context=torch.zeros([1, 96] + shape[2:])))
     with pytest.raises(KeyError, match="load it first"):
-        engine.sample("model|missing||torch.float32", _request(64))
+        engine.sample(_request(64, handle="model|missing||torch.float32"))
 
 
 def test_engine_keeps_models_resident(tiny_models):
-    engine = Engine("cpu")
+    engine = RankExecutor("cpu")
     first = engine.load_model(str(tiny_models["t2v"]))
     assert engine.load_model(str(tiny_models["t2v"])) == first
     assert engine.loaded() == [first]

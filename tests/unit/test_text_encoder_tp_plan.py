@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from checks import write_fp8_variant
-from wanmesh.parallel import checkpoint
-from wanmesh.parallel.sharded_loading import weight_bytes
-from wanmesh.parallel.tensor_parallel import shard_index
-from wanmesh.parallel.text_encoder import load_text_encoder
-from wanmesh.parallel.text_encoder_tp import load_text_encoder_shard, text_encoder_tp_plan
+from wanmesh.parallel.models import checkpoint
+from wanmesh.parallel.models.sharded import weight_bytes
+from wanmesh.parallel.distributed.tensor_parallel import shard_index
+from wanmesh.parallel.models.umt5 import load_text_encoder
+from wanmesh.parallel.models.umt5_tp import load_text_encoder_shard, text_encoder_tp_plan
 
 
 

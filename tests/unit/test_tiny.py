@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import UMT5EncoderModel
 
-from wanmesh.parallel import tiny
+from wanmesh.parallel.models import tiny
 
 EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace"}
 WAN_LATENTS_MEAN_FIRST = -0.7571

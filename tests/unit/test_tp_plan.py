@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from checks import write_fp8_variant
-from wanmesh.parallel import checkpoint
-from wanmesh.parallel.loaders import load_transformer, transformer_weight_source
-from wanmesh.parallel.sharded_loading import load_transformer_shard, weight_bytes
-from wanmesh.parallel.tensor_parallel import (
+from wanmesh.parallel.models import checkpoint
+from wanmesh.parallel.models.wan import load_transformer, transformer_weight_source
+from wanmesh.parallel.models.sharded import load_transformer_shard, weight_bytes
+from wanmesh.parallel.distributed.tensor_parallel import (
     apply_tensor_parallel,
     check_tp_degree,
     shard_index,
@@ -158,7 +158,7 @@ def test_sharded_attention_uses_the_local_head_count(tiny_models):
 def test_bench_rejects_a_degree_that_does_not_divide_the_heads_before_spawning(tiny_models):
     import argparse
 
-    from wanmesh.parallel.bench_tp import add_arguments, resolve
+    from wanmesh.parallel.bench.tp import add_arguments, resolve
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -1,0 +1,101 @@
+"""`wanmesh bench pool`: what a worker-pool round trip costs.
+
+Two measurements on a live pool: the round-trip time of an empty request (no tensors, every rank
+answers), and the throughput of moving an IMAGE-sized tensor (81 x 480 x 832 x 3 float32 by default) to
+the workers and back (the ``echo`` diagnostic), against a plain in-process copy of the same tensor measured
+in the same run, so the ratio says what the process boundary costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import protocol as P
+from ..config import ParallelConfig
+from ..driver.pool import WorkerPool
+
+IMAGE_SHAPE = (81, 480, 832, 3)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="ranks in the pool (default 2)")
+    parser.add_argument("--devices", default="auto", help="auto, cpu, cuda or a list such as cuda:0,cuda:1")
+    parser.add_argument("--backend", choices=["local", "ray"], default="local")
+    parser.add_argument("--frames", type=int, default=IMAGE_SHAPE[0])
+    parser.add_argument("--height", type=int, default=IMAGE_SHAPE[1])
+    parser.add_argument("--width", type=int, default=IMAGE_SHAPE[2])
+    parser.add_argument("--repeats", type=int, default=5, help="timed transfers (after one warm-up)")
+    parser.add_argument("--empty-repeats", type=int, default=50, help="timed empty requests")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    fn()  # warm-up: starts lazy state and faults in the shared-memory arenas
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def measure(pool: WorkerPool, image: torch.Tensor, repeats: int, empty_repeats: int) -> dict[str, float]:
+    empty = _timed(lambda: pool.call(P.Diagnostic("echo")), empty_repeats)
+
+    def round_trip() -> None:
+        back = pool.call(P.Diagnostic("echo", tensors=[image])).tensors[0]
+        if back.shape != image.shape:
+            raise RuntimeError(f"echo returned shape {list(back.shape)} for {list(image.shape)}")
+
+    moved = _timed(round_trip, repeats)
+    copied = _timed(image.clone, repeats)
+    nbytes = image.numel() * image.element_size()
+    pool_s, copy_s = statistics.median(moved), statistics.median(copied)
+    return {
+        "empty_request_ms": statistics.median(empty) * 1e3,
+        "empty_request_p90_ms": sorted(empty)[int(0.9 * (len(empty) - 1))] * 1e3,
+        "tensor_mib": nbytes / 2**20,
+        "pool_round_trip_s": pool_s,
+        "pool_gib_per_s": 2 * nbytes / pool_s / 2**30,  # there and back
+        "copy_s": copy_s,
+        "copy_gib_per_s": nbytes / copy_s / 2**30,
+        "ratio": pool_s / copy_s,
+    }
+
+
+def format_table(config: ParallelConfig, shape: tuple[int, ...], r: dict[str, float]) -> str:
+    rows = [
+        ("empty request round trip (median)", f"{r['empty_request_ms']:.2f} ms"),
+        ("empty request round trip (p90)", f"{r['empty_request_p90_ms']:.2f} ms"),
+        (f"IMAGE {'x'.join(map(str, shape))} float32", f"{r['tensor_mib']:.0f} MiB"),
+        ("to the workers and back (median)", f"{r['pool_round_trip_s'] * 1e3:.1f} ms  ({r['pool_gib_per_s']:.2f} GiB/s)"),
+        ("in-process copy (median)", f"{r['copy_s'] * 1e3:.1f} ms  ({r['copy_gib_per_s']:.2f} GiB/s)"),
+        ("pool round trip / in-process copy", f"{r['ratio']:.2f}x"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"pool: {config.describe()}", "-" * (width + 30)]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    """Run the benchmark described by ``args`` (see :func:`add_arguments`), print a table, return the numbers."""
+    config = ParallelConfig(world=args.world, devices=args.devices, backend=args.backend)
+    shape = (args.frames, args.height, args.width, 3)
+    if min(shape) < 1 or args.repeats < 1 or args.empty_repeats < 1:
+        raise ValueError(f"frames, height, width and repeats must be positive, got shape {shape}, "
+                         f"repeats {args.repeats}, empty repeats {args.empty_repeats}")
+    image = torch.rand(shape, dtype=torch.float32)
+    with WorkerPool(config) as pool:
+        results = measure(pool, image, args.repeats, args.empty_repeats)
+    print(format_table(config, shape, results))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"config": config.to_dict(), "shape": shape, **results}, indent=2))
+    return results

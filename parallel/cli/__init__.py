@@ -1,0 +1,140 @@
+"""The `wanmesh` command line: make-tiny, generate and bench; runs in the CLI (driver) process.
+
+It drives the same worker pool and runner the ComfyUI nodes use. Subcommands import what they need when run,
+so `wanmesh --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..models.tiny_files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+
+# Sizes used when nothing is given: the real Wan 480p default, or a quick clip for the tiny built-in models.
+REAL_DEFAULTS = {"width": 832, "height": 480, "frames": 81, "steps": 30, "shift": 5.0}
+TINY_DEFAULTS = {"width": 128, "height": 96, "frames": 17, "steps": 10, "shift": 3.0}
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="text to video (tiny built-in models when no model is given)")
+    files = p.add_argument_group("models (default: the tiny built-in models in a cache folder)")
+    files.add_argument("--models", type=Path, help="a models tree written by `wanmesh make-tiny`")
+    files.add_argument("--model", help="Wan T2V or VACE transformer (single file or diffusers folder)")
+    files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
+    files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
+    files.add_argument("--vace-module", help="VACE module file merged onto --model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative", default="")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--frames", type=int, help="4k+1 frames")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--guidance-scale", "--cfg", dest="guidance_scale", type=float, default=5.0,
+                   help="classifier-free guidance scale (ComfyUI's cfg); 1 runs a single pass")
+    p.add_argument("--shift", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (must divide the head count)")
+    par.add_argument("--ulysses", type=int, default=1,
+                     help="Ulysses sequence-parallel degree (tp x ulysses must divide the head count)")
+    par.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
+    par.add_argument("--cfg-parallel", action="store_true",
+                     help="run the conditional and unconditional passes on two halves of the pool")
+    par.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
+    par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
+    par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
+    p.add_argument("--fps", type=int, default=16)
+    p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")
+    p.add_argument("--save-latents", type=Path, help="write the raw latents [B,16,T,h,w] as tensor 'latents'")
+    p.add_argument("--save-frames", type=Path, help="write the frames [F,H,W,3] 0..1 as tensor 'frames'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wanmesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    tiny = sub.add_parser("make-tiny", help="write the tiny test models as a ComfyUI models tree")
+    tiny.add_argument("directory", type=Path)
+    _add_generate(sub)
+    bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        _bench_module(module).add_arguments(bench_sub.add_parser(name, help=help_text))
+    return parser
+
+
+BENCHMARKS = {
+    "dit": ("dit", "one denoise step: WanMesh against diffusers' transformer"),
+    "pool": ("pool", "worker pool: empty round trip, moving a video to the workers and back"),
+    "tp": ("tp", "tensor parallelism: bytes per collective, time per step, weight memory"),
+    "vae": ("vae", "VAE patch parallelism: decode time and peak memory per rank"),
+    "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
+}
+
+
+def _bench_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"{__package__.rpartition('.')[0]}.bench.{name}")
+
+
+def resolve_model_files(args) -> dict[str, str | None]:
+    """The four model paths from --models, the single-file flags, or the tiny built-in models."""
+    single = {"model": args.model, "vae": args.vae, "text_encoder": args.text_encoder}
+    if args.models is not None and any(single.values()):
+        raise SystemExit("give either --models DIR or --model/--vae/--text-encoder, not both")
+    if any(single.values()):
+        missing = [f"--{k.replace('_', '-')}" for k, v in single.items() if not v]
+        if missing:
+            raise SystemExit(f"missing {', '.join(missing)}: --model, --vae and --text-encoder go together")
+        return {**single, "vace_module": args.vace_module}
+    root = args.models if args.models is not None else ensure_tiny_models(tiny_cache_dir())
+    paths = {key: str(root / TINY_FILES[key]) for key in ("model", "vae", "text_encoder")}
+    for key, path in paths.items():
+        if not Path(path).is_file():
+            raise SystemExit(f"{path} does not exist: --models expects a tree written by `wanmesh make-tiny DIR`")
+    return {**paths, "vace_module": args.vace_module}
+
+
+def apply_defaults(args, tiny: bool) -> None:
+    for key, value in (TINY_DEFAULTS if tiny else REAL_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as error:  # bad input: a message, not a traceback
+        parser.exit(2, f"wanmesh: error: {error}\n")
+
+
+def _run(args) -> int:
+    if args.command == "make-tiny":
+        from ..models.tiny import make_tiny
+
+        for name, path in make_tiny(args.directory).items():
+            print(f"{name:>14}: {path}")
+        return 0
+    if args.command == "generate":
+        from .generate import generate
+
+        files = resolve_model_files(args)
+        apply_defaults(args, tiny=args.model is None)
+        generate(args, files)
+        return 0
+    if args.command == "bench":
+        status = _bench_module(BENCHMARKS[args.bench][0]).run(args)
+        return status if isinstance(status, int) else 0  # some benchmarks return their rows
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

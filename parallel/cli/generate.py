@@ -1,0 +1,65 @@
+"""`wanmesh generate`: text to video through the worker pool, writing an MP4 and optionally latents and frames.
+
+Runs in the CLI (driver) process; all model work happens in the pool's workers.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import ParallelConfig, check_tiles, latent_shape
+from ..driver.pool import WorkerPool
+from ..driver.runner import PoolRunner
+from ..protocol import SampleRequest
+from .video_file import write_mp4
+
+
+def pool_config(args) -> ParallelConfig:
+    """The worker pool the command line asked for (checked before any process starts)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
+    return ParallelConfig(
+        world=args.world, tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel,
+        vae_patch=args.vae_patch, devices=args.device or "auto",
+    )
+
+
+def _progress(step: int, total: int) -> None:
+    print(f"\r  step {step}/{total}", end="\n" if step == total else "", file=sys.stderr, flush=True)
+
+
+def generate(args, files: dict[str, str | None]) -> None:
+    shape = latent_shape(args.width, args.height, args.frames)  # rejects bad sizes before loading anything
+    config = pool_config(args)
+    check_tiles(args.vae_tile, args.vae_overlap)
+    started = time.perf_counter()
+    with WorkerPool(config) as pool:
+        frames, latents = _run(PoolRunner(pool), args, files, shape)
+    write_mp4(frames, args.out, fps=args.fps)
+    if args.save_latents:
+        save_file({"latents": latents.float().contiguous()}, str(args.save_latents))
+    if args.save_frames:
+        save_file({"frames": frames.float().contiguous()}, str(args.save_frames))
+    seconds = time.perf_counter() - started
+    print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
+
+
+def _run(runner: PoolRunner, args, files, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text encoding, sampling and decoding; each model is unloaded once its part is done."""
+    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
+    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
+    runner.unload(text)
+    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
+    request = SampleRequest(
+        handle=model, latent=torch.zeros(shape), positive=positive, negative=negative, seed=args.seed,
+        steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler,
+    )
+    latents = runner.sample(request, progress=_progress)
+    runner.unload(model)
+    vae = runner.load_vae(files["vae"], dtype=args.dtype)
+    frames = runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
+    return frames, latents

@@ -1,0 +1,214 @@
+"""The local backend: one worker process per device on this machine.
+
+Workers start in fresh interpreters (``python -c BOOTSTRAP``), never through ``multiprocessing`` spawn,
+which would re-import the host's ``__main__`` (ComfyUI's ``main.py``). The bootstrap registers this pack's
+folder as the package ``wanmesh`` without running its root ``__init__`` (the ComfyUI entry point), so the
+worker runs the same code whatever name the host imported the pack under, or whether it was pip-installed.
+
+Each worker talks to the driver over a private socket pair (nothing listens), and the ranks meet through
+a file store in a private folder; gloo and NCCL are told to use the loopback interface. Tensors move through
+shared memory (``transport.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .. import protocol as P
+from ..config import ParallelConfig
+from ..errors import RankDied
+from ..transport import SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names
+
+PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
+BOOTSTRAP = (
+    "import sys, types\n"
+    "pack = types.ModuleType('wanmesh')\n"
+    "pack.__path__ = [sys.argv[1]]\n"
+    "sys.modules['wanmesh'] = pack\n"
+    "from wanmesh.parallel.worker.main import main\n"
+    "main(sys.argv[2:])\n"
+)
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+SHUTDOWN_GRACE_S = 5.0
+
+
+def _exit_detail(code: int | None) -> str:
+    if code is None:
+        return "its connection closed while the process was still running"
+    if code < 0:
+        return f"the worker process was killed by {signal.Signals(-code).name}"
+    return f"the worker process exited with code {code}"
+
+
+class LocalWorkers:
+    """Worker processes of one pool generation; ``kill`` or ``shutdown`` ends them all."""
+
+    def __init__(self, config: ParallelConfig, pg_timeout_s: float, diagnostics: str | None):
+        self.config = config
+        self.devices = config.rank_devices()  # fails here, before any process starts, on missing GPUs
+        self.pg_timeout_s = pg_timeout_s
+        self.diagnostics = os.path.abspath(diagnostics) if diagnostics else None
+        self.shm_prefix = new_segment_prefix()
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self._tmpdir = tempfile.mkdtemp(prefix="wanmesh-pool-")
+        self._writer = ShmWriter(self.shm_prefix + "_d")
+        self._reader = ShmReader()
+        self._janitor = SegmentJanitor(self.shm_prefix)
+        self._spawned = threading.Event()
+        self._release = threading.Event()
+        self._spawn_error: BaseException | None = None
+
+    # -- start -----------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float) -> None:
+        # Linux delivers the parent-death signal when the *thread* that forked a child ends, so the workers
+        # are forked from a thread that lives exactly as long as this pool generation.
+        threading.Thread(target=self._spawn_and_hold, name="wanmesh-pool-launcher", daemon=True).start()
+        self._spawned.wait()
+        if self._spawn_error is not None:
+            raise self._spawn_error
+        self._await_hello(timeout_s)
+
+    def _spawn_and_hold(self) -> None:
+        try:
+            for rank in range(self.config.world):
+                self._spawn(rank)
+        except BaseException as exc:
+            self._spawn_error = exc
+        finally:
+            self._spawned.set()
+        self._release.wait()
+
+    def _spawn(self, rank: int) -> None:
+        ours, theirs = socket.socketpair()
+        settings = {
+            "rank": rank, "fd": theirs.fileno(), "parent_pid": os.getpid(), "config": self.config.to_dict(),
+            "device": self.devices[rank], "store": os.path.join(self._tmpdir, "store"),
+            "pg_timeout_s": self.pg_timeout_s, "diagnostics": self.diagnostics, "shm_prefix": self.shm_prefix,
+        }
+        env = {**os.environ, **LOOPBACK_ENV}
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", BOOTSTRAP, PACK_DIR, json.dumps(settings)],
+                pass_fds=(theirs.fileno(),), env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self.procs.append(proc)
+        self.conns.append(Connection(ours.detach()))
+
+    def _await_hello(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(self.config.world))
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise P.WorkerError(min(waiting), "StartTimeout", f"ranks {sorted(waiting)} did not start within "
+                                    f"{timeout_s:g} s (start_timeout_s); config {self.config.describe()}")
+            try:
+                arrived = self.poll(min(remaining, 0.2), only=waiting, starting=True)
+            except RankDied as died:
+                raise P.WorkerError(died.rank, "WorkerDied", f"{died.detail} (its standard error says why); "
+                                    f"config {self.config.describe()}") from None
+            for rank, message in arrived:
+                if message["kind"] == "error":
+                    raise P.WorkerError.from_wire(message)
+                if message.get("protocol") != P.PROTOCOL_VERSION:
+                    raise P.ProtocolError(f"rank {rank} speaks protocol {message.get('protocol')}, "
+                                          f"the driver {P.PROTOCOL_VERSION}")
+                waiting.discard(rank)
+
+    # -- messages --------------------------------------------------------------------------------------------
+
+    def prepare(self, request: P.Request) -> dict[str, Any]:
+        """The request as plain data, its tensors copied into the driver's arena (read by every rank)."""
+        self._writer.reserve(P.tensors_in(request))
+        return P.encode_message(request, self._writer.pack)
+
+    def send_request(self, request_id: int, body: dict[str, Any]) -> None:
+        for conn in self.conns:
+            conn.send({"kind": "request", "id": request_id, "body": body})
+
+    def send_cancel(self, request_id: int) -> None:
+        for conn in self.conns:
+            try:
+                conn.send({"kind": "cancel", "id": request_id})
+            except OSError:
+                pass  # a dead rank is reported by poll()
+
+    def poll(self, timeout_s: float, only: set[int] | None = None, starting: bool = False) -> list[tuple[int, dict]]:
+        """Messages that arrived within ``timeout_s``; raises RankDied for a worker that is gone."""
+        ranks = sorted(only) if only is not None else range(len(self.conns))
+        by_conn = {self.conns[r]: r for r in ranks}
+        messages = []
+        for conn in wait(list(by_conn), timeout=timeout_s):
+            rank = by_conn[conn]
+            try:
+                messages.append((rank, conn.recv()))
+            except (EOFError, OSError):
+                code = self._exit_code(rank)
+                what = "while starting" if starting else ""
+                raise RankDied(rank, f"{_exit_detail(code)} {what}".strip()) from None
+        for rank in ranks:
+            if not messages and self.procs[rank].poll() is not None:
+                raise RankDied(rank, _exit_detail(self.procs[rank].returncode))
+        return messages
+
+    def _exit_code(self, rank: int) -> int | None:
+        try:
+            return self.procs[rank].wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def decode_reply(self, body: dict[str, Any]) -> P.Reply:
+        names = segment_names(body)
+        self._janitor.adopt(names)
+        self._reader.forget_except(names)
+        return P.decode_message(body, self._reader.copy)
+
+    # -- stop ------------------------------------------------------------------------------------------------
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def shutdown(self, request_id: int) -> None:
+        """Ask every rank to leave, wait briefly, then make sure."""
+        try:
+            for conn in self.conns:
+                conn.send({"kind": "request", "id": request_id, "body": P.encode_message(P.Shutdown(), None)})
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            for proc in self.procs:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """End every worker now and free what the pool generation held (sockets, store folder, segments)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for conn in self.conns:
+            conn.close()
+        self._release.set()
+        self._writer.close()
+        self._reader.close()
+        self._janitor.clean()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -1,0 +1,298 @@
+"""The worker pool as the driver (ComfyUI or CLI process) sees it: start workers, hand them requests, relay
+progress and cancel, survive faults.
+
+``WorkerPool.call`` sends one typed request to every rank and waits for all of them, turning what comes back
+into a typed reply (rank 0's), a :class:`WorkerError`, or :class:`Cancelled`. A rank that dies, raises
+while the others wait on it, or sends nothing for ``timeout_s`` seconds stops the whole pool (a broken
+collective cannot be repaired); the next call starts a fresh one and reloads the models the caller had
+loaded, so handles stay valid across restarts. Errors that every rank reports leave the pool running.
+
+Backends (``local.LocalWorkers``, ``ray_backend.RayWorkers``) start the workers and move messages;
+the request discipline above is shared by both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+from .. import protocol as P
+from ..config import ParallelConfig
+from ..errors import Cancelled, RankDied, WorkerError
+
+__all__ = ["WorkerPool", "WorkerError", "Cancelled", "get_pool", "close_cached_pool"]
+
+ERROR_GRACE_S = 3.0  # after one rank fails, how long the others get to report before the pool is stopped
+POLL_S = 0.05
+
+Progress = Callable[[int, int], None]
+
+
+class _Transaction:
+    """Book-keeping of one request across all ranks."""
+
+    def __init__(self, world: int, request_id: int):
+        self.request_id = request_id
+        self.pending = set(range(world))
+        self.outcomes: dict[int, dict[str, Any]] = {}
+        self.errors: list[WorkerError] = []  # in arrival order: the first is usually the cause
+        self.first_error_at: float | None = None
+        self.last_activity = time.monotonic()
+        self.cancel_sent = False
+        self.caller_exception: BaseException | None = None
+
+    def record(self, rank: int, message: dict[str, Any]) -> None:
+        self.last_activity = time.monotonic()
+        self.outcomes[rank] = message
+        self.pending.discard(rank)
+        if message["kind"] == "error":
+            self.errors.append(WorkerError.from_wire(message))
+            self.first_error_at = self.first_error_at or time.monotonic()
+
+
+class WorkerPool:
+    """A pool of worker processes (or Ray actors) shaped by a ParallelConfig. Use as a context manager.
+
+    ``timeout_s``: the longest a request may go without any sign of life from the workers (a progress step
+    or a reply) before it is declared hung. ``start_timeout_s``: how long starting the workers may take.
+    ``diagnostics``: path of a file whose ``DIAGNOSTICS`` ops the workers also serve (tests only).
+    """
+
+    def __init__(
+        self,
+        config: ParallelConfig,
+        *,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        pg_timeout_s: float = 1800.0,
+        diagnostics: str | None = None,
+    ):
+        if timeout_s <= 0 or start_timeout_s <= 0:
+            raise ValueError(f"timeouts must be positive, got timeout_s={timeout_s}, start_timeout_s={start_timeout_s}")
+        self.config = config
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.pg_timeout_s = pg_timeout_s
+        self.diagnostics = diagnostics
+        self.starts = 0  # how many times workers were started (restarts after faults count)
+        self._backend = None
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._loads: dict[str, P.Request] = {}  # handle -> the load request that made it
+        self._resident: set[str] = set()  # handles loaded in the current workers
+        self._closed = False
+        self._start()
+
+    # -- life cycle -----------------------------------------------------------------------------------------
+
+    def _make_backend(self):
+        if self.config.backend == "ray":
+            from .ray_backend import RayWorkers
+
+            return RayWorkers(self.config, self.pg_timeout_s, self.diagnostics)
+        from .local import LocalWorkers
+
+        return LocalWorkers(self.config, self.pg_timeout_s, self.diagnostics)
+
+    def _start(self) -> None:
+        backend = self._make_backend()
+        try:
+            backend.start(self.start_timeout_s)
+        except BaseException:
+            backend.kill()
+            raise
+        self._backend = backend
+        self._resident = set()
+        self.starts += 1
+
+    def _discard_workers(self) -> None:
+        if self._backend is not None:
+            backend, self._backend = self._backend, None
+            backend.kill()
+        self._resident = set()
+
+    def close(self) -> None:
+        """Shut the workers down (gracefully, then by force); the pool cannot be used afterwards."""
+        with self._lock:
+            self._closed = True
+            if self._backend is not None:
+                backend, self._backend = self._backend, None
+                backend.shutdown(next(self._ids))
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._backend is not None
+
+    def pids(self) -> list[int]:
+        """Process ids of the local workers (empty for Ray or when stopped)."""
+        return self._backend.pids() if self._backend is not None else []
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def health(self) -> P.HealthReport:
+        return self.call(P.Health())
+
+    def call(
+        self,
+        request: P.Request,
+        *,
+        progress: Progress | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        timeout_s: float | None = None,
+    ) -> P.Reply:
+        """Run ``request`` on every rank; rank 0's typed reply. Raises WorkerError or Cancelled."""
+        if not isinstance(request, P.Request) or type(request).kind not in P.REQUESTS:
+            raise TypeError(f"call() takes a protocol request ({', '.join(P.REQUESTS)}), got {type(request).__name__}")
+        if isinstance(request, P.Shutdown):
+            raise ValueError("stop the pool with close(), not a Shutdown request")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this WorkerPool was closed; get a new one (get_pool starts one)")
+            if self._backend is None:
+                self._start()
+            self._reload_if_needed(request)
+            reply = self._call_started(request, progress, should_cancel, timeout_s or self.timeout_s)
+            self._note_residency(request, reply)
+            return reply
+
+    def _reload_if_needed(self, request: P.Request) -> None:
+        """After a restart, reload the model a request refers to, as the caller loaded it before."""
+        handle = getattr(request, "handle", None)
+        if handle and handle in self._loads and handle not in self._resident and not isinstance(request, P.Unload):
+            self._call_started(self._loads[handle], None, None, self.timeout_s)
+            self._resident.add(handle)
+
+    def _note_residency(self, request: P.Request, reply: P.Reply) -> None:
+        if isinstance(request, P.LOADS) and isinstance(reply, P.Loaded):
+            self._loads[reply.handle] = request
+            self._resident.add(reply.handle)
+        elif isinstance(request, P.Unload):
+            forget = list(self._loads) if request.handle is None else [request.handle]
+            for handle in forget:
+                self._loads.pop(handle, None)
+                self._resident.discard(handle)
+
+    def _call_started(self, request, progress, should_cancel, timeout_s) -> P.Reply:
+        backend = self._backend
+        body = backend.prepare(request)  # a request that cannot be sent fails here and leaves the pool as it is
+        txn = _Transaction(self.config.world, next(self._ids))
+        try:
+            backend.send_request(txn.request_id, body)
+            while txn.pending:
+                self._step(backend, txn, request, progress, should_cancel, timeout_s)
+        except RankDied as died:
+            self._discard_workers()
+            raise WorkerError(died.rank, "WorkerDied", f"{died.detail} during {request.kind}; the pool was stopped "
+                              "and the next request starts a fresh one") from None
+        except BaseException:
+            self._discard_workers()  # interrupted mid-request (e.g. Ctrl-C): the ranks' state is unknown
+            raise
+        return self._conclude(backend, txn, request)
+
+    def _step(self, backend, txn: _Transaction, request, progress, should_cancel, timeout_s) -> None:
+        self._maybe_cancel(backend, txn, should_cancel)
+        for rank, message in backend.poll(POLL_S):
+            if message.get("id") != txn.request_id:
+                continue  # late news from an earlier, abandoned request
+            if message["kind"] == "progress":
+                txn.last_activity = time.monotonic()
+                self._report_progress(backend, txn, progress, message)
+            else:
+                txn.record(rank, message)
+        now = time.monotonic()
+        if txn.pending and txn.first_error_at is not None and now - txn.first_error_at > ERROR_GRACE_S:
+            self._discard_workers()
+            first = txn.errors[0]
+            raise WorkerError(first.rank, first.error_type, first.message + f" (ranks {sorted(txn.pending)} were left "
+                              "waiting on it; the pool was stopped)", first.traceback)
+        if txn.pending and now - txn.last_activity > timeout_s:
+            self._discard_workers()
+            raise WorkerError(min(txn.pending), "Timeout", f"ranks {sorted(txn.pending)} sent nothing for {timeout_s:g} s "
+                              f"during {request.kind} (timeout_s={timeout_s:g}); the pool was stopped and the next "
+                              "request starts a fresh one")
+
+    def _maybe_cancel(self, backend, txn: _Transaction, should_cancel) -> None:
+        if txn.cancel_sent or should_cancel is None:
+            return
+        try:
+            wanted = should_cancel()
+        except BaseException as exc:  # e.g. the host's own interrupt exception: stop the workers, re-raise later
+            txn.caller_exception, wanted = exc, True
+        if wanted:
+            backend.send_cancel(txn.request_id)
+            txn.cancel_sent = True
+
+    def _report_progress(self, backend, txn: _Transaction, progress, message) -> None:
+        if progress is None or txn.caller_exception is not None:
+            return
+        try:
+            progress(message["step"], message["total"])
+        except BaseException as exc:
+            txn.caller_exception = exc
+            if not txn.cancel_sent:
+                backend.send_cancel(txn.request_id)
+                txn.cancel_sent = True
+
+    def _conclude(self, backend, txn: _Transaction, request: P.Request) -> P.Reply:
+        if txn.caller_exception is not None:
+            raise txn.caller_exception
+        if txn.errors:
+            raise txn.errors[0]
+        if any(o["kind"] == "cancelled" for o in txn.outcomes.values()):
+            raise Cancelled(f"{request.kind} was cancelled; the workers stopped at a step boundary")
+        if isinstance(request, P.Health):
+            return P.HealthReport(ranks=[txn.outcomes[r]["body"] for r in sorted(txn.outcomes)])
+        reply = backend.decode_reply(txn.outcomes[0]["body"])
+        expected = P.REPLY_TO[type(request)]
+        if not isinstance(reply, expected):
+            raise P.ProtocolError(f"{request.kind} was answered with {reply.kind}, expected {expected.kind}")
+        return reply
+
+
+# -- one pool per process ---------------------------------------------------------------------------------
+
+_cache_lock = threading.Lock()
+_cached_pool: WorkerPool | None = None
+
+
+def get_pool(config: ParallelConfig, **options: Any) -> WorkerPool:
+    """The process-wide pool: the same config gives the same live pool; a changed config restarts it."""
+    global _cached_pool
+    with _cache_lock:
+        if _cached_pool is not None and not _cached_pool._closed and _cached_pool.config == config:
+            return _cached_pool
+        close_cached_pool_locked()
+        _cached_pool = WorkerPool(config, **options)
+        return _cached_pool
+
+
+def current_pool() -> WorkerPool | None:
+    """The live process-wide pool, if one was started and not closed."""
+    with _cache_lock:
+        if _cached_pool is not None and not _cached_pool._closed:
+            return _cached_pool
+        return None
+
+
+def close_cached_pool_locked() -> None:
+    global _cached_pool
+    if _cached_pool is not None:
+        pool, _cached_pool = _cached_pool, None
+        pool.close()
+
+
+def close_cached_pool() -> None:
+    with _cache_lock:
+        close_cached_pool_locked()
+
+
+atexit.register(close_cached_pool)

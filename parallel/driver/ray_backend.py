@@ -1,0 +1,207 @@
+"""The Ray backend: the same workers as Ray actors on an existing cluster, one per GPU (or CPU slot).
+
+The driver connects with ``ray.init(address=config.ray_address or "auto")`` unless Ray is already initialised
+(tests start a local Ray themselves). Rank 0's actor hosts the process-group store; the ranks join with NCCL
+on GPUs and gloo on CPUs. Requests go out once through the object store and every actor runs them; rank 0's
+actor answers and reports progress through a Ray queue; a cancel is a concurrent actor call (actors run two
+threads). Tensors travel as raw-byte numpy arrays, which Ray keeps in shared memory on each node.
+
+The actor class is defined inside a function so that Ray ships it by value: the driver may know this pack
+under any module name, while on the actors it is registered as ``wanmesh`` from the same folder (or from a
+``wanmesh`` installed with pip on that node).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .. import protocol as P
+from ..config import ParallelConfig
+from ..errors import RankDied
+from .local import PACK_DIR
+from ..transport import pack_for_ray, unpack_from_ray
+
+
+
+def _require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("backend='ray' needs Ray on the driver and every node: pip install 'ray[default]'") from None
+    return ray
+
+
+def _actor_class(ray):
+    class RayWorker:
+        """One rank. Everything it needs is imported inside, under the package name ``wanmesh``."""
+
+        def __init__(self, pack_dir: str, rank: int, settings: dict, progress_queue):
+            import importlib.util
+            import sys
+            import types
+
+            if "wanmesh" not in sys.modules:
+                if os.path.isdir(pack_dir):
+                    locations = [pack_dir]
+                else:
+                    spec = importlib.util.find_spec("wanmesh")
+                    if spec is None:
+                        raise RuntimeError(f"the wanmesh pack is neither at {pack_dir} nor installed on this node")
+                    locations = list(spec.submodule_search_locations)
+                pack = types.ModuleType("wanmesh")
+                pack.__path__ = locations
+                sys.modules["wanmesh"] = pack
+            self.rank = rank
+            self.settings = settings
+            self.queue = progress_queue
+            self.runtime = None
+
+        def rendezvous_address(self) -> tuple[str, int]:
+            import socket
+
+            host = ray.util.get_node_ip_address()
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                return host, probe.getsockname()[1]
+
+        def setup(self, host: str, port: int) -> dict:
+            import datetime
+            import importlib
+            import ipaddress
+
+            import torch
+            import torch.distributed as dist
+
+            if ipaddress.ip_address(host).is_loopback:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            worker = importlib.import_module("wanmesh.parallel.worker.runtime")
+            config_mod = importlib.import_module("wanmesh.parallel.config")
+            mesh = importlib.import_module("wanmesh.parallel.distributed.mesh")
+            config = config_mod.ParallelConfig.from_dict(self.settings["config"])
+            device = torch.device("cuda:0" if self.settings["gpu"] else "cpu")
+            threads = os.environ.get(worker.THREADS_ENV)
+            if threads and device.type == "cpu":
+                torch.set_num_threads(int(threads))
+            store = dist.TCPStore(host, port, config.world, is_master=self.rank == 0,
+                                  timeout=datetime.timedelta(seconds=self.settings["pg_timeout_s"]))
+            parallel = mesh.init_distributed(config, self.rank, device, store, self.settings["pg_timeout_s"])
+            self.runtime = worker.WorkerRuntime(parallel, self.settings.get("diagnostics"))
+            return self.runtime.health()
+
+        def execute(self, request_id: int, body: dict) -> dict:
+            transport = __import__("wanmesh.parallel.transport", fromlist=["pack_for_ray"])
+            protocol = __import__("wanmesh.parallel.protocol", fromlist=["encode_message"])
+
+            def progress(step: int, total: int) -> None:
+                if self.rank == 0:
+                    self.queue.put_nowait({"kind": "progress", "id": request_id, "step": int(step), "total": int(total)})
+
+            def pack_reply(reply):
+                return protocol.encode_message(reply, transport.pack_for_ray)
+
+            outcome = self.runtime.execute_wire(body, request_id, transport.unpack_from_ray, pack_reply, progress)
+            outcome["id"] = request_id
+            return outcome
+
+        def cancel(self, request_id: int) -> None:
+            if self.runtime is not None:
+                self.runtime.stops.cancel(request_id)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    return ray.remote(max_concurrency=2)(RayWorker)
+
+
+class RayWorkers:
+    """Actors of one pool generation; ``kill`` ends them all."""
+
+    def __init__(self, config: ParallelConfig, pg_timeout_s: float, diagnostics: str | None):
+        self.ray = _require_ray()
+        if len(config.devices) > 1 or config.devices[0] not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"devices={','.join(config.devices)}: with backend='ray' use 'auto', 'cpu' or 'cuda' "
+                             "(Ray places one actor per GPU)")
+        self.config = config
+        self.pg_timeout_s = pg_timeout_s
+        self.diagnostics = os.path.abspath(diagnostics) if diagnostics else None
+        self.actors: list[Any] = []
+        self.queue = None
+        self._pending: dict[Any, int] = {}
+
+    def _use_gpus(self) -> bool:
+        gpus = self.ray.cluster_resources().get("GPU", 0)
+        wanted = self.config.devices[0]
+        if wanted == "cuda" and gpus < self.config.world:
+            raise ValueError(f"world={self.config.world} ranks need {self.config.world} GPUs, the Ray cluster has {gpus:g}")
+        return wanted == "cuda" or (wanted == "auto" and gpus >= self.config.world)
+
+    def start(self, timeout_s: float) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            ray.init(address=self.config.ray_address or "auto")
+        from ray.util.queue import Queue
+
+        gpu = self._use_gpus()
+        self.queue = Queue()
+        settings = {"config": self.config.to_dict(), "gpu": gpu, "pg_timeout_s": self.pg_timeout_s,
+                    "diagnostics": self.diagnostics}
+        actor = _actor_class(ray).options(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
+        self.actors = [actor.remote(PACK_DIR, rank, settings, self.queue) for rank in range(self.config.world)]
+        host, port = self._get(self.actors[0].rendezvous_address.remote(), timeout_s, "starting")
+        hellos = [a.setup.remote(host, port) for a in self.actors]
+        self._get(hellos, timeout_s, "joining the process group")
+
+    def _get(self, refs, timeout_s: float, what: str):
+        ray = self.ray
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise P.WorkerError(None, "StartTimeout", f"the Ray actors did not finish {what} within {timeout_s:g} s "
+                                f"(start_timeout_s); are {self.config.world} CPU/GPU slots free?") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise P.WorkerError(None, type(cause).__name__, f"while {what}: {cause}", str(exc)) from None
+
+    def prepare(self, request: P.Request):
+        """The request in the object store, put once for all actors."""
+        return self.ray.put(P.encode_message(request, pack_for_ray))
+
+    def send_request(self, request_id: int, body) -> None:
+        self._pending = {a.execute.remote(request_id, body): rank for rank, a in enumerate(self.actors)}
+
+    def send_cancel(self, request_id: int) -> None:
+        for actor in self.actors:
+            actor.cancel.remote(request_id)
+
+    def poll(self, timeout_s: float) -> list[tuple[int, dict]]:
+        messages = [(0, m) for m in self.queue.get_nowait_batch(self.queue.qsize())] if self.queue.qsize() else []
+        if not self._pending:
+            return messages
+        ready, _ = self.ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0 if messages else timeout_s)
+        for ref in ready:
+            rank = self._pending.pop(ref)
+            try:
+                messages.append((rank, self.ray.get(ref)))
+            except self.ray.exceptions.RayActorError as exc:
+                raise RankDied(rank, f"the Ray actor died: {exc}") from None
+        return messages
+
+    def decode_reply(self, body: dict[str, Any]) -> P.Reply:
+        return P.decode_message(body, unpack_from_ray)
+
+    def pids(self) -> list[int]:
+        return []
+
+    def actor_pids(self) -> list[int]:
+        return self.ray.get([a.pid.remote() for a in self.actors], timeout=30)
+
+    def shutdown(self, request_id: int) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)
+        if self.queue is not None:
+            self.queue.shutdown(force=True)
+        self.actors, self._pending, self.queue = [], {}, None

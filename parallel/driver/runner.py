@@ -1,0 +1,65 @@
+"""PoolRunner: what the nodes and the command line call; runs in the driver (ComfyUI or CLI) process.
+
+Each method checks its request here, in the driver, before it is sent, so bad input fails before any worker
+work; then one pool call runs it on every rank (``worker/executors.py``) and rank 0's result comes back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import protocol as P
+from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_tiles, check_video_size
+from .pool import WorkerPool, current_pool, get_pool
+
+
+class PoolRunner:
+    """The pool's operations as methods: load, encode text, sample, decode, encode."""
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+
+    @classmethod
+    def for_config(cls, config: ParallelConfig) -> "PoolRunner":
+        """The process-wide pool for this config (started, or restarted when the config changed)."""
+        return cls(get_pool(config))
+
+    @classmethod
+    def current_or_single(cls) -> "PoolRunner":
+        """The live pool if there is one (so unconnected loaders join it), else a one-rank pool."""
+        pool = current_pool()
+        return cls(pool) if pool is not None else cls.for_config(ParallelConfig(world=1, devices="auto"))
+
+    @property
+    def config(self) -> ParallelConfig:
+        return self.pool.config
+
+    def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto") -> str:
+        return self.pool.call(P.LoadModel(path=path, vace_module=vace_module, dtype=dtype)).handle
+
+    def load_vae(self, path: str, *, dtype: str = "auto") -> str:
+        return self.pool.call(P.LoadVae(path=path, dtype=dtype)).handle
+
+    def load_text_encoder(self, path: str, *, dtype: str = "auto") -> str:
+        return self.pool.call(P.LoadTextEncoder(path=path, dtype=dtype)).handle
+
+    def unload(self, handle: str | None = None) -> None:
+        self.pool.call(P.Unload(handle=handle))
+
+    def encode_text(self, handle: str, prompts: list[str]) -> list[torch.Tensor]:
+        return self.pool.call(P.EncodeText(handle=handle, prompts=list(prompts))).embeddings
+
+    def sample(self, request: P.SampleRequest, progress=None, should_stop=None) -> torch.Tensor:
+        """Raw latents; raises ``Cancelled`` when ``should_stop`` asked the workers to stop."""
+        request.validate()
+        return self.pool.call(request, progress=progress, should_cancel=should_stop).latents
+
+    def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        check_tiles(tile_px, overlap_px)
+        return self.pool.call(P.Decode(handle=handle, latents=latents, tile_px=tile_px, overlap_px=overlap_px)).images
+
+    def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        check_tiles(tile_px, overlap_px)
+        if frames.ndim == 4:
+            check_video_size(frames.shape[2], frames.shape[1], frames.shape[0], multiple=VAE_SPATIAL_FACTOR)
+        return self.pool.call(P.Encode(handle=handle, frames=frames, tile_px=tile_px, overlap_px=overlap_px)).latents

@@ -1,0 +1,310 @@
+"""Tiny random Wan / VACE / VAE / umT5 models in the file formats users have (`wanmesh make-tiny DIR`).
+
+Everything is deterministic (fixed seeds, single-threaded tokenizer training), so the same files come
+out every time. Single files use the ORIGINAL key layouts; the original names are generated from the
+config and proven by mapping them through diffusers' own key converters back onto exactly the model's
+state-dict keys. Pipeline folders in diffusers layout are written beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+    WanVACEPipeline,
+    WanVACETransformer3DModel,
+)
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers, convert_wan_vae_to_diffusers
+from safetensors.torch import save_file
+from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+from transformers.utils import logging as transformers_logging
+
+from .checkpoint import rename_map
+from .umt5 import SPIECE_FILENAME, SPIECE_KEY
+
+SEED = 20250101
+
+TINY_TRANSFORMER = dict(
+    patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16,
+    text_dim=64, freq_dim=256, ffn_dim=256, num_layers=4, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6,
+)
+TINY_VACE = dict(TINY_TRANSFORMER, vace_layers=[0, 2], vace_in_channels=96)
+TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                temperal_downsample=[False, True, True])
+TINY_UMT5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                 relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0,
+                 is_encoder_decoder=False, use_cache=False, pad_token_id=0, eos_token_id=1,
+                 decoder_start_token_id=0)
+TOKENIZER_VOCAB_SIZE = 384
+
+CORPUS = """\
+A cat sits on a red sofa in the warm afternoon light.
+The camera slowly pans across a quiet mountain lake at sunrise.
+A dog runs along the beach, splashing through the shallow waves.
+Two astronauts walk on the surface of the moon while dust rises behind them.
+A cyclist rides through a busy city street as rain falls on the road.
+An old man plays the violin under a bridge at night.
+A little girl blows bubbles in a green garden full of flowers.
+Waves crash against the rocks of a lighthouse during a storm.
+A chef chops vegetables quickly in a bright modern kitchen.
+A red fox jumps over a snowy log in a pine forest.
+Fireworks explode above the river and reflect on the water.
+A hot air balloon drifts over golden fields in the morning.
+The train moves through a tunnel and comes out into the valley.
+A robot dances on a stage with colorful lights and smoke.
+Close up of a bee collecting pollen from a yellow sunflower.
+Time lapse of clouds moving over a desert canyon.
+A woman in a blue dress walks through a crowded market.
+A small boat sails across the ocean under a cloudy sky.
+Children play football on a dusty field at sunset.
+Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, still.
+Worst quality, low quality, JPEG compression residue, ugly, incomplete, extra fingers, poorly drawn hands.
+Poorly drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, messy background.
+Three legs, many people in the background, walking backwards, cinematic, realistic, high detail, 4k.
+"""
+
+
+@dataclass
+class TinyModels:
+    """The in-memory tiny models; the files `make_tiny` writes hold exactly these weights."""
+
+    t2v: WanTransformer3DModel
+    vace: WanVACETransformer3DModel
+    vae: AutoencoderKLWan
+    text_encoder: UMT5EncoderModel
+    spiece_model: bytes
+
+
+def train_tokenizer() -> bytes:
+    """A small unigram SentencePiece model with umT5's special ids (pad 0, eos 1, unk 2, no BOS)."""
+    model_bytes = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines()), model_writer=model_bytes, model_type="unigram",
+        vocab_size=TOKENIZER_VOCAB_SIZE, hard_vocab_limit=False, character_coverage=1.0,
+        pad_id=0, eos_id=1, unk_id=2, bos_id=-1, num_threads=1, minloglevel=2,
+    )
+    return model_bytes.getvalue()
+
+
+def _random_like(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(shape, generator=generator)
+    if "scale_shift_table" in name:
+        return noise * shape[-1] ** -0.5
+    if name.endswith("bias") and "relative_attention_bias" not in name:
+        return noise * 0.02
+    if len(shape) == 1 or name.endswith("gamma"):
+        return 1.0 + 0.05 * noise  # norm scales near one keep activations well-conditioned
+    if name in ("shared.weight", "encoder.embed_tokens.weight") or "relative_attention_bias" in name:
+        return noise * 0.5
+    fan_in = math.prod(shape[1:])
+    return noise * min(0.1, max(0.02, fan_in ** -0.5))
+
+
+def randomise_(model: torch.nn.Module, seed: int, only: Callable[[str], bool] = lambda name: True) -> None:
+    """Overwrite parameters (in name order) with seeded random values; tied parameters are filled once."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            if only(name):
+                parameter.copy_(_random_like(name, parameter.shape, generator))
+
+
+def build_tiny_models(seed: int = SEED) -> TinyModels:
+    """The tiny models; VACE shares every non-VACE weight with T2V so a module merge equals the full file."""
+    t2v = WanTransformer3DModel(**TINY_TRANSFORMER)
+    randomise_(t2v, seed)
+    vace = WanVACETransformer3DModel(**TINY_VACE)
+    vace.load_state_dict(t2v.state_dict(), strict=False)
+    randomise_(vace, seed + 1, only=lambda name: name.startswith("vace_"))
+    vae = AutoencoderKLWan(**TINY_VAE)
+    randomise_(vae, seed + 2)
+    spiece_model = train_tokenizer()
+    vocab_size = sentencepiece.SentencePieceProcessor(model_proto=spiece_model).get_piece_size()
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=vocab_size, **TINY_UMT5))
+    randomise_(text_encoder, seed + 3)
+    for model in (t2v, vace, vae, text_encoder):
+        model.eval().requires_grad_(False)
+    return TinyModels(t2v, vace, vae, text_encoder, spiece_model)
+
+
+# --- original key layouts -------------------------------------------------------------------------
+
+def _pairs(*names: str) -> list[str]:
+    return [f"{name}.{suffix}" for name in names for suffix in ("weight", "bias")]
+
+
+def _wan_block_names(prefix: str) -> list[str]:
+    names = [f"{prefix}.modulation"]
+    for attention in ("self_attn", "cross_attn"):
+        names += _pairs(*(f"{prefix}.{attention}.{proj}" for proj in "qkvo"))
+        names += [f"{prefix}.{attention}.norm_q.weight", f"{prefix}.{attention}.norm_k.weight"]
+    return names + _pairs(f"{prefix}.norm3", f"{prefix}.ffn.0", f"{prefix}.ffn.2")
+
+
+def original_transformer_names(config: dict) -> list[str]:
+    """Original Wan key names for a config (`cross_attn_norm` and qk-norm layouts as released)."""
+    names = _pairs("patch_embedding", "text_embedding.0", "text_embedding.2", "time_embedding.0",
+                   "time_embedding.2", "time_projection.1", "head.head") + ["head.modulation"]
+    for index in range(config["num_layers"]):
+        names += _wan_block_names(f"blocks.{index}")
+    for index in range(len(config.get("vace_layers", []))):
+        names += _wan_block_names(f"vace_blocks.{index}") + _pairs(f"vace_blocks.{index}.after_proj")
+        names += _pairs(f"vace_blocks.{index}.before_proj") if index == 0 else []
+    if "vace_layers" in config:
+        names += _pairs("vace_patch_embedding")
+    return names
+
+
+def _vae_residual_names(prefix: str, in_dim: int, out_dim: int) -> list[str]:
+    names = [f"{prefix}.residual.0.gamma", f"{prefix}.residual.3.gamma"]
+    names += _pairs(f"{prefix}.residual.2", f"{prefix}.residual.6")
+    return names + (_pairs(f"{prefix}.shortcut") if in_dim != out_dim else [])
+
+
+def _vae_middle_names(prefix: str) -> list[str]:
+    attention = [f"{prefix}.middle.1.norm.gamma"] + _pairs(f"{prefix}.middle.1.to_qkv", f"{prefix}.middle.1.proj")
+    return _vae_residual_names(f"{prefix}.middle.0", 1, 1) + attention + _vae_residual_names(f"{prefix}.middle.2", 1, 1)
+
+
+def _vae_resample_names(prefix: str, temporal: bool) -> list[str]:
+    return _pairs(f"{prefix}.resample.1") + (_pairs(f"{prefix}.time_conv") if temporal else [])
+
+
+def original_vae_names(config: dict) -> list[str]:
+    """Original Wan 2.1 VAE key names (encoder downsamples / decoder upsamples as flat sequences)."""
+    base, mult, res_blocks = config["base_dim"], config["dim_mult"], config["num_res_blocks"]
+    levels = len(mult)
+    names = _pairs("encoder.conv1", "conv1", "conv2", "decoder.conv1", "encoder.head.2", "decoder.head.2")
+    names += ["encoder.head.0.gamma", "decoder.head.0.gamma"]
+    names += _vae_middle_names("encoder") + _vae_middle_names("decoder")
+    encoder_dims = [base * m for m in [1] + mult]
+    index = 0
+    for level, (in_dim, out_dim) in enumerate(zip(encoder_dims[:-1], encoder_dims[1:])):
+        for _ in range(res_blocks):
+            names += _vae_residual_names(f"encoder.downsamples.{index}", in_dim, out_dim)
+            in_dim, index = out_dim, index + 1
+        if level != levels - 1:
+            names += _vae_resample_names(f"encoder.downsamples.{index}", config["temperal_downsample"][level])
+            index += 1
+    decoder_dims = [base * m for m in [mult[-1]] + mult[::-1]]
+    temporal_upsample = config["temperal_downsample"][::-1]
+    index = 0
+    for level, (in_dim, out_dim) in enumerate(zip(decoder_dims[:-1], decoder_dims[1:])):
+        in_dim = in_dim // 2 if level > 0 else in_dim  # each upsampling conv halves the channels
+        for _ in range(res_blocks + 1):
+            names += _vae_residual_names(f"decoder.upsamples.{index}", in_dim, out_dim)
+            in_dim, index = out_dim, index + 1
+        if level != levels - 1:
+            names += _vae_resample_names(f"decoder.upsamples.{index}", temporal_upsample[level])
+            index += 1
+    return names
+
+
+def diffusers_to_original(original_names: list[str], convert, model: torch.nn.Module) -> dict[str, str]:
+    """{model key: original key}, proven by converting the original names back onto the model's keys."""
+    names = rename_map(original_names, convert)
+    model_keys = set(model.state_dict())
+    if len(names) != len(original_names) or set(names) != model_keys:
+        raise RuntimeError(
+            f"original key layout does not round-trip for {type(model).__name__}: "
+            f"unmatched {sorted(set(names) ^ model_keys)[:5]}"
+        )
+    return names
+
+
+def original_state_dict(model: torch.nn.Module, original_names: list[str], convert) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    names = diffusers_to_original(original_names, convert, model)
+    return {original: state[name].detach().clone().contiguous() for name, original in names.items()}
+
+
+def original_text_encoder_state(model: UMT5EncoderModel, spiece_model: bytes) -> dict[str, torch.Tensor]:
+    """ComfyUI's umT5 layout: transformers names, tied embedding stored once, tokenizer bytes included."""
+    state = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()
+             if name != "encoder.embed_tokens.weight"}
+    state[SPIECE_KEY] = torch.from_numpy(np.frombuffer(spiece_model, dtype=np.uint8).copy())
+    return state
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+def _transformers_tokenizer(spiece_model: bytes) -> T5Tokenizer:
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / SPIECE_FILENAME).write_bytes(spiece_model)
+        return T5Tokenizer.from_pretrained(folder, extra_ids=0)
+
+
+def flow_scheduler() -> UniPCMultistepScheduler:
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+
+
+@contextlib.contextmanager
+def _quiet_transformers_progress():
+    """transformers shows a progress bar per saved model; for a few kilobytes it is only noise."""
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def _write_pipeline(folder: Path, pipeline_class, transformer: torch.nn.Module, models: TinyModels) -> None:
+    pipeline = pipeline_class(
+        tokenizer=_transformers_tokenizer(models.spiece_model), text_encoder=models.text_encoder, vae=models.vae,
+        scheduler=flow_scheduler(), transformer=transformer,
+    )
+    if folder.exists():
+        shutil.rmtree(folder)
+    with _quiet_transformers_progress():
+        pipeline.save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer" / SPIECE_FILENAME).write_bytes(models.spiece_model)
+
+
+def make_tiny(directory: str | Path) -> dict[str, Path]:
+    """Write the tiny model tree under `directory` and return the path of each model."""
+    root = Path(directory)
+    models = build_tiny_models()
+    paths = {
+        "t2v": root / "diffusion_models" / "wan_tiny_t2v.safetensors",
+        "vace": root / "diffusion_models" / "wan_tiny_vace.safetensors",
+        "vace_module": root / "diffusion_models" / "wan_tiny_vace_module.safetensors",
+        "vae": root / "vae" / "wan_tiny_vae.safetensors",
+        "text_encoder": root / "text_encoders" / "umt5_tiny.safetensors",
+        "diffusers_t2v": root / "diffusers" / "wan_tiny_t2v",
+        "diffusers_vace": root / "diffusers" / "wan_tiny_vace",
+    }
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    heads = {"num_heads": str(TINY_TRANSFORMER["num_attention_heads"])}
+    t2v_state = original_state_dict(models.t2v, original_transformer_names(TINY_TRANSFORMER),
+                                    convert_wan_transformer_to_diffusers)
+    vace_state = original_state_dict(models.vace, original_transformer_names(TINY_VACE),
+                                     convert_wan_transformer_to_diffusers)
+    save_file(t2v_state, paths["t2v"], metadata=heads)
+    save_file(vace_state, paths["vace"], metadata=heads)
+    module_state = {key: tensor for key, tensor in vace_state.items() if key.startswith("vace_")}
+    save_file(module_state, paths["vace_module"], metadata=heads)
+    save_file(original_state_dict(models.vae, original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers),
+              paths["vae"])
+    save_file(original_text_encoder_state(models.text_encoder, models.spiece_model), paths["text_encoder"])
+    _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
+    _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
+    return paths
+

@@ -1,0 +1,27 @@
+"""Where the tiny built-in models live on disk; light (no model libraries), used by the CLI and benchmarks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TINY_FILES = {
+    "model": "diffusion_models/wan_tiny_t2v.safetensors",
+    "vace": "diffusion_models/wan_tiny_vace.safetensors",
+    "vae": "vae/wan_tiny_vae.safetensors",
+    "text_encoder": "text_encoders/umt5_tiny.safetensors",
+}
+
+
+def tiny_cache_dir() -> Path:
+    base = os.environ.get("WANMESH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "wanmesh")
+    return Path(base) / "tiny-models"
+
+
+def ensure_tiny_models(directory: Path) -> Path:
+    """Write the tiny models once; later runs reuse them."""
+    from ..models.tiny import make_tiny
+
+    if not all((directory / rel).is_file() for rel in TINY_FILES.values()):
+        make_tiny(directory)
+    return directory

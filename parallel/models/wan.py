@@ -1,0 +1,180 @@
+"""Public model loaders: Wan / VACE transformers, the Wan VAE and the umT5 text encoder.
+
+Each loader accepts a ComfyUI-style single file in the original key layout, a diffusers model folder
+(`config.json` + safetensors, maybe sharded) or a diffusers pipeline folder (`model_index.json` with
+one sub-folder per component). Loading is "name map + per-tensor reader": the file is described as
+{model parameter name: stored tensor} without reading tensors, the config is inferred from shapes, the
+model is built on the meta device and every tensor is read exactly once into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel, WanVACETransformer3DModel
+from diffusers.loaders.single_file_utils import (
+    convert_wan_transformer_to_diffusers,
+    convert_wan_vae_to_diffusers,
+)
+
+from .checkpoint import (
+    COMFY_TRANSFORMER_PREFIX,
+    CheckpointFile,
+    ModelFileError,
+    TensorRef,
+    WeightSource,
+    build_empty,
+    list_safetensors_shards,
+    load_weights_into,
+    open_files,
+    rename_map,
+    resolve_model_location,
+    strip_prefix,
+)
+from .umt5 import TextEncoder, load_text_encoder
+from .detect import describe_kind, detect_kind, infer_transformer_config, infer_vae_config
+
+__all__ = ["ModelFileError", "TextEncoder", "load_text_encoder", "load_transformer", "load_vae",
+           "resolve_model_location", "transformer_weight_source"]
+
+TRANSFORMER_CLASSES = {cls.__name__: cls for cls in (WanTransformer3DModel, WanVACETransformer3DModel)}
+DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model"
+VAE_PREFIXES = ("first_stage_model.", "vae.")
+
+
+def _read_folder_config(folder: Path, accepted_classes: set[str], component: str) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    class_name = config.get("_class_name")
+    if class_name not in accepted_classes:
+        raise ModelFileError(
+            f"{folder}/config.json describes a {class_name or 'model without _class_name'}; expected a {component} "
+            f"({' or '.join(sorted(accepted_classes))})."
+        )
+    return config
+
+
+def _identity_source(folder: Path, stack: contextlib.ExitStack, weights_name: str) -> WeightSource:
+    files = open_files(list_safetensors_shards(folder, weights_name), stack)
+    refs = {key: TensorRef(file, key) for file in files for key in file.weight_keys()}
+    return WeightSource(refs, str(folder))
+
+
+def _wrong_kind(path: Path, expected: str, keys: list[str]) -> ModelFileError:
+    return ModelFileError(f"{path}: expected {expected}, but this looks like {describe_kind(keys)}.")
+
+
+def _original_transformer_source(checkpoint: CheckpointFile) -> tuple[WeightSource, dict[str, tuple[int, ...]]]:
+    """Name map (diffusers name -> stored key) and prefix-free shapes of an original-layout file."""
+    unprefixed_to_stored = strip_prefix(checkpoint.weight_keys(), COMFY_TRANSFORMER_PREFIX)
+    diffusers_to_unprefixed = rename_map(unprefixed_to_stored, convert_wan_transformer_to_diffusers)
+    refs = {name: TensorRef(checkpoint, unprefixed_to_stored[original])
+            for name, original in diffusers_to_unprefixed.items()}
+    shapes = {original: checkpoint.shape(stored) for original, stored in unprefixed_to_stored.items()}
+    return WeightSource(refs, str(checkpoint.path)), shapes
+
+
+def _open_vace_module(path: str | Path, stack: contextlib.ExitStack):
+    module_path = resolve_model_location(path, "transformer")
+    if module_path.is_dir():
+        raise ModelFileError(f"{module_path}: a VACE module must be a single file holding only vace_* tensors.")
+    (module,) = open_files([module_path], stack)
+    kind = detect_kind(module.keys)
+    if kind == "wan_vace":
+        raise ModelFileError(
+            f"{module_path}: this is a full VACE model (it has blocks.* as well as vace_*), not a VACE module; "
+            f"load it directly as the model, without a VACE module."
+        )
+    if kind != "vace_module":
+        raise _wrong_kind(module_path, "a VACE module (only vace_* tensors)", module.keys)
+    return module
+
+
+def transformer_weight_source(
+    path: str | Path, vace_module: str | Path | None, stack: contextlib.ExitStack
+) -> tuple[type, dict, WeightSource]:
+    """(model class, config kwargs, weight source) for a transformer file/folder, plus an optional VACE module.
+
+    Files stay open until `stack` closes, so callers (e.g. tensor-parallel ranks) can read slices.
+    """
+    location = resolve_model_location(path, "transformer")
+    if location.is_dir():
+        config = _read_folder_config(location, set(TRANSFORMER_CLASSES), "Wan transformer")
+        source = _identity_source(location, stack, DIFFUSERS_WEIGHTS_NAME)
+        shapes = None
+    else:
+        (checkpoint,) = open_files([location], stack)
+        kind = detect_kind(checkpoint.keys)
+        if kind == "vace_module":
+            raise ModelFileError(
+                f"{location}: this is a VACE module (only vace_* tensors), not a complete model; load a Wan T2V "
+                f"model and pass this file as its VACE module."
+            )
+        if kind not in ("wan_t2v", "wan_vace", "wan_i2v"):
+            raise _wrong_kind(location, "a Wan transformer (keys patch_embedding, blocks.N.*)", checkpoint.keys)
+        source, shapes = _original_transformer_source(checkpoint)
+        config = infer_transformer_config(shapes, checkpoint.metadata)
+    if vace_module is not None:
+        if "vace_layers" in config or config.get("_class_name") == "WanVACETransformer3DModel":
+            raise ModelFileError(f"{location}: already a VACE model; a separate VACE module cannot be added to it.")
+        module_source, module_shapes = _original_transformer_source(_open_vace_module(vace_module, stack))
+        source = source.merged_with(module_source)
+        config = _add_vace_config(config, shapes, module_shapes)
+    class_name = config.get("_class_name") or (
+        "WanVACETransformer3DModel" if "vace_layers" in config else "WanTransformer3DModel")
+    return TRANSFORMER_CLASSES[class_name], config, source
+
+
+def _add_vace_config(config: dict, base_shapes: dict | None, module_shapes: dict) -> dict:
+    if base_shapes is not None:
+        return infer_transformer_config({**base_shapes, **module_shapes}, {"num_heads": config["num_attention_heads"]})
+    num_layers = config["num_layers"]
+    vace_count = len({key.split(".")[1] for key in module_shapes if key.startswith("vace_blocks.")})
+    return {**config, "_class_name": "WanVACETransformer3DModel",
+            "vace_layers": [i * num_layers // vace_count for i in range(vace_count)],
+            "vace_in_channels": module_shapes["vace_patch_embedding.weight"][1]}
+
+
+def load_transformer(
+    path: str,
+    *,
+    vace_module: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """A Wan T2V or VACE transformer (diffusers class) in eval mode with frozen weights."""
+    with contextlib.ExitStack() as stack:
+        model_class, config, source = transformer_weight_source(path, vace_module, stack)
+        model = build_empty(lambda: model_class.from_config(config))
+        return load_weights_into(model, source, dtype=dtype, device=device)
+
+
+def _strip_first_matching_prefix(keys: list[str], prefixes: tuple[str, ...]) -> dict[str, str]:
+    for prefix in prefixes:
+        unprefixed_to_stored = strip_prefix(keys, prefix)
+        if any(unprefixed != stored for unprefixed, stored in unprefixed_to_stored.items()):
+            return unprefixed_to_stored
+    return {key: key for key in keys}
+
+
+def load_vae(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> AutoencoderKLWan:
+    """The Wan 2.1 VAE (diffusers `AutoencoderKLWan`) in eval mode with frozen weights."""
+    location = resolve_model_location(path, "vae")
+    with contextlib.ExitStack() as stack:
+        if location.is_dir():
+            config = _read_folder_config(location, {"AutoencoderKLWan"}, "Wan VAE")
+            source = _identity_source(location, stack, DIFFUSERS_WEIGHTS_NAME)
+        else:
+            (checkpoint,) = open_files([location], stack)
+            unprefixed_to_stored = _strip_first_matching_prefix(checkpoint.weight_keys(), VAE_PREFIXES)
+            if detect_kind(unprefixed_to_stored) != "wan_vae":
+                raise _wrong_kind(location, "a Wan VAE (keys encoder.*/decoder.*)", list(unprefixed_to_stored))
+            names = rename_map(unprefixed_to_stored, convert_wan_vae_to_diffusers)
+            source = WeightSource({name: TensorRef(checkpoint, unprefixed_to_stored[original])
+                                   for name, original in names.items()}, str(location))
+            shapes = {original: checkpoint.shape(stored) for original, stored in unprefixed_to_stored.items()}
+            config = infer_vae_config(shapes)
+        model = build_empty(lambda: AutoencoderKLWan.from_config(config))
+        return load_weights_into(model, source, dtype=dtype, device=device)

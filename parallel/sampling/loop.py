@@ -1,0 +1,132 @@
+"""The flow-matching denoising loop for Wan 2.1 and VACE (schedulers, denoise < 1); runs in the workers.
+
+Latents enter and leave as raw Wan VAE latents (DESIGN §2); the loop works on latents normalised with the
+Wan 2.1 latent mean/std (``latents.py``); guidance is ``guidance.py``'s. The schedulers are diffusers' own, configured as Wan's reference code samples.
+The model is any callable with the diffusers Wan transformer signature, so parallel wrappers plug in unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+from ..config import SAMPLERS
+from ..errors import Cancelled
+from ..protocol import SampleRequest
+from .guidance import guided_prediction
+from .latents import denormalize_latents, normalize_latents, seeded_noise
+
+TEXT_CONTEXT_LENGTH = 512  # Wan pads every prompt embedding to 512 tokens with zeros
+
+
+def make_scheduler(sampler: str, shift: float):
+    """A fresh diffusers scheduler for Wan flow matching with the given shift."""
+    if sampler == "unipc":
+        return UniPCMultistepScheduler(
+            num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift
+        )
+    if sampler == "euler":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
+
+
+def pad_text_context(embeddings: list[torch.Tensor], batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Stack prompt embeddings to [batch, 512, D], zero-padded as Wan does; one prompt is repeated over the batch."""
+    if len(embeddings) not in (1, batch):
+        raise ValueError(f"got {len(embeddings)} prompt embeddings for a batch of {batch}; give 1 or {batch}")
+    rows = []
+    for emb in embeddings:
+        emb = emb[:TEXT_CONTEXT_LENGTH].float()
+        rows.append(torch.cat([emb, emb.new_zeros(TEXT_CONTEXT_LENGTH - emb.shape[0], emb.shape[1])]))
+    context = torch.stack(rows)
+    if context.shape[0] != batch:
+        context = context.expand(batch, -1, -1)
+    return context.to(device=device, dtype=dtype)
+
+
+@dataclass
+class _Schedule:
+    scheduler: object
+    timesteps: torch.Tensor
+    start_sigma: float
+
+
+def _schedule(request: SampleRequest) -> _Schedule:
+    """Timesteps for `steps` steps; with denoise < 1, the last `steps` of a longer schedule (as ComfyUI does)."""
+    scheduler = make_scheduler(request.sampler, request.shift)
+    total = request.steps if request.denoise >= 1.0 else max(request.steps, int(request.steps / request.denoise))
+    scheduler.set_timesteps(total, device="cpu")
+    begin = total - request.steps
+    scheduler.set_begin_index(begin)
+    return _Schedule(scheduler, scheduler.timesteps[begin:], float(scheduler.sigmas[begin]))
+
+
+def initial_latents(request: SampleRequest, start_sigma: float, rows: range) -> torch.Tensor:
+    """Seeded noise for the whole batch (so any subset of rows matches one device), mixed with the input latent."""
+    noise = seeded_noise(tuple(request.latent.shape), request.seed)[rows.start : rows.stop]
+    if request.denoise >= 1.0:
+        return noise
+    source = normalize_latents(request.latent[rows.start : rows.stop])
+    return start_sigma * noise + (1.0 - start_sigma) * source
+
+
+def sample(
+    model: Callable,
+    request: SampleRequest,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    rows: range | None = None,
+    guidance: Callable | None = None,
+) -> torch.Tensor:
+    """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU).
+
+    `rows` samples only those batch rows (a data-parallel share); an empty share still follows every step so
+    that collective progress and cancel checks stay in step with the other replicas. `guidance` replaces
+    `guided_prediction` (same signature), e.g. to split the CFG passes over ranks."""
+    schedule = _schedule(request)
+    rows = range(request.latent.shape[0]) if rows is None else rows
+    positive = _rows(pad_text_context(request.positive, request.latent.shape[0], dtype, device), rows)
+    negative = None
+    if request.guidance_scale != 1.0:
+        negative = _rows(pad_text_context(request.negative, request.latent.shape[0], dtype, device), rows)
+    extra = _vace_inputs(model, request, rows, dtype, device)
+    latents = initial_latents(request, schedule.start_sigma, rows).to(device)
+    for index, t in enumerate(schedule.timesteps):
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"sampling cancelled before step {index + 1} of {request.steps}")
+        if len(rows):
+            prediction = (guidance or guided_prediction)(
+                model, latents.to(dtype), t, positive, negative, request.guidance_scale, extra
+            )
+            latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
+        if progress is not None:
+            progress(index + 1, request.steps)
+    return denormalize_latents(latents).cpu()
+
+
+def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
+    return tensor[rows.start : rows.stop]
+
+
+def _vace_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
+    """Keyword arguments that feed a VACE context to a VACE model; none for T2V."""
+    vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
+    if request.vace_context is None:
+        if vace_layers is not None:
+            raise ValueError("this is a VACE model: give it a VACE context (reference, control or masked video)")
+        return {}
+    if vace_layers is None:
+        raise ValueError("a VACE context was given but the model is a plain T2V model; load a VACE model or VACE module")
+    context = request.vace_context
+    batch = request.latent.shape[0]
+    if context.shape[0] != batch:
+        context = context.expand(batch, *context.shape[1:])
+    context = _rows(context, rows)
+    scale = torch.full((len(vace_layers),), float(request.vace_strength), device=device, dtype=dtype)
+    return {"control_hidden_states": context.to(device=device, dtype=dtype), "control_hidden_states_scale": scale}

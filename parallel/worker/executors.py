@@ -1,0 +1,134 @@
+"""The per-request executors of one rank: text encoding, sampling, VAE decode and encode; runs in a worker.
+
+``RankExecutor`` runs each request on the rank's resident models (``residency.py``) with the rank's share
+of the work: its data-parallel batch rows, its half of the CFG passes, its VAE tiles. Without process
+groups (``parallel=None``) it is the plain one-device path that the parallel paths are compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import VAE_SPATIAL_FACTOR, check_video_size
+from ..distributed.patch_parallel import effective_patch_size
+from ..models.frames import frames_to_pixels, pixels_to_frames
+from ..models.vae_tiling import tiled_decode, tiled_encode
+from ..protocol import SampleRequest
+from ..sampling.guidance import guidance_for
+from ..sampling.loop import sample
+from .residency import ResidentModels
+
+__all__ = ["RankExecutor"]
+
+DEFAULT_PARALLEL_TILE_PX = 256  # tile edge when VAE work is spread over ranks and no tile size was given
+class RankExecutor(ResidentModels):
+    """This rank's resident models and the operations the nodes and the command line need."""
+
+    def __init__(self, device: str | torch.device = "cpu", parallel=None):
+        super().__init__(device, parallel)
+        self._vae_groups: dict[int, object] = {}
+
+    # -- work ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_text(self, handle: str, prompts: list[str]) -> list[torch.Tensor]:
+        return self._get(handle, "text").encode(prompts)
+
+    @torch.no_grad()
+    def sample(self, request: SampleRequest, progress=None, should_stop=None) -> torch.Tensor:
+        """Raw latents for a request the driver has validated; model-specific inputs are checked here."""
+        model = self._get(request.handle, "model")
+        check_conditioning(model, request)
+        dtype = next(model.parameters()).dtype
+        rows = self._batch_rows(request.latent.shape[0])
+        latents = sample(
+            model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows,
+            guidance=self._guidance(),
+        )
+        return self._gather_batch(latents, request.latent.shape[0])
+
+    def _guidance(self):
+        """CFG parallel: this rank's half of the guidance passes (the plain two-pass guidance otherwise)."""
+        cfg_degree = self._degree("cfg")
+        if cfg_degree == 1:
+            return None
+        return guidance_for(self.parallel.cfg_group, cfg_degree, self.parallel.coord("cfg"))
+
+    def _batch_rows(self, batch: int) -> range:
+        """The batch rows this data-parallel replica samples: contiguous, near-equal shares."""
+        dp = self._degree("dp")
+        if dp == 1:
+            return range(batch)
+        index = self.parallel.coord("dp")
+        return range(index * batch // dp, (index + 1) * batch // dp)
+
+    def _gather_batch(self, latents: torch.Tensor, batch: int) -> torch.Tensor:
+        """Reassemble the whole batch from the data-parallel replicas (every replica gets it)."""
+        dp = self._degree("dp")
+        if dp == 1:
+            return latents
+        # all_gather needs equal shapes: pad every share to the largest, then cut by the known row ranges.
+        largest = -(-batch // dp)
+        padded = latents.new_zeros((largest, *latents.shape[1:]))
+        padded[: latents.shape[0]] = latents
+        pieces = [torch.empty_like(padded) for _ in range(dp)]
+        dist.all_gather(pieces, padded.to(self.device).contiguous(), group=self.parallel.dp_group)
+        shares = [(i * batch // dp, (i + 1) * batch // dp) for i in range(dp)]
+        return torch.cat([piece[: stop - start].cpu() for piece, (start, stop) in zip(pieces, shares)])
+
+    def _tiling(self, tile_px: int | None):
+        """(tile group, tile edge, whether this rank decodes tiles). The tile group is the first vae_patch ranks;
+        a tile edge of None means whole frames on this rank."""
+        size = 1
+        if self.parallel is not None and self.parallel.is_distributed:
+            size = effective_patch_size(self.parallel.config.vae_patch, self.parallel.world)
+        if size == 1:
+            return None, tile_px, True
+        if size not in self._vae_groups:  # every rank runs every request, so all ranks create it together
+            self._vae_groups[size] = dist.new_group(ranks=list(range(size)))
+        return self._vae_groups[size], tile_px or DEFAULT_PARALLEL_TILE_PX, self.parallel.rank < size
+
+    @torch.no_grad()
+    def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        """Raw latents [B, 16, T, h, w] -> frames [B*F, H, W, 3] in 0..1 on the first rank (None on the others).
+
+        With a tile edge (or vae_patch > 1) the frames are cut into overlapping tiles spread over the tile ranks."""
+        vae = self._get(handle, "vae")
+        if latents.ndim != 5 or latents.shape[1] != vae.config.z_dim:
+            raise ValueError(f"expected Wan latents [B, {vae.config.z_dim}, T, h, w], got shape {list(latents.shape)}")
+        group, tile_px, takes_part = self._tiling(tile_px)
+        if not takes_part:
+            return None
+        if tile_px is None:
+            pixels = vae.decode(latents.to(self.device, vae.dtype), return_dict=False)[0]
+        else:
+            pixels = tiled_decode(vae, latents, tile_px=tile_px, overlap_px=overlap_px, group=group)
+        return None if pixels is None else pixels_to_frames(pixels)
+
+    @torch.no_grad()
+    def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
+        """Frames [F, H, W, 3] in 0..1 -> raw latents [1, 16, T, h, w] (the posterior mode, as Wan uses).
+
+        Tiling works as in `decode`; the merged latents reach every tile rank."""
+        vae = self._get(handle, "vae")
+        pixels = frames_to_pixels(frames)
+        check_video_size(pixels.shape[4], pixels.shape[3], pixels.shape[2], multiple=VAE_SPATIAL_FACTOR)
+        group, tile_px, takes_part = self._tiling(tile_px)
+        if not takes_part:
+            return None
+        if tile_px is None:
+            return vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode().float().cpu()
+        return tiled_encode(vae, pixels, tile_px=tile_px, overlap_px=overlap_px, group=group).float().cpu()
+
+
+def check_conditioning(model, request: SampleRequest) -> None:
+    """Fail before sampling when the prompt embeddings cannot feed this model."""
+    text_dim = model.config.text_dim
+    for name, embeddings in (("positive", request.positive), ("negative", request.negative)):
+        for emb in embeddings:
+            if emb.ndim != 2 or emb.shape[1] != text_dim:
+                raise ValueError(
+                    f"{name} conditioning has shape {list(emb.shape)} but this model takes text embeddings of width "
+                    f"{text_dim}; encode the prompt with the text encoder that belongs to the model"
+                )

@@ -1,0 +1,112 @@
+"""The models resident on one rank, keyed by kind, file and options; runs in a worker process.
+
+Loading applies this rank's parallel plans from outside the single-device model code: tensor-parallel
+sharded loading when tp > 1, then the context-parallel plan when ring x ulysses > 1. Models stay resident
+between requests until unloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable
+
+import torch
+
+from ..config import DTYPE_NAMES
+from ..models import wan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+assert tuple(DTYPES) == DTYPE_NAMES[1:], "config.DTYPE_NAMES and DTYPES must list the same dtypes"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on accelerators and fp32 on the CPU (CPU half-precision kernels are slow and inexact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is unknown; valid: {', '.join(DTYPE_NAMES)}")
+    return DTYPES[name]
+
+
+class ResidentModels:
+    """The models loaded on this rank's device, with this rank's parallel plans applied."""
+
+    def __init__(self, device: str | torch.device = "cpu", parallel=None):
+        self.device = torch.device(device)
+        self.parallel = parallel  # ParallelContext of this rank, or None for one rank without process groups
+        self._models: dict[str, object] = {}
+
+    def _degree(self, dim: str) -> int:
+        return self.parallel.size(dim) if self.parallel is not None and self.parallel.is_distributed else 1
+
+    # -- loading ---------------------------------------------------------------------------------------
+
+    def _load(self, key: str, make: Callable[[], object]) -> str:
+        if key not in self._models:
+            self._models[key] = make()
+        return key
+
+    def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto") -> str:
+        torch_dtype = resolve_dtype(dtype, self.device)
+        key = f"model|{path}|{vace_module or ''}|{torch_dtype}"
+        return self._load(key, lambda: self._load_transformer(path, vace_module, torch_dtype))
+
+    def _load_transformer(self, path: str, vace_module: str | None, torch_dtype: torch.dtype):
+        """The transformer, tensor-parallel when tp > 1, then with its sequence split when ring x ulysses > 1."""
+        if self._degree("tp") * self._degree("ulysses") > 1:  # heads split over these: check before reading weights
+            self.parallel.config.check_heads(transformer_heads(path, vace_module))
+        if self._degree("tp") == 1:
+            model = wan.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device)
+        else:
+            from ..models.sharded import load_transformer_tp
+
+            model = load_transformer_tp(
+                path, vace_module=vace_module, dtype=torch_dtype, device=self.device, tp_group=self.parallel.tp_group
+            )
+        if self._degree("ring") * self._degree("ulysses") > 1:
+            from ..distributed.context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, ring_group=self.parallel.ring_group, ulysses_group=self.parallel.ulysses_group)
+        return model
+
+    def load_vae(self, path: str, *, dtype: str = "auto") -> str:
+        torch_dtype = resolve_dtype(dtype, self.device)
+        return self._load(f"vae|{path}|{torch_dtype}", lambda: wan.load_vae(path, dtype=torch_dtype, device=self.device))
+
+    def load_text_encoder(self, path: str, *, dtype: str = "auto") -> str:
+        """umT5, tensor-parallel over the tp group when tp > 1 (then every rank of the group encodes together)."""
+        torch_dtype = resolve_dtype(dtype, self.device)
+        return self._load(f"text|{path}|{torch_dtype}", lambda: self._load_umt5(path, torch_dtype))
+
+    def _load_umt5(self, path: str, torch_dtype: torch.dtype):
+        if self._degree("tp") == 1:
+            return wan.load_text_encoder(path, dtype=torch_dtype, device=self.device)
+        from ..models.umt5_tp import load_text_encoder_tp
+
+        return load_text_encoder_tp(path, dtype=torch_dtype, device=self.device, tp_group=self.parallel.tp_group)
+
+    def unload(self, handle: str | None = None) -> None:
+        if handle is None:
+            self._models.clear()
+        else:
+            self._models.pop(handle, None)
+
+    def loaded(self) -> list[str]:
+        return list(self._models)
+
+    def _get(self, handle: str, kind: str):
+        if handle not in self._models:
+            raise KeyError(f"no {kind} is loaded under {handle!r}; load it first (loaded: {self.loaded() or 'nothing'})")
+        if not handle.startswith(kind + "|"):
+            raise TypeError(f"{handle!r} is not a {kind}")
+        return self._models[handle]
+
+
+
+def transformer_heads(path: str, vace_module: str | None = None) -> int:
+    """The attention head count of a transformer file or folder, read from its config without loading weights."""
+    with contextlib.ExitStack() as stack:
+        model_class, config, _ = wan.transformer_weight_source(path, vace_module, stack)
+    default = inspect.signature(model_class.__init__).parameters["num_attention_heads"].default
+    return int(config.get("num_attention_heads", default))

@@ -1,0 +1,209 @@
+"""One rank's request execution, independent of how requests arrive; runs in a worker process (or Ray actor).
+
+Every rank executes every request (they cooperate through the process groups); only rank 0's reply carries
+the result. ``WorkerRuntime`` knows nothing about connections: the local worker loop (``main.py``) and the
+Ray actor (``driver/ray_backend.py``) both drive it. Requests are dispatched to this rank's
+``RankExecutor`` (``executors.py``); cancel is a collective stop check at step boundaries.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .. import protocol as P
+from ..config import ParallelConfig
+from ..distributed.mesh import ParallelContext, single_rank_context
+
+THREADS_ENV = "WANMESH_WORKER_THREADS"
+
+
+@dataclass
+class RequestContext:
+    """What a request handler may use besides the request itself."""
+
+    runtime: "WorkerRuntime"
+    progress: Callable[[int, int], None]
+    should_stop: Callable[[], bool]
+
+    @property
+    def rank(self) -> int:
+        return self.runtime.rank
+
+    @property
+    def parallel(self) -> ParallelContext:
+        return self.runtime.parallel
+
+    @property
+    def executor(self):
+        return self.runtime.executor
+
+
+Handler = Callable[[RequestContext, Any], P.Reply]
+
+
+# -- dispatch: protocol request -> RankExecutor method ---------------------------------------------------
+
+
+def _unload(ctx: RequestContext, req: P.Unload) -> P.Done:
+    ctx.executor.unload(req.handle)
+    return P.Done()
+
+
+EXECUTOR_DISPATCH: dict[type[P.Request], Handler] = {
+    P.LoadModel: lambda ctx, r: P.Loaded(ctx.executor.load_model(r.path, vace_module=r.vace_module, dtype=r.dtype)),
+    P.LoadVae: lambda ctx, r: P.Loaded(ctx.executor.load_vae(r.path, dtype=r.dtype)),
+    P.LoadTextEncoder: lambda ctx, r: P.Loaded(ctx.executor.load_text_encoder(r.path, dtype=r.dtype)),
+    P.EncodeText: lambda ctx, r: P.Embeddings(ctx.executor.encode_text(r.handle, list(r.prompts))),
+    P.SampleRequest: lambda ctx, r: P.Latents(ctx.executor.sample(r, progress=ctx.progress, should_stop=ctx.should_stop)),
+    P.Decode: lambda ctx, r: P.Images(ctx.executor.decode(r.handle, r.latents, r.tile_px, r.overlap_px)),
+    P.Encode: lambda ctx, r: P.Latents(ctx.executor.encode(r.handle, r.frames, r.tile_px, r.overlap_px)),
+    P.Unload: _unload,
+}
+
+
+def _echo(ctx: RequestContext, args: dict, tensors: list[torch.Tensor]) -> P.DiagnosticResult:
+    return P.DiagnosticResult(tensors=tensors, info={"rank": ctx.rank})
+
+
+BUILTIN_DIAGNOSTICS: dict[str, Callable[..., P.DiagnosticResult]] = {"echo": _echo}
+
+
+def load_diagnostics(path: str | None) -> dict[str, Callable[..., P.DiagnosticResult]]:
+    """Built-in diagnostic ops plus those in ``DIAGNOSTICS`` of the file at ``path`` (fault-injection tests)."""
+    ops = dict(BUILTIN_DIAGNOSTICS)
+    if path:
+        spec = importlib.util.spec_from_file_location("wanmesh_worker_diagnostics", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        ops.update(module.DIAGNOSTICS)
+    return ops
+
+
+# -- the runtime ---------------------------------------------------------------------------------------
+
+
+class StopFlags:
+    """Request ids the driver asked to cancel, set from the receiver thread."""
+
+    def __init__(self):
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._ids.add(request_id)
+
+    def is_cancelled(self, request_id: int) -> bool:
+        with self._lock:
+            return request_id in self._ids
+
+    def forget(self, request_id: int) -> None:
+        with self._lock:
+            self._ids.discard(request_id)
+
+
+class StopCheck:
+    """The ``should_stop`` of one request. Every rank calls it at the same step boundaries, and an all-reduce
+    makes them agree: one rank leaving the loop while another enters a collective would hang the pool."""
+
+    def __init__(self, runtime: "WorkerRuntime", request_id: int):
+        self.runtime = runtime
+        self.request_id = request_id
+        self.stopped = False
+
+    def __call__(self) -> bool:
+        parallel = self.runtime.parallel
+        flag = torch.tensor([int(self.runtime.stops.is_cancelled(self.request_id))], device=parallel.device)
+        if parallel.is_distributed and parallel.world > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        self.stopped = self.stopped or bool(flag.item())
+        return self.stopped
+
+
+class WorkerRuntime:
+    """One rank's engine, process groups and request execution, independent of how requests arrive."""
+
+    def __init__(self, parallel: ParallelContext, diagnostics: str | None = None):
+        self.parallel = parallel
+        self.rank = parallel.rank
+        self.device = parallel.device
+        self.stops = StopFlags()
+        self._executor = None
+        self._diagnostics = load_diagnostics(diagnostics)
+
+    @property
+    def executor(self):
+        if self._executor is None:
+            from .executors import RankExecutor  # imported on first use: loading it pulls in diffusers
+
+            self._executor = RankExecutor(self.device, parallel=self.parallel)
+        return self._executor
+
+    def health(self) -> dict[str, Any]:
+        loaded = self._executor.loaded() if self._executor is not None else []
+        info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "loaded": loaded,
+                "protocol": P.PROTOCOL_VERSION, "torch": torch.__version__}
+        if self.device.type == "cuda":
+            info["memory_allocated"] = torch.cuda.memory_allocated(self.device)
+        return info
+
+    def execute(self, request: P.Request, request_id: int, progress: Callable[[int, int], None]) -> dict[str, Any]:
+        """Run one request; the outcome as plain data: reply (rank 0's carries the result), cancelled or error."""
+        should_stop = StopCheck(self, request_id)
+        ctx = RequestContext(self, progress, should_stop)
+        try:
+            reply = self._dispatch(ctx, request)
+        except Exception as exc:  # every failure goes back to the caller with its traceback
+            if should_stop.stopped:  # whatever the handler raised on its way out of a cancelled run
+                return {"kind": "cancelled", "rank": self.rank}
+            error = P.WorkerError(self.rank, type(exc).__name__, str(exc), traceback.format_exc())
+            return error.to_wire()
+        finally:
+            self.stops.forget(request_id)
+        return {"kind": "reply", "rank": self.rank, "body": reply}
+
+    def execute_wire(
+        self,
+        body: dict[str, Any],
+        request_id: int,
+        unpack: Callable[[Any], torch.Tensor],
+        pack_reply: Callable[[P.Reply], dict[str, Any]],
+        progress: Callable[[int, int], None],
+    ) -> dict[str, Any]:
+        """:meth:`execute` for a request in plain data; rank 0's reply is packed, the other ranks' dropped."""
+        try:
+            request = P.decode_message(body, unpack)
+        except Exception as exc:
+            return P.WorkerError(self.rank, type(exc).__name__, str(exc), traceback.format_exc()).to_wire()
+        outcome = self.execute(request, request_id, progress)
+        if outcome["kind"] == "reply" and isinstance(outcome["body"], P.Reply):
+            outcome["body"] = pack_reply(outcome["body"]) if self.rank == 0 else None
+        return outcome
+
+    def _dispatch(self, ctx: RequestContext, request: P.Request) -> Any:
+        if isinstance(request, P.Health):
+            return self.health()
+        if isinstance(request, P.Shutdown):
+            return P.Done()
+        if isinstance(request, P.Diagnostic):
+            if request.op not in self._diagnostics:
+                raise ValueError(f"unknown diagnostic op {request.op!r}; available: {', '.join(self._diagnostics)}")
+            return self._diagnostics[request.op](ctx, dict(request.args), list(request.tensors)) or P.DiagnosticResult()
+        handler = EXECUTOR_DISPATCH.get(type(request))
+        if handler is None:
+            raise P.ProtocolError(f"this worker cannot serve {type(request).__name__}")
+        return handler(ctx, request)
+
+
+def in_process_runtime(config: ParallelConfig, device: str = "cpu") -> WorkerRuntime:
+    """A runtime without processes or groups (world 1), for callers that want the dispatch without a pool."""
+    if config.world != 1:
+        raise ValueError(f"an in-process runtime has one rank, config has world={config.world}")
+    return WorkerRuntime(single_rank_context(config, torch.device(device)))

@@ -1,0 +1,282 @@
+"""Every UI-format workflow in ``workflows/`` loaded, checked and run in a real browser against a real ComfyUI.
+
+Runs in the test process: a system Chromium (driven by playwright) opens the
+page of the server that the ``comfyui_server`` fixture starts, loads each
+workflow as a dropped file is loaded, compares the API prompt the frontend
+builds with the workflow's twin in ``workflows/api/``, presses the Queue button
+and follows the run to the files it writes. Screenshots of the loaded graph
+and of the finished run go to ``build/test-output/screenshots/``.
+
+Without a browser these tests skip, loudly; with ``CI=true`` they fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from browser import BrowserUnavailable, ComfyPage, LoadReport, launch_browser
+from comfyui_server import ComfyUIServer
+from PIL import Image
+from workflow_graph import WORKFLOWS_DIR, is_link, load_workflow
+
+WORKFLOW_NAMES = sorted(path.stem for path in WORKFLOWS_DIR.glob("*.json"))
+# Each server fixture named here runs every workflow; a newer ComfyUI is one more name.
+SERVER_FIXTURES = ("comfyui_server",)
+SCREENSHOT_DIR = Path(__file__).resolve().parents[2] / "build" / "test-output" / "screenshots"
+PROMPT_TIMEOUT_S = 420.0
+UI_OUTPUT_TIMEOUT_S = 30.0
+CHANGES_WHEN_QUEUED = "<seed that changes when queued>"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+@dataclass(frozen=True)
+class ServerUnderTest:
+    fixture_name: str
+    server: ComfyUIServer
+
+    def screenshot_path(self, workflow_name: str, stage: str) -> Path:
+        """``<workflow>_<stage>.png`` for the first server, ``<workflow>_<fixture>_<stage>.png`` for others."""
+        suffix = "" if self.fixture_name == SERVER_FIXTURES[0] else f"_{self.fixture_name}"
+        return SCREENSHOT_DIR / f"{workflow_name}{suffix}_{stage}.png"
+
+
+def running_in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def no_browser(reason: str) -> None:
+    if running_in_ci():
+        pytest.fail(f"CI=true and no browser for the browser tests: {reason}", pytrace=False)
+    pytest.skip(f"!!! NO BROWSER: the browser workflow tests did NOT run: {reason}")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    """One headless system Chromium shared by the module's tests (each test opens its own context)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as error:
+        no_browser(f"the playwright package is missing ({error}); 'pip install playwright'")
+    playwright = sync_playwright().start()
+    try:
+        browser = launch_browser(playwright)
+    except BrowserUnavailable as error:
+        playwright.stop()
+        no_browser(str(error))
+    yield browser
+    browser.close()
+    playwright.stop()
+
+
+@pytest.fixture(scope="module", params=SERVER_FIXTURES)
+def server_under_test(request: pytest.FixtureRequest) -> ServerUnderTest:
+    return ServerUnderTest(request.param, request.getfixturevalue(request.param))
+
+
+def frozen(value: Any) -> Any:
+    """A hashable form of a JSON value in which ``False`` and ``0`` differ but ``5`` and ``5.0`` do not."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return (type(value).__name__, value)
+    if isinstance(value, (int, float)):
+        return ("number", float(value))
+    if isinstance(value, list):
+        return ("list", tuple(frozen(item) for item in value))
+    return ("object", tuple(sorted((key, frozen(item)) for key, item in value.items())))
+
+
+def graph_shape(prompt: dict[str, Any], changing_seeds: set[tuple[str, str]]) -> Counter:
+    """The prompt's nodes, each described by its class, widget values and (recursively) its input nodes.
+
+    Node ids do not appear, so two prompts that differ only in their ids have the same shape. Seeds
+    listed in ``changing_seeds`` as (class type, input name) compare equal whatever their value.
+    """
+    shapes: dict[str, Any] = {}
+    in_progress: set[str] = set()
+
+    def shape_of(node_id: str) -> Any:
+        if node_id not in prompt:
+            raise AssertionError(f"a link points at node {node_id!r}, which the prompt lacks: {sorted(prompt)}")
+        if node_id in in_progress:
+            raise AssertionError(f"the prompt's links form a cycle through node {node_id!r}")
+        if node_id not in shapes:
+            in_progress.add(node_id)
+            node = prompt[node_id]
+            widgets, links = [], []
+            for name, value in node["inputs"].items():
+                if is_link(value):
+                    links.append((name, shape_of(value[0]), value[1]))
+                elif (node["class_type"], name) in changing_seeds:
+                    widgets.append((name, CHANGES_WHEN_QUEUED))
+                else:
+                    widgets.append((name, frozen(value)))
+            shapes[node_id] = (node["class_type"], tuple(sorted(widgets)), tuple(sorted(links)))
+            in_progress.discard(node_id)
+        return shapes[node_id]
+
+    return Counter(shape_of(node_id) for node_id in prompt)
+
+
+def assert_same_graph(actual: dict[str, Any], expected: dict[str, Any], changing_seeds: set[tuple[str, str]],
+                      what: str) -> None:
+    assert graph_shape(actual, changing_seeds) == graph_shape(expected, changing_seeds), (
+        f"{what} differs:\n--- actual ---\n{json.dumps(actual, indent=1)}\n"
+        f"--- expected ---\n{json.dumps(expected, indent=1)}")
+
+
+def assert_loaded_cleanly(report: LoadReport, workflow: dict[str, Any]) -> None:
+    assert not report.missing_node_types, f"the frontend reported missing node types: {report.missing_node_types}"
+    assert not report.missing_nodes_dialog_shown, "the frontend shows its missing node types dialog"
+    assert not report.unregistered_node_types, f"node types unknown to LiteGraph: {report.unregistered_node_types}"
+    assert not report.invalid_widgets, f"widget values the frontend cannot show: {report.invalid_widgets}"
+    assert not report.dialogs, f"the frontend opened dialogs: {report.dialogs}"
+    assert (report.node_count, report.link_count) == (len(workflow["nodes"]), len(workflow["links"])), (
+        f"the graph shown has {report.node_count} nodes and {report.link_count} links, the workflow "
+        f"{len(workflow['nodes'])} and {len(workflow['links'])}")
+
+
+def load_in_browser(chromium: Any, server: ComfyUIServer, name: str) -> tuple[ComfyPage, LoadReport]:
+    comfy = ComfyPage.open(chromium, server.base_url)
+    try:
+        report = comfy.load_workflow(load_workflow(f"{name}.json"))
+    except BaseException:
+        comfy.close()
+        raise
+    return comfy, report
+
+
+def files_listed_in_history(outputs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """``{node id: [{"filename", "subfolder", "type"}, ...]}`` for every output node that saved files."""
+    listed = {}
+    for node_id, node_output in outputs.items():
+        files = [item for items in node_output.values() if isinstance(items, list)
+                 for item in items if isinstance(item, dict) and "filename" in item]
+        if files:
+            listed[node_id] = files
+    return listed
+
+
+def test_graph_shape_ignores_node_ids_and_nothing_else() -> None:
+    prompt = load_workflow(f"api/{WORKFLOW_NAMES[0]}.json")
+    renumbered = renumber_nodes(prompt, offset=100)
+    assert graph_shape(renumbered, set()) == graph_shape(prompt, set())
+    node_id, name, value = first_widget_input(prompt)
+    for changed_value in (f"{value}x" if isinstance(value, str) else not value if isinstance(value, bool) else value + 1,
+                          None):
+        changed = copy.deepcopy(renumbered)
+        changed[str(int(node_id) + 100)]["inputs"][name] = changed_value
+        assert graph_shape(changed, set()) != graph_shape(prompt, set()), (node_id, name, changed_value)
+    assert graph_shape({"1": {"class_type": "A", "inputs": {"on": False}}}, set()) != graph_shape(
+        {"1": {"class_type": "A", "inputs": {"on": 0}}}, set())
+    assert graph_shape({"1": {"class_type": "A", "inputs": {"cfg": 5}}}, set()) == graph_shape(
+        {"1": {"class_type": "A", "inputs": {"cfg": 5.0}}}, set())
+    # Rewire an input of a node nothing depends on (so no cycle can form) to another node.
+    sources = {value[0] for node in prompt.values() for value in node["inputs"].values() if is_link(value)}
+    sink, name, value = next((node_id, name, value) for node_id, node in prompt.items() if node_id not in sources
+                             for name, value in node["inputs"].items() if is_link(value))
+    rewired = copy.deepcopy(prompt)
+    rewired[sink]["inputs"][name] = [next(node_id for node_id in prompt if node_id not in (value[0], sink)), 0]
+    assert graph_shape(rewired, set()) != graph_shape(prompt, set())
+    cyclic = copy.deepcopy(prompt)
+    cyclic[value[0]]["inputs"]["loop"] = [sink, 0]
+    with pytest.raises(AssertionError, match="cycle"):
+        graph_shape(cyclic, set())
+
+
+def renumber_nodes(prompt: dict[str, Any], offset: int) -> dict[str, Any]:
+    """The prompt with every node id (and every link to it) moved up by ``offset``."""
+    def moved(value: Any) -> Any:
+        return [str(int(value[0]) + offset), value[1]] if is_link(value) else value
+    return {str(int(node_id) + offset): {**node, "inputs": {name: moved(value) for name, value in node["inputs"].items()}}
+            for node_id, node in prompt.items()}
+
+
+def first_widget_input(prompt: dict[str, Any]) -> tuple[str, str, Any]:
+    return next((node_id, name, value) for node_id, node in prompt.items()
+                for name, value in node["inputs"].items() if not is_link(value))
+
+
+def test_browser_reports_missing_nodes_bad_widget_values_and_changing_seeds(
+        chromium: Any, server_under_test: ServerUnderTest) -> None:
+    """The load checks can fail: a workflow with an unknown node type and an absent model file is reported."""
+    workflow = load_workflow(f"{WORKFLOW_NAMES[0]}.json")
+    broken = copy.deepcopy(workflow)
+    nodes = {node["type"]: node for node in broken["nodes"]}
+    nodes["WanMeshEmptyLatent"]["type"] = "WanMeshNoSuchNode"
+    nodes["WanMeshModelLoader"]["widgets_values"][0] = "absent_model.safetensors"
+    sampler_values = nodes["WanMeshSampler"]["widgets_values"]
+    sampler_values[sampler_values.index("fixed")] = "randomize"
+    with ComfyPage.open(chromium, server_under_test.server.base_url) as comfy:
+        report = comfy.load_workflow(broken)
+        assert report.missing_node_types == ["WanMeshNoSuchNode"]
+        assert report.missing_nodes_dialog_shown
+        assert report.unregistered_node_types == ["WanMeshNoSuchNode"]
+        assert len(report.invalid_widgets) == 1 and "absent_model.safetensors" in report.invalid_widgets[0]
+        assert report.changing_seeds == [("WanMeshSampler", "seed")]
+        with pytest.raises(AssertionError):
+            assert_loaded_cleanly(report, workflow)
+        with pytest.raises(AssertionError):
+            assert_same_graph(comfy.graph_to_prompt(), load_workflow(f"api/{WORKFLOW_NAMES[0]}.json"),
+                              set(report.changing_seeds), "the broken workflow")
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_workflow_loads_in_the_browser_as_its_api_twin(chromium: Any, server_under_test: ServerUnderTest,
+                                                        name: str) -> None:
+    """No missing nodes, bad widgets, dialogs or console errors; graphToPrompt equals workflows/api/<name>.json."""
+    workflow = load_workflow(f"{name}.json")
+    comfy, report = load_in_browser(chromium, server_under_test.server, name)
+    with comfy:
+        comfy.fit_view()
+        comfy.screenshot(server_under_test.screenshot_path(name, "loaded"))
+        assert_loaded_cleanly(report, workflow)
+        prompt = comfy.graph_to_prompt()
+        assert_same_graph(prompt, load_workflow(f"api/{name}.json"), set(report.changing_seeds),
+                          f"the frontend's graphToPrompt output for workflows/{name}.json")
+        assert not comfy.errors, f"the page reported errors: {comfy.errors}"
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_workflow_queued_from_the_browser_runs_and_saves_its_outputs(chromium: Any,
+                                                                     server_under_test: ServerUnderTest,
+                                                                     name: str) -> None:
+    """The Queue button posts the API twin; the run succeeds; every file /history lists exists and is shown."""
+    server = server_under_test.server
+    comfy, report = load_in_browser(chromium, server, name)
+    with comfy:
+        assert_loaded_cleanly(report, load_workflow(f"{name}.json"))
+        comfy.fit_view()
+        changing_seeds = set(report.changing_seeds)
+        before_queue = comfy.graph_to_prompt()
+
+        queued = comfy.queue_from_ui()
+        assert queued.http_status == 200, f"POST /prompt answered {queued.http_status}: {queued.answer}"
+        assert not queued.answer.get("node_errors"), f"node errors: {queued.answer['node_errors']}"
+        assert_same_graph(queued.prompt, before_queue, changing_seeds, "the prompt the Queue button posted")
+        assert_same_graph(queued.prompt, load_workflow(f"api/{name}.json"), changing_seeds,
+                          "the prompt the Queue button posted (against the API twin)")
+
+        result = server.wait_for(queued.prompt_id, PROMPT_TIMEOUT_S)
+        assert result.status == "success", f"prompt failed:\n{result.error_text()}\n--- server log ---\n{server.log()}"
+        listed = files_listed_in_history(result.outputs)
+        assert listed, f"/history lists no output files: {result.outputs}"
+        for node_id, files in listed.items():
+            paths = [server.output_dir / item["subfolder"] / item["filename"] for item in files]
+            missing = [str(path) for path in paths if not path.is_file()]
+            assert not missing, f"/history lists files that were not written: {missing}"
+            empty = [str(path) for path in paths if path.stat().st_size == 0]
+            assert not empty, f"empty output files: {empty}"
+            for path in (path for path in paths if path.suffix.lower() in IMAGE_SUFFIXES):
+                with Image.open(path) as image:
+                    image.verify()
+            shown = comfy.wait_for_ui_output_files(node_id, UI_OUTPUT_TIMEOUT_S)
+            assert shown == [item["filename"] for item in files], f"node {node_id} shows {shown}, /history lists {files}"
+            comfy.wait_for_output_images_drawn(node_id, UI_OUTPUT_TIMEOUT_S)
+        comfy.screenshot(server_under_test.screenshot_path(name, "done"))
+        assert not comfy.errors, f"the page reported errors: {comfy.errors}"
