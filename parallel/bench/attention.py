@@ -1,4 +1,5 @@
-"""`wanmesh bench attention`: context-parallel attention kernels timed side by side in one run.
+"""`wanmesh bench attention`: context-parallel attention kernels timed side by side in one run;
+runs in the CLI process and the ranks it spawns.
 
 For each degree a local world is spawned (gloo on CPU, NCCL with one GPU per rank on CUDA).
 At each sequence length it times ring attention with overlapped transfers, the same ring

@@ -1,4 +1,5 @@
-"""`wanmesh bench dit`: one denoise step of WanMesh against diffusers' own transformer forward, same weights and shapes.
+"""`wanmesh bench dit`: one denoise step of WanMesh against diffusers' own transformer forward, same weights and shapes;
+runs in the CLI process.
 
 WanMesh's step is what the sampler runs (CFG: two model passes, the guidance mix and the scheduler update);
 diffusers' reference is its WanTransformer3DModel called twice on the same inputs. The ratio shows what

@@ -1,4 +1,5 @@
-"""`wanmesh bench tp`: tensor parallelism measured per degree: traffic, time per step and weight memory.
+"""`wanmesh bench tp`: tensor parallelism measured per degree: traffic, time per step and weight memory;
+runs in the CLI process and the ranks it spawns.
 
 For each degree a local world is spawned (gloo on CPU, NCCL with one GPU per rank on CUDA); every rank
 loads its shard with sharded loading and reports:

@@ -1,4 +1,5 @@
-"""`wanmesh bench vae`: tiled Wan VAE decode time and peak memory per rank at several vae_patch sizes, in one run.
+"""`wanmesh bench vae`: tiled Wan VAE decode time and peak memory per rank at several vae_patch sizes, in one run;
+runs in the CLI process and the ranks it spawns.
 
 Default workload: a 17-frame 256x256 video, i.e. raw latents ``[1, 16, 5, 32, 32]``, decoded with 128 px tiles and a
 32 px overlap (a 3x3 grid of 9 tiles) by a Wan 2.1-sized VAE (``base_dim`` 96) with random weights (speed and memory do

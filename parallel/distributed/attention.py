@@ -1,4 +1,4 @@
-"""Attention for the engine: the one local kernel seam, ring attention, Ulysses and USP.
+"""Attention in the workers: the one local kernel seam, ring attention, Ulysses and USP.
 
 All functions take and return the diffusers layout `[batch, seq, heads, head_dim]` and are
 inference-only (no autograd support is intended).

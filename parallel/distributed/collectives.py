@@ -1,4 +1,5 @@
-"""Counting of torch.distributed traffic, for benchmarks and for tests that check communication volume.
+"""Counting of torch.distributed traffic, for benchmarks and for tests that check communication volume;
+runs in the workers and benchmark ranks.
 
 `CollectiveCounter` temporarily wraps the point-to-point and collective functions of
 `torch.distributed` in this process and records, per operation name, the number of calls and

@@ -1,4 +1,5 @@
-"""Recognising model files and inferring model configs from tensor shapes (never downloaded).
+"""Recognising model files and inferring model configs from tensor shapes (never downloaded);
+runs in the workers (and the driver, for header-only checks).
 
 Keys here are in the ORIGINAL layouts users have as single files: Wan / VACE transformers
 (`patch_embedding`, `blocks.N.self_attn.q`, ...), the Wan 2.1 VAE (`encoder.downsamples.N`, ...) and

@@ -1,4 +1,5 @@
-"""Sharded loading of Wan / VACE transformers for tensor parallelism: each rank reads only its slices.
+"""Sharded loading of Wan / VACE transformers for tensor parallelism: each rank reads only its slices;
+runs in the workers.
 
 The model is built on the meta device, the tensor-parallel plan swaps in the sharded modules (still meta,
 with local shapes), and every parameter is then read from the checkpoint: sharded ones through

@@ -1,4 +1,5 @@
-"""Tiny random Wan / VACE / VAE / umT5 models in the file formats users have (`wanmesh make-tiny DIR`).
+"""Tiny random Wan / VACE / VAE / umT5 models in the file formats users have (`wanmesh make-tiny DIR`);
+runs in the CLI process and tests.
 
 Everything is deterministic (fixed seeds, single-threaded tokenizer training), so the same files come
 out every time. Single files use the ORIGINAL key layouts; the original names are generated from the

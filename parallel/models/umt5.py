@@ -1,4 +1,4 @@
-"""umT5 text encoding for Wan: the model, its SentencePiece tokenizer, and prompt -> embeddings.
+"""umT5 text encoding for Wan: the model, its SentencePiece tokenizer, and prompt -> embeddings; runs in the workers.
 
 Encoding follows diffusers' `WanPipeline._get_t5_prompt_embeds`: clean the prompt (ftfy, HTML unescape,
 whitespace collapse), tokenize with EOS appended, pad to 512 with an attention mask, run the encoder,

@@ -1,4 +1,5 @@
-"""Tensor parallelism for the umT5 text encoder, with sharded loading: each rank holds ~1/tp of its matrices.
+"""Tensor parallelism for the umT5 text encoder, with sharded loading: each rank holds ~1/tp of its matrices;
+runs in the workers.
 
 The model stays transformers' ``UMT5EncoderModel``; the Wan transformer's machinery (``TensorParallelPlan``,
 the column / row linears, ``ShardedWeightSource``) is applied to it from outside. In every encoder layer:
