@@ -3,6 +3,8 @@
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
+from .vace import WanMeshTrimLatent, WanMeshVaceEncode
+from .vace_builders import WanMeshVaceControl, WanMeshVaceMask, WanMeshVaceReference
 from .vae import WanMeshVAEDecode, WanMeshVAEEncode
 
 _NODES = {
@@ -15,6 +17,11 @@ _NODES = {
     "WanMeshSampler": (WanMeshSampler, "WanMesh Sampler"),
     "WanMeshVAEDecode": (WanMeshVAEDecode, "WanMesh VAE Decode"),
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
+    "WanMeshVaceEncode": (WanMeshVaceEncode, "WanMesh VACE Encode"),
+    "WanMeshTrimLatent": (WanMeshTrimLatent, "WanMesh Trim Latent"),
+    "WanMeshVaceMask": (WanMeshVaceMask, "WanMesh VACE Mask"),
+    "WanMeshVaceReference": (WanMeshVaceReference, "WanMesh VACE Reference"),
+    "WanMeshVaceControl": (WanMeshVaceControl, "WanMesh VACE Control"),
 }
 
 NODE_CLASS_MAPPINGS = {node_id: cls for node_id, (cls, _) in _NODES.items()}

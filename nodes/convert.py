@@ -2,17 +2,66 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 
-def conditioning_to_embeddings(conditioning) -> list[torch.Tensor]:
-    """ComfyUI CONDITIONING ([[tensor[1, L, D], dict], ...]) -> prompt embeddings [L, D], one per batch row."""
+VACE_KEYS = ("vace_frames", "vace_mask", "vace_strength")
+
+
+@dataclass
+class Conditioning:
+    """What the sampler reads from one ComfyUI CONDITIONING: prompt embeddings and native VACE contexts."""
+
+    embeddings: list[torch.Tensor]  # [L, D], one per batch row
+    vace_frames: list[torch.Tensor] = field(default_factory=list)
+    vace_masks: list[torch.Tensor] = field(default_factory=list)
+    vace_strengths: list[float] = field(default_factory=list)
+
+
+def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
+    """ComfyUI CONDITIONING ([[tensor[1, L, D], dict], ...]) -> embeddings and the VACE lists of its dict.
+
+    Several entries (ConditioningCombine) would be evaluated one by one and averaged by ComfyUI's samplers;
+    WanMesh samples one entry, so it refuses them rather than silently dropping all but the first."""
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
-        raise ValueError("CONDITIONING is empty; connect a text encode node")
-    tensor = conditioning[0][0]
+        raise ValueError(f"{name} is empty; connect a text encode node")
+    if len(conditioning) > 1:
+        raise ValueError(f"{name} holds {len(conditioning)} entries (from ConditioningCombine); WanMesh samples one "
+                         "entry per conditioning: use ConditioningConcat or a single prompt")
+    tensor, options = conditioning[0][0], conditioning[0][1]
     if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3:
-        raise ValueError(f"CONDITIONING tensor must be [batch, tokens, width], got {getattr(tensor, 'shape', tensor)}")
-    return [row.float().cpu() for row in tensor]
+        raise ValueError(f"{name} tensor must be [batch, tokens, width], got {getattr(tensor, 'shape', tensor)}")
+    return Conditioning(
+        embeddings=[row.float().cpu() for row in tensor],
+        vace_frames=[t.float().cpu() for t in options.get("vace_frames", [])],
+        vace_masks=[t.float().cpu() for t in options.get("vace_mask", [])],
+        vace_strengths=[float(v) for v in options.get("vace_strength", [])],
+    )
+
+
+def check_same_vace(positive: Conditioning, negative: Conditioning) -> None:
+    """WanMesh applies one set of VACE contexts to both guidance passes, as WanVaceToVideo's outputs carry."""
+    pairs = zip(positive.vace_frames + positive.vace_masks, negative.vace_frames + negative.vace_masks)
+    same = (len(positive.vace_frames) == len(negative.vace_frames) and positive.vace_strengths == negative.vace_strengths
+            and all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs))
+    if not same:
+        raise ValueError(f"positive carries {len(positive.vace_frames)} VACE contexts and negative "
+                         f"{len(negative.vace_frames)} different ones; pass both through the same VACE encode "
+                         "(WanMesh applies one set of VACE contexts to both guidance passes)")
+
+
+def with_vace(conditioning, frames: torch.Tensor, mask: torch.Tensor, strength: float) -> list:
+    """A copy of CONDITIONING with one VACE context appended to every entry, as WanVaceToVideo does."""
+    added = {"vace_frames": [frames], "vace_mask": [mask], "vace_strength": [strength]}
+    result = []
+    for tensor, options in conditioning:
+        options = dict(options)
+        for key, value in added.items():
+            options[key] = list(options.get(key, [])) + value
+        result.append([tensor, options])
+    return result
 
 
 def embeddings_to_conditioning(embeddings: list[torch.Tensor]) -> list:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from ..parallel import SAMPLERS, Cancelled, SampleRequest, latent_shape
-from .convert import conditioning_to_embeddings, embeddings_to_conditioning, latent_to_tensor, tensor_to_latent
+from .convert import (
+    check_same_vace,
+    embeddings_to_conditioning,
+    latent_to_tensor,
+    read_conditioning,
+    tensor_to_latent,
+)
 from .runtime import interrupted, progress_reporter, raise_if_interrupted
 
 CATEGORY = "WanMesh"
@@ -51,33 +57,37 @@ class WanMeshSampler:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": ("WANMESH_MODEL",),
-                "positive": ("CONDITIONING",),
-                "negative": ("CONDITIONING",),
-                "latent_image": ("LATENT",),
-                "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED}),
-                "steps": ("INT", {"default": 30, "min": 1, "max": 1000}),
-                "cfg": ("FLOAT", {"default": 5.0, "min": 0.0, "max": 100.0, "step": 0.1}),
-                "shift": ("FLOAT", {"default": 5.0, "min": 0.01, "max": 100.0, "step": 0.1}),
-                "sampler_name": (list(SAMPLERS),),
-                "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01}),
+                "model": ("WANMESH_MODEL", {"tooltip": "the loaded Wan T2V or VACE transformer"}),
+                "positive": ("CONDITIONING", {"tooltip": "prompt; VACE contexts (from a VACE encode) ride on it"}),
+                "negative": ("CONDITIONING", {"tooltip": "negative prompt (with the same VACE contexts)"}),
+                "latent_image": ("LATENT", {"tooltip": "empty latent (or the VACE encode's) fixing size and length"}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip": "noise seed"}),
+                "steps": ("INT", {"default": 30, "min": 1, "max": 1000, "tooltip": "denoising steps"}),
+                "cfg": ("FLOAT", {"default": 5.0, "min": 0.0, "max": 100.0, "step": 0.1,
+                                  "tooltip": "classifier-free guidance scale; 1 runs one pass per step"}),
+                "shift": ("FLOAT", {"default": 5.0, "min": 0.01, "max": 100.0, "step": 0.1,
+                                    "tooltip": "flow-matching timestep shift (5 for 720p/480p Wan 2.1)"}),
+                "sampler_name": (list(SAMPLERS), {"tooltip": "unipc (Wan's default) or euler"}),
+                "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
+                                      "tooltip": "1 starts from noise; less keeps part of the input latent"}),
             },
-            "optional": {"vace": ("WANMESH_VACE",)},
         }
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "sample"
     CATEGORY = CATEGORY
+    DESCRIPTION = ("Samples a Wan video on the worker pool with every parallel mode of the pool; takes VACE "
+                   "through the conditioning (WanMesh's or ComfyUI's native VACE encode), one or several contexts.")
 
-    def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise, vace=None):
+    def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise):
+        conditional = read_conditioning(positive, "positive")
+        unconditional = read_conditioning(negative, "negative")
+        check_same_vace(conditional, unconditional)
         request = SampleRequest(
-            handle=model.handle,
-            latent=latent_to_tensor(latent_image),
-            positive=conditioning_to_embeddings(positive),
-            negative=conditioning_to_embeddings(negative),
-            seed=seed, steps=steps, guidance_scale=cfg, shift=shift, sampler=sampler_name, denoise=denoise,
-            vace_context=None if vace is None else vace["context"],
-            vace_strength=1.0 if vace is None else vace["strength"],
+            handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
+            negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
+            sampler=sampler_name, denoise=denoise, vace_frames=conditional.vace_frames,
+            vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths,
         )
         try:
             samples = model.runner.sample(request, progress=progress_reporter(steps), should_stop=interrupted)

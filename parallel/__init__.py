@@ -18,9 +18,9 @@ from .config import (
 )
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
-from .protocol import SampleRequest
+from .protocol import EncodeVace, SampleRequest
 
 __all__ = [
     "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
-    "PoolRunner", "Cancelled", "WorkerError", "SampleRequest",
+    "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace",
 ]

@@ -302,3 +302,27 @@ def check_sampling(*, sampler: str, steps: int, shift: float, denoise: float) ->
         raise ValueError(f"denoise must be in (0, 1], got {denoise}")
     if shift <= 0:
         raise ValueError(f"shift must be positive, got {shift}")
+
+
+# -- VACE conditioning -------------------------------------------------------------------------------------
+
+VACE_FRAME_CHANNELS, VACE_MASK_CHANNELS = 32, 64
+
+
+def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape: tuple) -> None:
+    """Native VACE conditioning (one entry per context) that fits the latent it is sampled with."""
+    if not len(frames) == len(masks) == len(strengths):
+        raise ValueError(f"VACE conditioning needs as many masks and strengths as contexts; got {len(frames)} "
+                         f"vace_frames, {len(masks)} vace_mask and {len(strengths)} vace_strength")
+    batch, _, *positions = latent_shape
+    for index, (frame, mask, strength) in enumerate(zip(frames, masks, strengths)):
+        for name, tensor, channels in (("vace_frames", frame, VACE_FRAME_CHANNELS), ("vace_mask", mask, VACE_MASK_CHANNELS)):
+            if tensor.ndim != 5 or tensor.shape[1] != channels or tensor.shape[0] not in (1, batch):
+                raise ValueError(f"{name}[{index}] has shape {list(tensor.shape)}; expected [1 or {batch}, {channels}, "
+                                 f"T, h, w] as ComfyUI's WanVaceToVideo makes it")
+            if list(tensor.shape[2:]) != positions:
+                raise ValueError(
+                    f"{name}[{index}] covers latent frames x size {list(tensor.shape[2:])} but the latent is "
+                    f"{positions}; use the latent made by the same VACE encode (its length, size and references)")
+        if not math.isfinite(strength):
+            raise ValueError(f"vace_strength[{index}] is {strength}; give a finite strength (1.0 is the default)")

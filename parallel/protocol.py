@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import check_latent, check_sampling
+from .config import check_latent, check_sampling, check_vace_contexts
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -135,8 +135,10 @@ class SampleRequest(Request):
     shift: float
     sampler: str = "unipc"
     denoise: float = 1.0
-    vace_context: torch.Tensor | None = None  # [B, 96, T, h, w]
-    vace_strength: float = 1.0
+    # VACE contexts in ComfyUI's native raw format, one entry per context (chained VACE encodes):
+    vace_frames: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 32, T, h, w]
+    vace_masks: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 64, T, h, w]
+    vace_strengths: list[float] = field(default_factory=list)
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -144,11 +146,31 @@ class SampleRequest(Request):
         check_latent(self.latent)
         if not self.positive or not self.negative:
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
-        if self.vace_context is not None and self.vace_context.shape[2:] != self.latent.shape[2:]:
-            raise ValueError(
-                f"VACE context covers {list(self.vace_context.shape[2:])} latent positions but the latent is "
-                f"{list(self.latent.shape[2:])}; encode the VACE inputs at the latent's size and frame count"
-            )
+        check_vace_contexts(self.vace_frames, self.vace_masks, self.vace_strengths, self.latent.shape)
+
+
+@dataclass(frozen=True)
+class EncodeVace(Request):
+    """VACE inputs -> ComfyUI's native VACE conditioning tensors, VAE-encoded on the pool (``vace/encode.py``)."""
+
+    kind: ClassVar[str] = "encode_vace"
+    handle: str  # the VAE
+    width: int
+    height: int
+    length: int
+    control_video: torch.Tensor | None = None  # IMAGE [F, H, W, C]
+    control_masks: torch.Tensor | None = None  # MASK [F, H, W]
+    reference_images: torch.Tensor | None = None  # IMAGE [R, H, W, C], one latent frame each
+    tile_px: int | None = None
+    overlap_px: int | None = None
+
+
+@dataclass(frozen=True)
+class VaceEncoded(Reply):
+    kind: ClassVar[str] = "vace_encoded"
+    frames: torch.Tensor  # [1, 32, R+T, h, w] raw
+    mask: torch.Tensor  # [1, 64, R+T, h, w]
+    trim_latent: int
 
 
 @dataclass(frozen=True)
@@ -200,13 +222,13 @@ class Diagnostic(Request):
 
 REQUESTS: dict[str, type[Request]] = {
     cls.kind: cls
-    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, Decode, Encode, Unload, Health, Shutdown, Diagnostic)
+    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, EncodeVace, Decode, Encode, Unload, Health, Shutdown, Diagnostic)
 }
 REPLIES: dict[str, type[Reply]] = {
-    cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, Done, HealthReport, DiagnosticResult)
+    cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, VaceEncoded, Done, HealthReport, DiagnosticResult)
 }
 REPLY_TO: dict[type[Request], type[Reply]] = {
-    LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, SampleRequest: Latents,
+    LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, SampleRequest: Latents, EncodeVace: VaceEncoded,
     Decode: Images, Encode: Latents, Unload: Done, Health: HealthReport, Shutdown: Done, Diagnostic: DiagnosticResult,
 }
 LOADS = (LoadModel, LoadVae, LoadTextEncoder)

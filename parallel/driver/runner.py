@@ -10,6 +10,7 @@ import torch
 
 from .. import protocol as P
 from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_tiles, check_video_size
+from ..vace.encode import check_encode_inputs
 from .pool import WorkerPool, current_pool, get_pool
 
 
@@ -63,3 +64,10 @@ class PoolRunner:
         if frames.ndim == 4:
             check_video_size(frames.shape[2], frames.shape[1], frames.shape[0], multiple=VAE_SPATIAL_FACTOR)
         return self.pool.call(P.Encode(handle=handle, frames=frames, tile_px=tile_px, overlap_px=overlap_px)).latents
+
+    def encode_vace(self, request: P.EncodeVace) -> P.VaceEncoded:
+        """Native VACE conditioning tensors; the inputs are checked here before any worker work."""
+        check_tiles(request.tile_px, request.overlap_px)
+        check_encode_inputs(request.width, request.height, request.length, request.control_video,
+                            request.control_masks, request.reference_images)
+        return self.pool.call(request)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLWan, WanTransformer3DModel, WanVACETransformer3DModel
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import (
     convert_wan_transformer_to_diffusers,
     convert_wan_vae_to_diffusers,
@@ -35,12 +35,14 @@ from .checkpoint import (
     strip_prefix,
 )
 from .umt5 import TextEncoder, load_text_encoder
+from .wan_vace import WanVaceMultiContext
 from .detect import describe_kind, detect_kind, infer_transformer_config, infer_vae_config
 
 __all__ = ["ModelFileError", "TextEncoder", "load_text_encoder", "load_transformer", "load_vae",
            "resolve_model_location", "transformer_weight_source"]
 
-TRANSFORMER_CLASSES = {cls.__name__: cls for cls in (WanTransformer3DModel, WanVACETransformer3DModel)}
+# diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support.
+TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext}
 DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model"
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 

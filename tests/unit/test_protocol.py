@@ -33,7 +33,8 @@ def only_builtins(value):
 def sample_request():
     return P.SampleRequest(handle="model|x", latent=torch.randn(1, 16, 2, 4, 4), positive=[torch.randn(5, 8)],
                     negative=[torch.randn(5, 8)], seed=3, steps=4, guidance_scale=5.0, shift=3.0,
-                           vace_context=None)
+                           vace_frames=[torch.randn(1, 32, 2, 4, 4)], vace_masks=[torch.rand(1, 64, 2, 4, 4)],
+                           vace_strengths=[0.5])
 
 
 @pytest.mark.parametrize("message", [
@@ -79,7 +80,7 @@ def test_objects_that_are_not_plain_data_cannot_cross():
 
 
 def test_tensors_in_finds_nested_tensors():
-    assert len(P.tensors_in(sample_request())) == 3
+    assert len(P.tensors_in(sample_request())) == 5  # latent, two prompt embeddings, a VACE frame and mask
 
 
 def test_worker_error_shows_rank_type_message_and_traceback():

@@ -12,7 +12,7 @@ from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.errors import Cancelled
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.latents import denormalize_latents
-from wanmesh.parallel.sampling.loop import pad_text_context, sample
+from wanmesh.parallel.sampling.loop import pad_to_wan_text_length, sample, text_context
 
 WIDTH, HEIGHT, FRAMES = 64, 48, 5
 
@@ -25,8 +25,8 @@ def _request(text_dim: int, **overrides) -> SampleRequest:
     fields = dict(
         handle="model|unused",
         latent=torch.zeros(latent_shape(WIDTH, HEIGHT, FRAMES)),
-        positive=_embeddings(text_dim, 1, 7),
-        negative=_embeddings(text_dim, 2, 3),
+        positive=[pad_to_wan_text_length(e) for e in _embeddings(text_dim, 1, 7)],  # as WanMesh's text encoder gives
+        negative=[pad_to_wan_text_length(e) for e in _embeddings(text_dim, 2, 3)],
         seed=123, steps=4, guidance_scale=5.0, shift=3.0, sampler="unipc",
     )
     fields.update(overrides)
@@ -57,8 +57,8 @@ def test_matches_diffusers_wan_pipeline(tiny_models, t2v, sampler):
         scheduler=_diffusers_scheduler(sampler, request.shift),
     )
     reference = pipe(
-        prompt_embeds=pad_text_context(request.positive, 1, torch.float32, "cpu"),
-        negative_prompt_embeds=pad_text_context(request.negative, 1, torch.float32, "cpu"),
+        prompt_embeds=text_context(request.positive, 1, torch.float32, "cpu"),
+        negative_prompt_embeds=text_context(request.negative, 1, torch.float32, "cpu"),
         height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=request.steps,
         guidance_scale=request.guidance_scale, generator=torch.Generator("cpu").manual_seed(request.seed), output_type="latent",
     ).frames
@@ -94,10 +94,12 @@ def test_small_denoise_stays_near_the_input_latent(t2v):
 def test_vace_strength_zero_equals_t2v_and_context_matters(tiny_models, t2v):
     vace = load_transformer(str(tiny_models["vace"]))
     shape = list(latent_shape(WIDTH, HEIGHT, FRAMES))
-    context = torch.randn([1, 96] + shape[2:], generator=torch.Generator().manual_seed(9))
+    generator = torch.Generator().manual_seed(9)
+    context = {"vace_frames": [torch.randn([1, 32] + shape[2:], generator=generator)],
+               "vace_masks": [torch.rand([1, 64] + shape[2:], generator=generator)]}
     plain = sample(t2v, _request(t2v.config.text_dim))
-    off = sample(vace, _request(t2v.config.text_dim, vace_context=context, vace_strength=0.0))
-    on = sample(vace, _request(t2v.config.text_dim, vace_context=context, vace_strength=1.0))
+    off = sample(vace, _request(t2v.config.text_dim, **context, vace_strengths=[0.0]))
+    on = sample(vace, _request(t2v.config.text_dim, **context, vace_strengths=[1.0]))
     torch.testing.assert_close(off, plain, rtol=0, atol=1e-5)
     assert (on - plain).abs().max() > 1e-3
 
@@ -132,8 +134,9 @@ def test_engine_rejects_mismatched_conditioning_and_vace(tiny_models, t2v):
     with pytest.raises(ValueError, match="takes text embeddings of width 64"):
         engine.sample(_request(4096, handle=handle))
     shape = list(latent_shape(WIDTH, HEIGHT, FRAMES))
-    with pytest.raises(ValueError, match="plain T2V model"):
-        engine.sample(_request(64, handle=handle, vace_context=torch.zeros([1, 96] + shape[2:])))
+    with pytest.raises(ValueError, match="the model has no VACE blocks"):
+        engine.sample(_request(64, handle=handle, vace_frames=[torch.zeros([1, 32] + shape[2:])],
+                               vace_masks=[torch.ones([1, 64] + shape[2:])], vace_strengths=[1.0]))
     with pytest.raises(KeyError, match="load it first"):
         engine.sample(_request(64, handle="model|missing||torch.float32"))
 

@@ -1,0 +1,80 @@
+"""VACE encode (interchangeable with ComfyUI's native WanVaceToVideo) and trim-latent nodes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..parallel import EncodeVace
+from .convert import latent_to_tensor, tensor_to_latent, with_vace
+
+CATEGORY = "WanMesh/vace"
+SIZE = {"min": 16, "max": 8192, "step": 16}
+
+
+class WanMeshVaceEncode:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "positive": ("CONDITIONING", {"tooltip": "prompt conditioning; the VACE context is appended to it"}),
+                "negative": ("CONDITIONING", {"tooltip": "negative conditioning; gets the same VACE context"}),
+                "vae": ("WANMESH_VAE", {"tooltip": "the Wan VAE that encodes the VACE inputs on the pool"}),
+                "width": ("INT", {"default": 832, **SIZE, "tooltip": "video width in pixels (multiple of 16)"}),
+                "height": ("INT", {"default": 480, **SIZE, "tooltip": "video height in pixels (multiple of 16)"}),
+                "length": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4,
+                                   "tooltip": "frames to generate, 4k+1"}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "videos per run"}),
+                "strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1000.0, "step": 0.01,
+                                       "tooltip": "how strongly this VACE context steers the video; 0 ignores it"}),
+            },
+            "optional": {
+                "control_video": ("IMAGE", {"tooltip": "video to follow or edit (grey = generate freely)"}),
+                "control_masks": ("MASK", {"tooltip": "1 = generate, 0 = keep the control video"}),
+                "reference_image": ("IMAGE", {"tooltip": "reference images; each frame is one reference"}),
+            },
+        }
+
+    RETURN_TYPES = ("CONDITIONING", "CONDITIONING", "LATENT", "INT")
+    RETURN_NAMES = ("positive", "negative", "latent", "trim_latent")
+    FUNCTION = "encode"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("VACE conditioning exactly as ComfyUI's WanVaceToVideo makes it (the two nodes are "
+                   "interchangeable), VAE-encoded on the worker pool; several references and chained encodes "
+                   "(several contexts) are supported.")
+
+    def encode(self, positive, negative, vae, width, height, length, batch_size, strength,
+               control_video=None, control_masks=None, reference_image=None):
+        encoded = vae.runner.encode_vace(EncodeVace(
+            handle=vae.handle, width=width, height=height, length=length, control_video=_cpu(control_video),
+            control_masks=_cpu(control_masks), reference_images=_cpu(reference_image)))
+        _, _, frames, h, w = encoded.frames.shape
+        latent = torch.zeros([batch_size, 16, frames, h, w])
+        return (with_vace(positive, encoded.frames, encoded.mask, strength),
+                with_vace(negative, encoded.frames, encoded.mask, strength),
+                tensor_to_latent(latent), encoded.trim_latent)
+
+
+class WanMeshTrimLatent:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "samples": ("LATENT", {"tooltip": "sampled latent that starts with the reference frames"}),
+            "trim_amount": ("INT", {"default": 0, "min": 0, "max": 99999,
+                                    "tooltip": "latent frames to drop from the start (the VACE encode's trim_latent)"}),
+        }}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "trim"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Drops the reference frames' latents after VACE sampling (like ComfyUI's TrimVideoLatent)."
+
+    def trim(self, samples, trim_amount):
+        latents = latent_to_tensor(samples)
+        if trim_amount >= latents.shape[2]:
+            raise ValueError(f"trim_amount {trim_amount} would drop all {latents.shape[2]} latent frames; "
+                             f"valid: 0 to {latents.shape[2] - 1}")
+        return (tensor_to_latent(latents[:, :, trim_amount:]),)
+
+
+def _cpu(tensor):
+    return None if tensor is None else tensor.float().cpu()
