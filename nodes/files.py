@@ -54,3 +54,11 @@ def model_path(kind: str, name: str) -> str:
     raise FileNotFoundError(
         f"model {name!r} was not found in ComfyUI's {kind!r} folders; refresh the node to list the files that exist"
     )
+
+
+def list_vace_modules() -> list[str]:
+    """Files of the diffusion-model folders that hold only VACE weights (read from each file's header)."""
+    from ..parallel import safetensors_kind
+
+    return [name for name in list_models("diffusion_models")
+            if not name.startswith(DIFFUSERS_PREFIX) and safetensors_kind(model_path("diffusion_models", name)) == "vace_module"]

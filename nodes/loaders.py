@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..parallel import DTYPE_NAMES
-from .files import list_models, model_path
+from .files import list_models, list_vace_modules, model_path
 from .runtime import Loaded, default_runner
 
 DTYPE_CHOICES = (list(DTYPE_NAMES),)
@@ -20,7 +20,7 @@ class WanMeshModelLoader:
     def INPUT_TYPES(cls):
         return {
             "required": {"model_name": (list_models("diffusion_models"),), "dtype": DTYPE_CHOICES},
-            "optional": {"vace_module": (["none"] + list_models("diffusion_models"),), **POOL_INPUT},
+            "optional": {"vace_module": (["none"] + list_vace_modules(),), **POOL_INPUT},
         }
 
     RETURN_TYPES = ("WANMESH_MODEL",)

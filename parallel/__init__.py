@@ -18,9 +18,10 @@ from .config import (
 )
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
+from .models.detect import safetensors_kind
 from .protocol import EncodeVace, SampleRequest
 
 __all__ = [
     "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
-    "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace",
+    "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
 ]

@@ -16,6 +16,7 @@ gives the same one-line error. Light at import: plain Python only (torch is impo
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -230,23 +231,35 @@ def _nearest(value: int, step: int, offset: int, minimum: int) -> str:
     return " or ".join(str(v) for v in dict.fromkeys(candidates))
 
 
+def _is_whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_frame_count(frames: int, what: str = "frame count") -> None:
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % TEMPORAL_STRIDE:
-        near = _nearest(frames, TEMPORAL_STRIDE, 1, 1) if isinstance(frames, int) else "1, 5, 9, ..."
-        raise ValueError(f"{what} {frames} is not of the form 4k+1 (nearest valid: {near})")
+    if not _is_whole(frames) or frames < 1 or (frames - 1) % TEMPORAL_STRIDE:
+        near = _nearest(int(frames), TEMPORAL_STRIDE, 1, 1) if _is_whole(frames) else "1, 5, 9, ..."
+        raise ValueError(f"{what} {frames!r} is not of the form 4k+1 (nearest valid: {near})")
+
+
+def check_frame_size(width: int, height: int, multiple: int = SPATIAL_STRIDE, where: str = "") -> None:
+    """Width and height that are positive multiples of ``multiple``, naming the nearest valid values."""
+    problems = []
+    for name, value in (("width", width), ("height", height)):
+        if not _is_whole(value) or value < multiple or value % multiple:
+            near = _nearest(int(value), multiple, 0, multiple) if _is_whole(value) else f"{multiple}, {2 * multiple}, ..."
+            problems.append(f"{where}{name} {value!r} is not a positive multiple of {multiple} (nearest valid: {near})")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def check_video_size(width: int, height: int, frames: int, multiple: int = SPATIAL_STRIDE) -> None:
     """Reject sizes Wan cannot handle, naming the nearest valid values, before any work starts."""
     problems = []
-    for name, value in (("width", width), ("height", height)):
-        if value < multiple or value % multiple:
-            near = _nearest(value, multiple, 0, multiple)
-            problems.append(f"{name} {value} is not a positive multiple of {multiple} (nearest valid: {near})")
-    try:
-        check_frame_count(frames)
-    except ValueError as error:
-        problems.append(str(error))
+    for check in (lambda: check_frame_size(width, height, multiple), lambda: check_frame_count(frames)):
+        try:
+            check()
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         raise ValueError("; ".join(problems))
 

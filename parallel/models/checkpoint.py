@@ -43,7 +43,12 @@ def _describe_size(num_bytes: int) -> str:
     return f"{num_bytes} bytes" if num_bytes < 1024 * 1024 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def _check_safetensors_header(path: Path) -> None:
+def read_safetensors_header(path: str | Path) -> dict:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes, ``__metadata__``), checked; no data read."""
+    return _check_safetensors_header(Path(path))
+
+
+def _check_safetensors_header(path: Path) -> dict:
     """Validate the 8-byte length prefix and JSON header so corrupt files fail with a readable message."""
     size = path.stat().st_size
     if size < 8:
@@ -70,6 +75,7 @@ def _check_safetensors_header(path: Path) -> None:
             f"{path}: truncated safetensors file (file is {_describe_size(size)}, its header needs "
             f"{_describe_size(8 + header_len + data_end)})."
         )
+    return header
 
 
 class CheckpointFile:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, is_quantisation_key
+from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, is_quantisation_key, read_safetensors_header
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -57,6 +57,16 @@ def detect_kind(keys: Iterable[str]) -> str:
     if any(name.startswith(("visual.", "vision_model.")) for name in names):
         return "clip_vision"
     return "unknown"
+
+
+def safetensors_kind(path: str) -> str:
+    """``detect_kind`` of a safetensors file from its header alone (no tensor data is read); "unknown" for a
+    file that is not a readable safetensors file."""
+    try:
+        header = read_safetensors_header(path)
+    except (OSError, ModelFileError):
+        return "unknown"
+    return detect_kind(key for key in header if key != "__metadata__")
 
 
 def describe_kind(keys: Iterable[str]) -> str:

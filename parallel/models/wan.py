@@ -122,11 +122,21 @@ def transformer_weight_source(
         if "vace_layers" in config or config.get("_class_name") == "WanVACETransformer3DModel":
             raise ModelFileError(f"{location}: already a VACE model; a separate VACE module cannot be added to it.")
         module_source, module_shapes = _original_transformer_source(_open_vace_module(vace_module, stack))
+        _check_vace_module_width(config, module_shapes, location, vace_module)
         source = source.merged_with(module_source)
         config = _add_vace_config(config, shapes, module_shapes)
     class_name = config.get("_class_name") or (
         "WanVACETransformer3DModel" if "vace_layers" in config else "WanTransformer3DModel")
     return TRANSFORMER_CLASSES[class_name], config, source
+
+
+def _check_vace_module_width(config: dict, module_shapes: dict, base: Path, module: str | Path) -> None:
+    base_width = config["num_attention_heads"] * config["attention_head_dim"]
+    module_width = module_shapes["vace_patch_embedding.weight"][0]
+    if module_width != base_width:
+        raise ModelFileError(
+            f"the VACE module {Path(module).name} is for a model of width {module_width} but the base model "
+            f"{base.name} has width {base_width}; use the VACE module made for this base model")
 
 
 def _add_vace_config(config: dict, base_shapes: dict | None, module_shapes: dict) -> dict:

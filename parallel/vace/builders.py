@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config import check_frame_count, check_frame_size
+
 GREY = 0.5
 SIZE_MULTIPLE = 16
 MASK_MODES = ("inpaint", "box", "outpaint", "extend", "first_last")
@@ -58,27 +60,11 @@ def _check_unit_range(name: str, values: torch.Tensor) -> None:
 
 
 def _check_length(where: str, length: int) -> None:
-    """Frame counts are 4k+1."""
-    if not isinstance(length, (int, np.integer)) or length < 1:
-        raise ValueError(f"{where}: length must be a whole number of frames 4k+1 (1, 5, 9, ...), got {length!r}")
-    if (length - 1) % 4:
-        lower = (length - 1) // 4 * 4 + 1
-        raise ValueError(f"{where}: length must be 4k+1 frames, got {length}; nearest valid: {lower} or {lower + 4}")
-
-
-def _nearest_multiples(value: int) -> tuple[int, int]:
-    lower = value // SIZE_MULTIPLE * SIZE_MULTIPLE
-    return (lower or SIZE_MULTIPLE), lower + SIZE_MULTIPLE
+    check_frame_count(length, f"{where}: length")
 
 
 def _check_canvas(where: str, width: int, height: int) -> None:
-    """Width and height are positive multiples of 16."""
-    for name, size in (("width", width), ("height", height)):
-        whole = isinstance(size, (int, np.integer))
-        if not whole or size < 1 or size % SIZE_MULTIPLE:
-            lower, upper = _nearest_multiples(int(size) if whole and size > 0 else 0)
-            raise ValueError(f"{where}: {name} must be a positive multiple of {SIZE_MULTIPLE}, got {size!r}; "
-                             f"nearest valid: {lower} or {upper}")
+    check_frame_size(width, height, SIZE_MULTIPLE, where=f"{where}: ")
 
 
 def _check_count(name: str, value) -> int:

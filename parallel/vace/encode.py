@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import check_frame_count, check_frame_size
+
 VAE_STRIDE = 8
 TIME_STRIDE = 4
 SIZE_MULTIPLE = 16
@@ -154,23 +156,9 @@ def encode_vace(encode_frames: EncodeFrames, width: int, height: int, length: in
 
 # --- input checks ---------------------------------------------------------------------------------
 
-def _valid_neighbours(value: int, step: int, first: int) -> str:
-    """The valid values either side of `value` on the grid `first, first + step, ...`."""
-    below = first + max(0, (value - first) // step) * step
-    return str(first) if below > value else f"{below} or {below + step}"
-
-
 def _check_canvas(width: int, height: int, length: int) -> None:
-    for name, value in (("width", width), ("height", height), ("length", length)):
-        if not isinstance(value, int):
-            raise ValueError(f"VACE {name} must be an integer, got {value!r}")
-    for name, size in (("width", width), ("height", height)):
-        if size < SIZE_MULTIPLE or size % SIZE_MULTIPLE:
-            raise ValueError(f"VACE {name} must be a positive multiple of {SIZE_MULTIPLE}, got {size}; "
-                             f"nearest valid: {_valid_neighbours(size, SIZE_MULTIPLE, SIZE_MULTIPLE)}")
-    if length < 1 or (length - 1) % TIME_STRIDE:
-        raise ValueError(f"VACE length must be 4k+1 frames (1, 5, 9, ...), got {length}; "
-                         f"nearest valid: {_valid_neighbours(length, TIME_STRIDE, 1)}")
+    check_frame_size(width, height, SIZE_MULTIPLE, where="VACE ")
+    check_frame_count(length, "VACE length")
 
 
 def _check_image(name: str, image: torch.Tensor) -> None:

@@ -260,10 +260,10 @@ def test_default_vace_context_is_normalised_raw_zeros_and_ones_mask(latent_stats
 # --- input checks ------------------------------------------------------------------------------------
 
 BAD_INPUTS = {
-    "width": (dict(width=100), "got 100"),
-    "height": (dict(height=8), "got 8"),
-    "length_not_4k_plus_1": (dict(length=10), "got 10"),
-    "length_zero": (dict(length=0), "got 0"),
+    "width": (dict(width=100), "width 100"),
+    "height": (dict(height=8), "height 8"),
+    "length_not_4k_plus_1": (dict(length=10), "length 10"),
+    "length_zero": (dict(length=0), "length 0"),
     "mask_above_one": (dict(control_masks=torch.full((5, 16, 16), 1.5)), "1.5"),
     "mask_below_zero": (dict(control_masks=torch.full((5, 16, 16), -0.25)), "-0.25"),
     "mask_shape": (dict(control_masks=torch.ones(5, 16, 16, 1)), "(5, 16, 16, 1)"),
