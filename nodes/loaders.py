@@ -6,9 +6,9 @@ from ..parallel import DTYPE_NAMES
 from .files import list_models, list_vace_modules, model_path
 from .runtime import Loaded, default_runner
 
-DTYPE_CHOICES = (list(DTYPE_NAMES),)
-POOL_INPUT = {"pool": ("WANMESH_POOL",)}
-CATEGORY = "WanMesh"
+DTYPE_CHOICES = (list(DTYPE_NAMES), {"tooltip": "compute dtype; auto: bf16 on GPUs, fp32 on the CPU"})
+POOL_INPUT = {"pool": ("WANMESH_POOL", {"tooltip": "the worker pool to load on; none: the live pool, or one rank"})}
+CATEGORY = "WanMesh/loaders"
 
 
 def _runner(pool):
@@ -19,8 +19,9 @@ class WanMeshModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {
-            "required": {"model_name": (list_models("diffusion_models"),), "dtype": DTYPE_CHOICES},
-            "optional": {"vace_module": (["none"] + list_vace_modules(),), **POOL_INPUT},
+            "required": {"model_name": (list_models("diffusion_models"), {"tooltip": "Wan T2V or VACE transformer file or diffusers folder"}),
+                         "dtype": DTYPE_CHOICES},
+            "optional": {"vace_module": (["none"] + list_vace_modules(), {"tooltip": "VACE module merged onto a T2V model; none: no VACE module"}), **POOL_INPUT},
         }
 
     RETURN_TYPES = ("WANMESH_MODEL",)
@@ -38,11 +39,13 @@ class WanMeshModelLoader:
 class WanMeshVAELoader:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"vae_name": (list_models("vae"),), "dtype": DTYPE_CHOICES}, "optional": POOL_INPUT}
+        return {"required": {"vae_name": (list_models("vae"), {"tooltip": "Wan 2.1 VAE file or diffusers folder"}),
+                             "dtype": DTYPE_CHOICES}, "optional": POOL_INPUT}
 
     RETURN_TYPES = ("WANMESH_VAE",)
     FUNCTION = "load"
     CATEGORY = CATEGORY
+    DESCRIPTION = "Loads the Wan 2.1 VAE into the worker pool (decode, encode and VACE encode run there)."
 
     def load(self, vae_name, dtype, pool=None):
         runner = _runner(pool)
@@ -53,13 +56,15 @@ class WanMeshTextEncoderLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {
-            "required": {"text_encoder_name": (list_models("text_encoders"),), "dtype": DTYPE_CHOICES},
+            "required": {"text_encoder_name": (list_models("text_encoders"), {"tooltip": "umT5-XXL file (ComfyUI format) or folder"}),
+                         "dtype": DTYPE_CHOICES},
             "optional": POOL_INPUT,
         }
 
     RETURN_TYPES = ("WANMESH_TEXT_ENCODER",)
     FUNCTION = "load"
     CATEGORY = CATEGORY
+    DESCRIPTION = "Loads the umT5 text encoder into the worker pool (tensor parallel with the pool's tp)."
 
     def load(self, text_encoder_name, dtype, pool=None):
         runner = _runner(pool)

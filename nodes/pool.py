@@ -17,16 +17,16 @@ class WanMeshPool:
                 "tp": ("INT", {**DEGREE, "tooltip": "tensor-parallel degree"}),
                 "ulysses": ("INT", {**DEGREE, "tooltip": "Ulysses sequence-parallel degree"}),
                 "ring": ("INT", {**DEGREE, "tooltip": "ring-attention degree"}),
-                "cfg_parallel": ("BOOLEAN", {"default": False}),
+                "cfg_parallel": ("BOOLEAN", {"default": False, "tooltip": "run the conditional and unconditional passes on two halves of the pool"}),
                 "vae_patch": ("INT", {**DEGREE, "tooltip": "ranks that share VAE tiles"}),
-                "backend": (list(BACKENDS),),
+                "backend": (list(BACKENDS), {"tooltip": "local: processes on this machine; ray: actors on a Ray cluster"}),
                 "ray_address": ("STRING", {"default": "", "tooltip": "Ray cluster address (ray backend; empty: auto)"}),
             }
         }
 
     RETURN_TYPES = ("WANMESH_POOL",)
     FUNCTION = "make"
-    CATEGORY = "WanMesh"
+    CATEGORY = "WanMesh/pool"
     DESCRIPTION = "Starts (or reuses) the background worker pool; connect it to the loaders."
 
     def make(self, devices, world, tp, ulysses, ring, cfg_parallel, vae_patch, backend, ray_address):

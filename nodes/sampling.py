@@ -14,18 +14,20 @@ from .convert import (
 )
 from .runtime import interrupted, progress_reporter, raise_if_interrupted
 
-CATEGORY = "WanMesh"
+CATEGORY = "WanMesh/sampling"
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 
 class WanMeshTextEncode:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"text_encoder": ("WANMESH_TEXT_ENCODER",), "text": ("STRING", {"multiline": True})}}
+        return {"required": {"text_encoder": ("WANMESH_TEXT_ENCODER", {"tooltip": "the loaded umT5 text encoder"}),
+                             "text": ("STRING", {"multiline": True, "tooltip": "the prompt"})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "encode"
     CATEGORY = CATEGORY
+    DESCRIPTION = "Encodes a prompt on the pool into ComfyUI's CONDITIONING (padded to Wan's 512 text tokens)."
 
     def encode(self, text_encoder, text):
         embeddings = text_encoder.runner.encode_text(text_encoder.handle, [text])
@@ -37,16 +39,17 @@ class WanMeshEmptyLatent:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16}),
-                "length": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4}),
-                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64}),
+                "width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16, "tooltip": "video width (multiple of 16)"}),
+                "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16, "tooltip": "video height (multiple of 16)"}),
+                "length": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4, "tooltip": "frames, 4k+1"}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "videos per run"}),
             }
         }
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "generate"
     CATEGORY = CATEGORY
+    DESCRIPTION = "An empty Wan video latent [batch, 16, (length-1)/4+1, height/8, width/8]."
 
     def generate(self, width, height, length, batch_size):
         return (tensor_to_latent(torch.zeros(latent_shape(width, height, length, batch_size))),)

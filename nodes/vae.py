@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
 
-CATEGORY = "WanMesh"
+CATEGORY = "WanMesh/video"
 TILE_OPTIONS = {
     "tile_px": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 8,
                         "tooltip": "tile edge in pixels; 0: whole frames (256 when the pool shares VAE work)"}),
@@ -20,11 +20,13 @@ def _tiles(tile_px: int, overlap_px: int) -> dict:
 class WanMeshVAEDecode:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"vae": ("WANMESH_VAE",), "samples": ("LATENT",)}, "optional": TILE_OPTIONS}
+        return {"required": {"vae": ("WANMESH_VAE", {"tooltip": "the loaded Wan VAE"}),
+                             "samples": ("LATENT", {"tooltip": "raw Wan latents (WanMesh or native)"})}, "optional": TILE_OPTIONS}
 
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
     CATEGORY = CATEGORY
+    DESCRIPTION = "Decodes Wan latents to frames on the pool (tiles shared by the pool's vae_patch ranks)."
 
     def decode(self, vae, samples, tile_px=0, overlap_px=64):
         frames = vae.runner.decode(vae.handle, latent_to_tensor(samples), **_tiles(tile_px, overlap_px))
@@ -34,11 +36,13 @@ class WanMeshVAEDecode:
 class WanMeshVAEEncode:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"vae": ("WANMESH_VAE",), "pixels": ("IMAGE",)}, "optional": TILE_OPTIONS}
+        return {"required": {"vae": ("WANMESH_VAE", {"tooltip": "the loaded Wan VAE"}),
+                             "pixels": ("IMAGE", {"tooltip": "frames to encode, 4k+1 of them"})}, "optional": TILE_OPTIONS}
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"
     CATEGORY = CATEGORY
+    DESCRIPTION = "Encodes frames to raw Wan latents on the pool (tiles shared by the pool's vae_patch ranks)."
 
     def encode(self, vae, pixels, tile_px=0, overlap_px=64):
         latents = vae.runner.encode(vae.handle, image_to_frames(pixels), **_tiles(tile_px, overlap_px))
