@@ -20,12 +20,32 @@ class Loaded:
     handle: str
 
 
+PREVIEW_MAX_RESOLUTION = 512  # what ComfyUI's own latent previews are limited to
+
+
 def progress_reporter(total: int):
-    """A progress(step, total) callback driving ComfyUI's progress bar."""
+    """A progress(step, total, preview=None) callback driving ComfyUI's progress bar and its preview image,
+    the way ComfyUI's own samplers show what is being made."""
     import comfy.utils
 
     bar = comfy.utils.ProgressBar(total)
-    return lambda step, steps: bar.update_absolute(step, steps)
+
+    def report(step: int, steps: int, preview=None) -> None:
+        if preview is None:
+            bar.update_absolute(step, steps)
+            return
+        from PIL import Image
+
+        bar.update_absolute(step, steps, ("JPEG", Image.fromarray(preview), PREVIEW_MAX_RESOLUTION))
+
+    return report
+
+
+def previews_enabled() -> bool:
+    """Sampler previews are on unless WANMESH_PREVIEWS=0 is set for the ComfyUI process."""
+    import os
+
+    return os.environ.get("WANMESH_PREVIEWS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def interrupted() -> bool:

@@ -12,7 +12,7 @@ from .convert import (
     read_conditioning,
     tensor_to_latent,
 )
-from .runtime import interrupted, progress_reporter, raise_if_interrupted
+from .runtime import interrupted, previews_enabled, progress_reporter, raise_if_interrupted
 
 CATEGORY = "WanMesh/sampling"
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
@@ -90,7 +90,7 @@ class WanMeshSampler:
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
             sampler=sampler_name, denoise=denoise, vace_frames=conditional.vace_frames,
-            vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths,
+            vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(),
         )
         try:
             samples = model.runner.sample(request, progress=progress_reporter(steps), should_stop=interrupted)

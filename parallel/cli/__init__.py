@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..models.tiny_files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
 # Sizes used when nothing is given: the real Wan 480p default, or a quick clip for the tiny built-in models.
 REAL_DEFAULTS = {"width": 832, "height": 480, "frames": 81, "steps": 30, "shift": 5.0}
@@ -51,8 +52,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")
-    p.add_argument("--save-latents", type=Path, help="write the raw latents [B,16,T,h,w] as tensor 'latents'")
+    p.add_argument("--save-latents", type=Path,
+                   help="write the raw latents [B,16,T,h,w] (VACE reference frames trimmed) as tensor 'latents'")
     p.add_argument("--save-frames", type=Path, help="write the frames [F,H,W,3] 0..1 as tensor 'frames'")
+    add_vace_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +87,8 @@ def _bench_module(name: str):
 
 
 def resolve_model_files(args) -> dict[str, str | None]:
-    """The four model paths from --models, the single-file flags, or the tiny built-in models."""
+    """The four model paths from --models, the single-file flags, or the tiny built-in models (the tiny VACE
+    model when a VACE flag is given without --vace-module)."""
     single = {"model": args.model, "vae": args.vae, "text_encoder": args.text_encoder}
     if args.models is not None and any(single.values()):
         raise SystemExit("give either --models DIR or --model/--vae/--text-encoder, not both")
@@ -94,7 +98,9 @@ def resolve_model_files(args) -> dict[str, str | None]:
             raise SystemExit(f"missing {', '.join(missing)}: --model, --vae and --text-encoder go together")
         return {**single, "vace_module": args.vace_module}
     root = args.models if args.models is not None else ensure_tiny_models(tiny_cache_dir())
-    paths = {key: str(root / TINY_FILES[key]) for key in ("model", "vae", "text_encoder")}
+    tiny_model = "vace" if wants_vace(args) and args.vace_module is None else "model"
+    paths = {key: str(root / TINY_FILES[name]) for key, name in
+             (("model", tiny_model), ("vae", "vae"), ("text_encoder", "text_encoder"))}
     for key, path in paths.items():
         if not Path(path).is_file():
             raise SystemExit(f"{path} does not exist: --models expects a tree written by `wanmesh make-tiny DIR`")
@@ -127,8 +133,9 @@ def _run(args) -> int:
         from .generate import generate
 
         files = resolve_model_files(args)
+        vace = read_vace_inputs(args, files)  # VACE files read and checked; sizes default to the video's
         apply_defaults(args, tiny=args.model is None)
-        generate(args, files)
+        generate(args, files, vace)
         return 0
     if args.command == "bench":
         status = _bench_module(BENCHMARKS[args.bench][0]).run(args)

@@ -1,4 +1,5 @@
-"""`wanmesh generate`: text to video through the worker pool, writing an MP4 and optionally latents and frames.
+"""`wanmesh generate`: text to video (and VACE video editing) through the worker pool, writing an MP4 and
+optionally latents, frames and the VACE context.
 
 Runs in the CLI (driver) process; all model work happens in the pool's workers.
 """
@@ -15,6 +16,7 @@ from ..config import ParallelConfig, check_tiles, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
+from .vace_inputs import VaceInputs, VaceSources
 from .video_file import write_mp4
 
 
@@ -32,13 +34,15 @@ def _progress(step: int, total: int) -> None:
     print(f"\r  step {step}/{total}", end="\n" if step == total else "", file=sys.stderr, flush=True)
 
 
-def generate(args, files: dict[str, str | None]) -> None:
+def generate(args, files: dict[str, str | None], vace: VaceSources | None = None) -> None:
+    """Sample, decode and write; every input (VACE ones included) is checked before the pool starts."""
+    inputs = vace.build(args.width, args.height, args.frames) if vace is not None else None
     shape = latent_shape(args.width, args.height, args.frames)  # rejects bad sizes before loading anything
     config = pool_config(args)
     check_tiles(args.vae_tile, args.vae_overlap)
     started = time.perf_counter()
     with WorkerPool(config) as pool:
-        frames, latents = _run(PoolRunner(pool), args, files, shape)
+        frames, latents = _run(PoolRunner(pool), args, files, shape, inputs)
     write_mp4(frames, args.out, fps=args.fps)
     if args.save_latents:
         save_file({"latents": latents.float().contiguous()}, str(args.save_latents))
@@ -48,18 +52,33 @@ def generate(args, files: dict[str, str | None]) -> None:
     print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
 
 
-def _run(runner: PoolRunner, args, files, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """Text encoding, sampling and decoding; each model is unloaded once its part is done."""
-    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
-    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
-    runner.unload(text)
+def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text encoding, (VACE encoding,) sampling and decoding; the latents come back with reference frames trimmed.
+
+    Without VACE each model is unloaded once its part is done; with VACE the VAE encodes before sampling and
+    stays loaded for the decode."""
+    positive, negative = _encode_prompts(runner, args, files)
+    vae, vace_fields, trim = None, {}, 0
+    if vace is not None:
+        vae = runner.load_vae(files["vae"], dtype=args.dtype)
+        encoded = runner.encode_vace(vace.request(vae, args))
+        vace.save(encoded)
+        vace_fields, trim = vace.sample_fields(encoded), encoded.trim_latent
+        shape = (shape[0], shape[1], encoded.frames.shape[2], *shape[3:])  # reference frames come first
     model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
     request = SampleRequest(
         handle=model, latent=torch.zeros(shape), positive=positive, negative=negative, seed=args.seed,
-        steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler,
+        steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler, **vace_fields,
     )
-    latents = runner.sample(request, progress=_progress)
+    latents = runner.sample(request, progress=_progress)[:, :, trim:]
     runner.unload(model)
-    vae = runner.load_vae(files["vae"], dtype=args.dtype)
+    vae = vae or runner.load_vae(files["vae"], dtype=args.dtype)
     frames = runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
     return frames, latents
+
+
+def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
+    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
+    runner.unload(text)
+    return positive, negative

@@ -235,7 +235,10 @@ class WorkerPool:
         if progress is None or txn.caller_exception is not None:
             return
         try:
-            progress(message["step"], message["total"])
+            if message.get("preview") is None:
+                progress(message["step"], message["total"])
+            else:  # a preview comes only when the request asked for one, so the callback takes it
+                progress(message["step"], message["total"], message["preview"])
         except BaseException as exc:
             txn.caller_exception = exc
             if not txn.cancel_sent:

@@ -93,9 +93,9 @@ def _actor_class(ray):
             transport = __import__("wanmesh.parallel.transport", fromlist=["pack_for_ray"])
             protocol = __import__("wanmesh.parallel.protocol", fromlist=["encode_message"])
 
-            def progress(step: int, total: int) -> None:
-                if self.rank == 0:
-                    self.queue.put_nowait({"kind": "progress", "id": request_id, "step": int(step), "total": int(total)})
+            runtime_module = __import__("wanmesh.parallel.worker.runtime", fromlist=["StepReporter"])
+            send = (lambda fields: self.queue.put_nowait({"kind": "progress", "id": request_id, **fields}))
+            progress = runtime_module.StepReporter(send if self.rank == 0 else None)
 
             def pack_reply(reply):
                 return protocol.encode_message(reply, transport.pack_for_ray)

@@ -18,6 +18,7 @@ from ..errors import Cancelled
 from ..protocol import SampleRequest
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
+from .preview import denoised_estimate, preview_image
 from .latents import LATENTS_MEAN, LATENTS_STD, denormalize_latents, normalize_latents, seeded_noise
 
 TEXT_CONTEXT_LENGTH = 512  # Wan pads every prompt embedding to 512 tokens with zeros
@@ -90,12 +91,14 @@ def sample(
     should_stop: Callable[[], bool] | None = None,
     rows: range | None = None,
     guidance: Callable | None = None,
+    preview: Callable | None = None,
 ) -> torch.Tensor:
     """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU).
 
     `rows` samples only those batch rows (a data-parallel share); an empty share still follows every step so
     that collective progress and cancel checks stay in step with the other replicas. `guidance` replaces
-    `guided_prediction` (same signature), e.g. to split the CFG passes over ranks."""
+    `guided_prediction` (same signature), e.g. to split the CFG passes over ranks. `preview` receives a small
+    RGB image of the denoised estimate at every step, before that step's progress call."""
     schedule = _schedule(request)
     rows = range(request.latent.shape[0]) if rows is None else rows
     positive = _rows(text_context(request.positive, request.latent.shape[0], dtype, device), rows)
@@ -111,6 +114,8 @@ def sample(
             prediction = (guidance or guided_prediction)(
                 model, latents.to(dtype), t, positive, negative, request.guidance_scale, extra
             )
+            if preview is not None:
+                preview(preview_image(denoised_estimate(latents, prediction, t)))
             latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
         if progress is not None:
             progress(index + 1, request.steps)

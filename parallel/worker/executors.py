@@ -46,9 +46,16 @@ class RankExecutor(ResidentModels):
         rows = self._batch_rows(request.latent.shape[0])
         latents = sample(
             model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows,
-            guidance=self._guidance(),
+            guidance=self._guidance(), preview=self._previewer(request, progress, rows),
         )
         return self._gather_batch(latents, request.latent.shape[0])
+
+    def _previewer(self, request: SampleRequest, progress, rows: range):
+        """Rank 0 keeps the step's preview and sends it with that step's progress (other ranks make none)."""
+        rank = self.parallel.rank if self.parallel is not None else 0
+        if not request.preview or progress is None or rank != 0 or not len(rows):
+            return None
+        return getattr(progress, "attach_preview", None)
 
     def _guidance(self):
         """CFG parallel: this rank's half of the guidance passes (the plain two-pass guidance otherwise)."""

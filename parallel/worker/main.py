@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ from .. import protocol as P
 from ..config import ParallelConfig
 from ..distributed.mesh import init_distributed
 from ..transport import ShmReader, ShmWriter
-from .runtime import THREADS_ENV, WorkerRuntime
+from .runtime import THREADS_ENV, StepReporter, WorkerRuntime
 
 PR_SET_PDEATHSIG = 1
 
@@ -104,10 +104,10 @@ class LocalWorker:
         self.writer.reserve(P.tensors_in(reply))
         return P.encode_message(reply, self.writer.pack)
 
-    def _progress_sender(self, request_id: int) -> Callable[[int, int], None]:
+    def _progress_sender(self, request_id: int) -> StepReporter:
         if self.runtime.rank != 0:
-            return lambda step, total: None
-        return lambda step, total: self.send({"kind": "progress", "id": request_id, "step": int(step), "total": int(total)})
+            return StepReporter(None)
+        return StepReporter(lambda fields: self.send({"kind": "progress", "id": request_id, **fields}))
 
 
 def _configure_threads(device: torch.device, world: int) -> None:

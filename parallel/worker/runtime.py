@@ -94,6 +94,28 @@ def load_diagnostics(path: str | None) -> dict[str, Callable[..., P.DiagnosticRe
 # -- the runtime ---------------------------------------------------------------------------------------
 
 
+class StepReporter:
+    """Rank 0's per-step progress to the driver, carrying the step's preview image when one was attached.
+
+    ``send`` takes the message's fields (``step``, ``total``, optional ``preview``); other ranks get ``None``
+    and report nothing. Previews are small uint8 arrays (latent resolution), so they travel with the message."""
+
+    def __init__(self, send: Callable[[dict[str, Any]], None] | None):
+        self._send = send
+        self._preview = None
+
+    def attach_preview(self, image) -> None:
+        self._preview = image
+
+    def __call__(self, step: int, total: int) -> None:
+        if self._send is None:
+            return
+        fields: dict[str, Any] = {"step": int(step), "total": int(total)}
+        if self._preview is not None:
+            fields["preview"], self._preview = self._preview, None
+        self._send(fields)
+
+
 class StopFlags:
     """Request ids the driver asked to cancel, set from the receiver thread."""
 

@@ -3,6 +3,7 @@ encode, and VACE sampling from that conditioning with CFG parallel equals one de
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 
 import pytest
@@ -60,11 +61,15 @@ def test_vace_encode_with_vae_patch_and_sampling_with_cfg_parallel_equal_one_dev
     with WorkerPool(config, timeout_s=300) as pool:
         runner = PoolRunner(pool)
         encoded = runner.encode_vace(P.EncodeVace(handle=runner.load_vae(tiny["vae"]), **_inputs(), **TILE))
-        latents = runner.sample(_sample_request(runner.load_model(tiny["vace"]), encoded, text_dim))
+        previews = []
+        request = dataclasses.replace(_sample_request(runner.load_model(tiny["vace"]), encoded, text_dim), preview=True)
+        latents = runner.sample(request, progress=lambda step, total, preview=None: previews.append((step, preview)))
     assert encoded.trim_latent == 2 and list(encoded.frames.shape) == [1, 32, 2 + 3, 6, 8]
     torch.testing.assert_close(encoded.frames, expected.frames, rtol=0, atol=1e-5)
     torch.testing.assert_close(encoded.mask, expected.mask, rtol=0, atol=0)
     torch.testing.assert_close(latents, expected_latents, rtol=0, atol=1e-4)
+    assert [step for step, _ in previews] == [1, 2, 3], "one progress report per step"
+    assert all(p is not None and p.shape == (6, 8, 3) for _, p in previews), "rank 0 sends a preview with each step"
 
 
 def test_vace_encode_input_errors_come_from_the_driver_before_any_worker_work(tiny):
