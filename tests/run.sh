@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything on a fresh machine and run the whole test suite (unit, distributed, real ComfyUI).
-# Installs CPU torch (pinned), the pack with its test extras, and a ComfyUI copy under build/; then pytest.
+# Installs CPU torch (pinned), the pack with its test extras, Debian's Chromium for the browser tests (as root),
+# and the ComfyUI copies under build/; then pytest.
 # Extra arguments go to pytest, e.g. `tests/run.sh tests/unit -k sampler`.
 # WANMESH_SKIP_INSTALL=1 skips the install steps when they are already done.
 set -euo pipefail
@@ -26,7 +27,23 @@ if [ "${WANMESH_SKIP_INSTALL:-0}" != "1" ]; then
         exit 1
     fi
 
-    echo "== prepare the ComfyUI copy"
+    # The browser tests drive the system Chromium (playwright never downloads one here).
+    if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then
+        echo "== chromium: $(command -v chromium || command -v chromium-browser)"
+    elif [ "$(id -u)" -eq 0 ]; then
+        echo "== install chromium (Debian package) for the browser tests"
+        apt_log="$(mktemp)"
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >"$apt_log" 2>&1; then
+            tail -n 40 "$apt_log" >&2
+            echo "installing chromium failed (see above)" >&2
+            exit 1
+        fi
+        rm -f "$apt_log"
+    else
+        echo "== chromium is missing and this is not root: skipping its install ('apt-get install -y chromium' as root)" >&2
+    fi
+
+    echo "== prepare the ComfyUI copies"
     "$PYTHON" tests/tools/prepare_comfyui.py
 fi
 
