@@ -6,6 +6,7 @@ from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
 from .vace import WanMeshTrimLatent, WanMeshVaceEncode
 from .vace_builders import WanMeshVaceControl, WanMeshVaceMask, WanMeshVaceReference
 from .vae import WanMeshVAEDecode, WanMeshVAEEncode
+from .video import WanMeshSaveVideo
 
 _NODES = {
     "WanMeshPool": (WanMeshPool, "WanMesh Pool"),
@@ -22,6 +23,7 @@ _NODES = {
     "WanMeshVaceMask": (WanMeshVaceMask, "WanMesh VACE Mask"),
     "WanMeshVaceReference": (WanMeshVaceReference, "WanMesh VACE Reference"),
     "WanMeshVaceControl": (WanMeshVaceControl, "WanMesh VACE Control"),
+    "WanMeshSaveVideo": (WanMeshSaveVideo, "WanMesh Save Video"),
 }
 
 NODE_CLASS_MAPPINGS = {node_id: cls for node_id, (cls, _) in _NODES.items()}
