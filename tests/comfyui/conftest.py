@@ -22,7 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOLS_DIR = REPO_ROOT / "tests" / "tools"
 sys.path.insert(0, str(TOOLS_DIR))
 
-from comfyui_server import ComfyUIServer, RecentComfyUIServer, write_model_paths_config  # noqa: E402
+from comfyui_server import (ComfyUIServer, RecentComfyUIServer, copy_workflow_inputs,  # noqa: E402
+                            write_model_paths_config)
 from workflow_graph import load_workflow, with_fresh_seed  # noqa: E402
 
 TINY_MODEL_FILES = ("diffusion_models/wan_tiny_t2v.safetensors", "diffusion_models/wan_tiny_vace.safetensors",
@@ -83,10 +84,12 @@ def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _serve(server_class: type[ComfyUIServer], comfy_dir: Path, tiny_models_dir: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
-    """Start a server with the tiny models, hand it over, then stop it and check that it left no processes."""
+    """Start a server with the tiny models and the workflows' input media, hand it over, then stop it and check
+    that it left no processes."""
     work_dir = tmp_path_factory.mktemp("comfyui")
     config = write_model_paths_config(tiny_models_dir, work_dir / "extra_model_paths.yaml")
     server = server_class(comfy_dir, work_dir, config, extra_env={"OMP_NUM_THREADS": "1"})
+    copy_workflow_inputs(server.input_dir)
     try:
         server.start(SERVER_START_TIMEOUT_S)
     except BaseException:

@@ -2,29 +2,43 @@
 
 The same checks as on the 2024 copy where they matter (nodes registered, the t2v example runs), plus the
 interchange with native nodes that only a recent ComfyUI has: its own ``VAELoader`` reads the tiny Wan VAE
-file and its ``VAEDecode`` decodes a WanMesh latent into the frames WanMesh's decoder makes of it. One server
-serves the whole module (``recent_comfyui_server``); it checks at teardown that no worker outlives it.
+file and its ``VAEDecode`` decodes a WanMesh latent into the frames WanMesh's decoder makes of it; its
+``WanVaceToVideo`` and ``TrimVideoLatent`` and WanMesh's VACE encode and trim are interchangeable
+(``workflows/native/``: the same VACE video made both ways). One server serves the whole module
+(``recent_comfyui_server``); it checks at teardown that no worker outlives it.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import random
 import re
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from comfyui_server import ComfyUIServer
+import torch
+from comfyui_server import ComfyUIServer, PromptResult
 from PIL import Image
 from prepare_comfyui import PACK_FOLDER_NAME
+from safetensors.torch import load_file
 from test_comfyui_server import PIXEL_TOLERANCE, largest_pixel_difference, run_successfully, saved_images
-from workflow_graph import node_of_type
+from workflow_graph import (MAX_SEED, UPLOAD_WIDGET_NAME, api_widget_names, is_link, load_workflow, node_of_type,
+                            widget_names_from_object_info, with_inputs)
 
 NATIVE_NODE_IDS = ("WanVaceToVideo", "TrimVideoLatent", "VAELoader", "VAEDecode", "SaveVideo")
 # Fresh ids for the native nodes added to the t2v example (its own ids are small numbers).
 NATIVE_VAE_LOADER_ID, NATIVE_DECODE_ID, NATIVE_SAVE_ID = "101", "102", "103"
+# The same VACE video made with native WanVaceToVideo / TrimVideoLatent / VAELoader / VAEDecode and with WanMesh's
+# VACE encode / trim / VAE nodes, from the same inputs and seed.
+NATIVE_VACE_WORKFLOWS = ("native/api/vace_native.json", "native/api/vace_wanmesh.json")
+SAVE_LATENT_ID = "201"  # a SaveLatent added after the trim
+# Two encodes of the same inputs differ by float rounding only (two VAE implementations); sampling keeps that small.
+LATENT_TOLERANCE = 1e-4
+VAE_STRIDE, LATENT_CHANNELS = 8, 16
+ENCODE_OUTPUT_TRIM_LATENT = 3  # both encodes output positive, negative, latent, trim_latent
 
 
 def wanmesh_node_ids() -> set[str]:
@@ -128,3 +142,87 @@ def test_native_vae_decodes_wanmesh_latent_like_wanmesh(recent_comfyui_server: C
     assert spread > 8 * PIXEL_TOLERANCE, f"the native decode spans only {spread}/255"
     difference = largest_pixel_difference(native, wanmesh)
     assert difference <= PIXEL_TOLERANCE, f"native and WanMesh decodes of one latent differ by up to {difference}/255"
+
+
+def with_saved_latent(prompt: dict[str, Any], seed: int, prefix: str) -> dict[str, Any]:
+    """The prompt with ``seed`` and a ``SaveLatent`` of the latent its (one) VAE decode takes: the trimmed latent."""
+    changed = with_inputs(prompt, "WanMeshSampler", seed=seed)
+    (decode,) = [node for node in changed.values() if node["class_type"] in ("VAEDecode", "WanMeshVAEDecode")]
+    changed[SAVE_LATENT_ID] = {"class_type": "SaveLatent",
+                               "inputs": {"samples": decode["inputs"]["samples"], "filename_prefix": prefix}}
+    node_of_type(changed, "SaveImage")["inputs"]["filename_prefix"] = prefix.replace("/", "_")
+    return changed
+
+
+def saved_latent(server: ComfyUIServer, result: PromptResult) -> torch.Tensor:
+    """The tensor of the one ``.latent`` file (safetensors) the added SaveLatent wrote."""
+    (item,) = result.outputs[SAVE_LATENT_ID]["latents"]
+    path = server.output_dir / item["subfolder"] / item["filename"]
+    return load_file(str(path))["latent_tensor"]
+
+
+def run_twin(server: ComfyUIServer, prompt: dict[str, Any]) -> tuple[torch.Tensor, np.ndarray]:
+    """Run a twin; return its trimmed latent and its decoded frames."""
+    result = run_successfully(server, prompt)
+    save_id = node_id_of(prompt, "SaveImage")
+    return saved_latent(server, result), read_frames(saved_images(server, result, save_id))
+
+
+def test_native_vace_workflows_match_node_definitions(recent_comfyui_server: ComfyUIServer) -> None:
+    """Widget inputs in declared order, no undeclared inputs (as ``test_api_workflow_matches_node_definitions``)."""
+    info = recent_comfyui_server.get_json("/object_info")
+    for relative_path in NATIVE_VACE_WORKFLOWS:
+        for node_id, node in load_workflow(relative_path).items():
+            node_info = info[node["class_type"]]
+            linked = {name for name, value in node["inputs"].items() if is_link(value)}
+            # Today's frontend keeps LoadImage's upload button out of the prompt; widgets fed by links have no value.
+            widgets = [name for name in widget_names_from_object_info(node_info)
+                       if name not in linked and name != UPLOAD_WIDGET_NAME]
+            assert api_widget_names(node) == widgets, f"{relative_path} node {node_id}"
+            declared = {**node_info["input"]["required"], **node_info["input"].get("optional", {})}
+            unknown = sorted(set(node["inputs"]) - set(declared))
+            assert not unknown, f"{relative_path} node {node_id} ({node['class_type']}) has undeclared inputs {unknown}"
+
+
+def test_native_vace_encode_and_wanmesh_vace_encode_are_interchangeable(
+        recent_comfyui_server: ComfyUIServer) -> None:
+    """Native WanVaceToVideo + TrimVideoLatent + VAEDecode and WanMesh's VACE encode + trim + decode, on the same
+    reference image, control video, mask and seed, give the same trimmed latent (1e-4) and frames (8-bit rounding).
+
+    ComfyUI's own VACE conditioning code and VAE are the independent reference. The comparison is shown to be
+    sensitive: the WanMesh twin with half the VACE strength lands far outside the tolerance.
+    """
+    native_prompt, wanmesh_prompt = (load_workflow(path) for path in NATIVE_VACE_WORKFLOWS)
+    native_encode = node_of_type(native_prompt, "WanVaceToVideo")["inputs"]
+    wanmesh_encode = node_of_type(wanmesh_prompt, "WanMeshVaceEncode")["inputs"]
+    size_keys = ("width", "height", "length", "batch_size", "strength")
+    assert [native_encode[key] for key in size_keys] == [wanmesh_encode[key] for key in size_keys]
+    for prompt, encode_type, trim_type in ((native_prompt, "WanVaceToVideo", "TrimVideoLatent"),
+                                           (wanmesh_prompt, "WanMeshVaceEncode", "WanMeshTrimLatent")):
+        trim_amount = node_of_type(prompt, trim_type)["inputs"]["trim_amount"]
+        assert trim_amount == [node_id_of(prompt, encode_type), ENCODE_OUTPUT_TRIM_LATENT], trim_amount
+    seed = random.randint(0, MAX_SEED)
+
+    native_latent, native_frames = run_twin(recent_comfyui_server,
+                                            with_saved_latent(native_prompt, seed, "latents/vace_native"))
+    wanmesh_latent, wanmesh_frames = run_twin(recent_comfyui_server,
+                                              with_saved_latent(wanmesh_prompt, seed, "latents/vace_wanmesh"))
+    weaker_prompt = with_inputs(wanmesh_prompt, "WanMeshVaceEncode", strength=wanmesh_encode["strength"] / 2)
+    weaker_latent, _ = run_twin(recent_comfyui_server, with_saved_latent(weaker_prompt, seed, "latents/vace_weaker"))
+
+    width, height, length, batch = (native_encode[key] for key in ("width", "height", "length", "batch_size"))
+    # The reference frame's latent is trimmed: only the video's (length - 1) / 4 + 1 latent frames remain.
+    latent_shape = (batch, LATENT_CHANNELS, (length - 1) // 4 + 1, height // VAE_STRIDE, width // VAE_STRIDE)
+    assert tuple(native_latent.shape) == latent_shape, native_latent.shape
+    assert tuple(wanmesh_latent.shape) == latent_shape, wanmesh_latent.shape
+    latent_difference = (native_latent.float() - wanmesh_latent.float()).abs().max().item()
+    assert latent_difference <= LATENT_TOLERANCE, f"the trimmed latents differ by up to {latent_difference:.3g}"
+    strength_difference = (weaker_latent.float() - wanmesh_latent.float()).abs().max().item()
+    assert strength_difference > 100 * LATENT_TOLERANCE, (
+        f"half the VACE strength changed the latent by only {strength_difference:.3g}: the comparison proves nothing")
+
+    assert native_frames.shape == (length * batch, height, width, 3), native_frames.shape
+    spread = int(native_frames.max()) - int(native_frames.min())
+    assert spread > 8 * PIXEL_TOLERANCE, f"the native decode spans only {spread}/255"
+    frame_difference = largest_pixel_difference(native_frames, wanmesh_frames)
+    assert frame_difference <= PIXEL_TOLERANCE, f"native and WanMesh frames differ by up to {frame_difference}/255"

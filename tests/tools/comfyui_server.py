@@ -16,6 +16,7 @@ import importlib.util
 import json
 import threading
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +43,8 @@ MODEL_FOLDERS = {
 }
 POLL_INTERVAL_S = 0.25
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Input media of the example workflows (made by its make_inputs.py); LoadImage reads them from the input folder.
+WORKFLOW_INPUTS_DIR = Path(__file__).resolve().parents[2] / "workflows" / "inputs"
 # Test-only stand-ins for packages the recent ComfyUI imports but this CPU torch has no build of.
 SHIMS_DIR = Path(__file__).resolve().parent / "comfyui_shims"
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
@@ -82,6 +85,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def copy_workflow_inputs(input_dir: Path, source_dir: Path = WORKFLOW_INPUTS_DIR) -> list[Path]:
+    """Copy every file of ``workflows/inputs/`` except its scripts into a server's input folder; return the copies."""
+    input_dir.mkdir(parents=True, exist_ok=True)
+    sources = sorted(path for path in source_dir.glob("*") if path.is_file() and path.suffix != ".py")
+    return [Path(shutil.copy2(path, input_dir / path.name)) for path in sources]
+
+
 def write_model_paths_config(models_dir: Path, config_path: Path) -> Path:
     """Write an ``extra_model_paths.yaml``-style file mapping ComfyUI's model folders into ``models_dir``."""
     lines = ["wanmesh_tiny:", f"    base_path: {json.dumps(str(models_dir))}"]
@@ -97,6 +107,7 @@ class ComfyUIServer:
                  extra_env: dict[str, str] | None = None) -> None:
         self.comfy_dir = comfy_dir
         self.output_dir = work_dir / "output"
+        self.input_dir = work_dir / "input"
         self.log_path = work_dir / "comfyui.log"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -112,7 +123,7 @@ class ComfyUIServer:
         # This 2024 ComfyUI has no --cache-none: tests vary the seed instead.
         command = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                    "--output-directory", str(self.output_dir),
-                   "--input-directory", str(self._work_dir / "input"),
+                   "--input-directory", str(self.input_dir),
                    "--temp-directory", str(self._work_dir), "--disable-auto-launch"]
         if self._model_paths_config is not None:
             command += ["--extra-model-paths-config", str(self._model_paths_config)]
@@ -123,7 +134,7 @@ class ComfyUIServer:
 
     def start(self, ready_timeout_s: float = 180.0) -> None:
         """Start the server and return once ``GET /object_info`` answers."""
-        for folder in (self.output_dir, self._work_dir / "input"):
+        for folder in (self.output_dir, self.input_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("wb")
         self._process = subprocess.Popen(self.command(), cwd=self.comfy_dir, env=self.environment(),
@@ -411,6 +422,7 @@ def _serve_by_hand(recent: bool) -> None:
                     "sys.exit(main(sys.argv[1:]))", "make-tiny", str(models)], check=True)
     server_class = RecentComfyUIServer if recent else ComfyUIServer
     server = server_class(comfy_dir, work_dir, write_model_paths_config(models, work_dir / "extra_model_paths.yaml"))
+    copy_workflow_inputs(server.input_dir)
     server.start()
     print(f"ComfyUI at {server.base_url}, log {server.log_path}; Ctrl+C stops it", flush=True)
     try:

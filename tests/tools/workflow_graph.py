@@ -23,6 +23,7 @@ MAX_SEED = 2**31 - 1
 SEED_INPUT_NAMES = ("seed", "noise_seed")
 CONTROL_AFTER_GENERATE_VALUES = ("fixed", "increment", "decrement", "randomize")
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+UPLOAD_WIDGET_NAME = "upload"  # the 2024 frontend's image upload button (see widget_names_from_object_info)
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,22 @@ def strip_control_after_generate(values: list[Any], names: list[str]) -> tuple[A
 
 
 def widget_names_from_object_info(node_info: dict[str, Any]) -> list[str]:
-    """Widget inputs of a node as ``GET /object_info`` describes it, in the order the browser shows them."""
+    """Widget inputs of a node as ``GET /object_info`` describes it, in the order the browser shows them.
+
+    The 2024 frontend adds an ``upload`` button widget after the required inputs of a node whose ``image``
+    input is marked ``image_upload`` (``LoadImage``), and puts its value ("image") into the prompt.
+    """
     names = []
     for section in ("required", "optional"):
         for name, spec in node_info["input"].get(section, {}).items():
             kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
             if (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput", False):
                 names.append(name)
+        if section == "required" and _has_image_upload(node_info):
+            names.append(UPLOAD_WIDGET_NAME)
     return names
+
+
+def _has_image_upload(node_info: dict[str, Any]) -> bool:
+    spec = node_info["input"].get("required", {}).get("image", [None])
+    return len(spec) > 1 and isinstance(spec[1], dict) and spec[1].get("image_upload") is True
