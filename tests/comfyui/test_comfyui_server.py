@@ -79,14 +79,19 @@ def test_object_info_lists_every_wanmesh_node(comfyui_server: ComfyUIServer) -> 
     assert not misnamed, f"display names must start with 'WanMesh': {misnamed}"
 
 
-def test_pack_imports_without_failures(comfyui_server: ComfyUIServer) -> None:
-    startup_log = comfyui_server.log().split("Starting server")[0]
+def assert_pack_imported_cleanly(server: ComfyUIServer) -> None:
+    """The start-up log names the pack and shows no failed import or traceback through its files."""
+    startup_log = server.log().split("Starting server")[0]
     pack_lines = [line for line in startup_log.splitlines() if PACK_FOLDER_NAME in line]
     assert pack_lines, f"the server log never mentions the pack folder {PACK_FOLDER_NAME}:\n{startup_log}"
     # A failed import is logged as "Cannot import <path>" and "(IMPORT FAILED): <path>"; a traceback
     # through the pack's files during start-up means something in it failed even if the import survived.
     failures = [line for line in pack_lines if re.search(r"IMPORT FAILED|Cannot import|File \"", line)]
     assert not failures, "\n".join(failures) + "\n--- server log ---\n" + startup_log
+
+
+def test_pack_imports_without_failures(comfyui_server: ComfyUIServer) -> None:
+    assert_pack_imported_cleanly(comfyui_server)
 
 
 @pytest.mark.parametrize("name", API_WORKFLOWS)

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from comfyui_server import ComfyUIServer, PromptResult
 from PIL import Image
-from prepare_comfyui import PACK_FOLDER_NAME
 from safetensors.torch import load_file
-from test_comfyui_server import PIXEL_TOLERANCE, largest_pixel_difference, run_successfully, saved_images
+from test_comfyui_server import (PIXEL_TOLERANCE, assert_pack_imported_cleanly, largest_pixel_difference,
+                                 run_successfully, saved_images)
 from workflow_graph import (MAX_SEED, UPLOAD_WIDGET_NAME, api_widget_names, is_link, load_workflow, node_of_type,
                             widget_names_from_object_info, with_inputs)
 
@@ -86,11 +86,7 @@ def test_object_info_lists_wanmesh_and_native_nodes(recent_comfyui_server: Comfy
 
 
 def test_pack_imports_without_failures(recent_comfyui_server: ComfyUIServer) -> None:
-    startup_log = recent_comfyui_server.log().split("Starting server")[0]
-    pack_lines = [line for line in startup_log.splitlines() if PACK_FOLDER_NAME in line]
-    assert pack_lines, f"the server log never mentions the pack folder {PACK_FOLDER_NAME}:\n{startup_log}"
-    failures = [line for line in pack_lines if re.search(r"IMPORT FAILED|Cannot import|File \"", line)]
-    assert not failures, "\n".join(failures) + "\n--- server log ---\n" + startup_log
+    assert_pack_imported_cleanly(recent_comfyui_server)
 
 
 def test_frontend_is_the_pinned_pip_package(recent_comfyui_server: ComfyUIServer, recent_comfyui_dir: Path) -> None:
