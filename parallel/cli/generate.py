@@ -57,24 +57,29 @@ def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None) -> tup
 
     Without VACE each model is unloaded once its part is done; with VACE the VAE encodes before sampling and
     stays loaded for the decode."""
-    positive, negative = _encode_prompts(runner, args, files)
-    vae, vace_fields, trim = None, {}, 0
-    if vace is not None:
-        vae = runner.load_vae(files["vae"], dtype=args.dtype)
-        encoded = runner.encode_vace(vace.request(vae, args))
-        vace.save(encoded)
-        vace_fields, trim = vace.sample_fields(encoded), encoded.trim_latent
-        shape = (shape[0], shape[1], encoded.frames.shape[2], *shape[3:])  # reference frames come first
-    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
-    request = SampleRequest(
-        handle=model, latent=torch.zeros(shape), positive=positive, negative=negative, seed=args.seed,
-        steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler, **vace_fields,
-    )
-    latents = runner.sample(request, progress=_progress)[:, :, trim:]
-    runner.unload(model)
+    prompts = _encode_prompts(runner, args, files)
+    vae = runner.load_vae(files["vae"], dtype=args.dtype) if vace is not None else None
+    encoded = vace.encode(runner, vae, args) if vace is not None else None
+    latents = _sample(runner, args, files, shape, prompts, vace, encoded)
     vae = vae or runner.load_vae(files["vae"], dtype=args.dtype)
     frames = runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
     return frames, latents
+
+
+def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | None, encoded) -> torch.Tensor:
+    """The sampled latents; with VACE the latent starts with the reference frames, which are trimmed off after."""
+    fields, trim = {}, 0
+    if encoded is not None:
+        fields, trim = vace.sample_fields(encoded), encoded.trim_latent
+        shape = (*shape[:2], encoded.frames.shape[2], *shape[3:])
+    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
+    request = SampleRequest(
+        handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
+        steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler, **fields,
+    )
+    latents = runner.sample(request, progress=_progress)[:, :, trim:]
+    runner.unload(model)
+    return latents
 
 
 def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

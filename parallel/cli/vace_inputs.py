@@ -42,7 +42,6 @@ VACE_FLAGS = {"vace_video": "--vace-video", "vace_mask": "--vace-mask", "vace_re
               "extend_keep": "--extend-keep", "save_vace": "--save-vace"}
 NEEDS_VIDEO = ("vace_control", "outpaint", "extend_keep")
 SETS_MASK = ("vace_mask", "outpaint", "extend_keep")
-VACE_CLASS = "WanVACETransformer3DModel"
 
 
 def add_vace_arguments(parser) -> None:
@@ -92,23 +91,24 @@ def _check_flag_combination(args) -> None:
                          f"{', '.join(VACE_FLAGS[name] for name in SETS_MASK)}")
 
 
-def _model_kind(path: str) -> str:
-    """The kind of a transformer file (header only) or folder (its config.json); "unknown" when unsure."""
+def _without_vace(path: str) -> str | None:
+    """What a transformer file (its header) or folder (its config.json) is when it surely has no VACE blocks."""
     location = resolve_model_location(path, "transformer")
     if location.is_file():
-        return safetensors_kind(str(location))
+        kind = safetensors_kind(str(location))
+        return KIND_DESCRIPTIONS[kind] if kind in ("wan_t2v", "wan_i2v") else None
     class_name = json.loads((location / "config.json").read_text()).get("_class_name")
-    return {VACE_CLASS: "wan_vace", "WanTransformer3DModel": "wan_t2v"}.get(class_name, "unknown")
+    return f"a {class_name} folder" if class_name == "WanTransformer3DModel" else None
 
 
 def check_model_takes_vace(args, files: dict) -> None:
     """A VACE flag with a model that has no VACE blocks fails here, from the file header alone."""
     if files.get("vace_module") is not None:
         return  # the module adds the VACE blocks; the loader checks that it fits
-    kind = _model_kind(files["model"])
-    if kind in ("wan_t2v", "wan_i2v"):
+    found = _without_vace(files["model"])
+    if found is not None:
         flag = _given(args, VACE_FLAGS)[0]
-        raise ValueError(f"{flag} needs a VACE model, but --model {files['model']} is {KIND_DESCRIPTIONS[kind]}; "
+        raise ValueError(f"{flag} needs a VACE model, but --model {files['model']} is {found}; "
                          f"give a VACE model as --model or add --vace-module FILE")
 
 
@@ -125,16 +125,16 @@ class VaceSources:
     extend_keep: tuple[int, ...] | None = None
     save_path: Path | None = None
 
-    def canvas(self) -> tuple[int, int, int] | None:
-        """(width, height, frames) of the video (the padded canvas with --outpaint), else of the mask."""
+    def canvas(self) -> tuple[int, int] | None:
+        """(width, height) of the video (the padded canvas with --outpaint), else of the mask."""
         source = self.video if self.video is not None else self.mask
         if source is None:
             return None
-        frames, height, width = source.shape[:3]
+        height, width = source.shape[1:3]
         if self.outpaint is not None:
             left, top, right, bottom = self.outpaint
             width, height = width + left + right, height + top + bottom
-        return width, height, frames
+        return width, height
 
     def control_and_masks(self, length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The builders applied in order: control mode, then inpaint / outpaint / extend."""
@@ -147,6 +147,8 @@ class VaceSources:
             return builders.outpaint(video, *self.outpaint)
         if self.extend_keep is not None:
             return builders.extend(video, length, *self.extend_keep)
+        if self.mask is not None and self.mask.shape[0] == 1:
+            return video, self.mask.expand(length, -1, -1)  # one mask image applies to every frame
         return video, self.mask
 
     def build(self, width: int, height: int, length: int) -> "VaceInputs":
@@ -162,35 +164,37 @@ class VaceSources:
 
 
 def read_vace_inputs(args, files: dict) -> VaceSources | None:
-    """Read the VACE flags' files and set --width/--height/--frames defaults from the video; None without VACE."""
+    """Read the VACE flags' files and set --width/--height/--frames defaults from the video; None without VACE.
+
+    The cheap checks (flag combinations, numbers, the model header) come before any file is read."""
     if not wants_vace(args):
         return None
     _check_flag_combination(args)
-    check_model_takes_vace(args, files)
     sources = VaceSources(
-        video=None if args.vace_video is None else read_frames(args.vace_video, "--vace-video"),
-        mask=None if args.vace_mask is None else read_mask(args.vace_mask, "--vace-mask"),
-        references=[read_image(path, "--vace-ref") for path in args.vace_ref or []],
-        control=args.vace_control,
-        strength=1.0 if args.vace_strength is None else args.vace_strength,
+        control=args.vace_control, strength=1.0 if args.vace_strength is None else args.vace_strength,
         outpaint=None if args.outpaint is None else _whole_numbers(args.outpaint, "--outpaint", ("L", "T", "R", "B")),
         extend_keep=None if args.extend_keep is None else _whole_numbers(
             args.extend_keep, "--extend-keep", ("FIRST", "LAST")),
         save_path=args.save_vace,
     )
+    check_model_takes_vace(args, files)
+    sources.video = None if args.vace_video is None else read_frames(args.vace_video, "--vace-video")
+    sources.mask = None if args.vace_mask is None else read_mask(args.vace_mask, "--vace-mask")
+    sources.references = [read_image(path, "--vace-ref") for path in args.vace_ref or []]
     _default_size_from(sources, args)
     return sources
 
 
 def _default_size_from(sources: VaceSources, args) -> None:
+    """--width/--height from the video (padded with --outpaint) or else the mask; --frames from the video."""
     canvas = sources.canvas()
     if canvas is None:
         return
-    width, height, frames = canvas
+    width, height = canvas
     args.width = width if args.width is None else args.width
     args.height = height if args.height is None else args.height
-    if args.frames is None and sources.extend_keep is None:
-        args.frames = (frames - 1) // 4 * 4 + 1  # the longest 4k+1 clip the video covers
+    if args.frames is None and sources.video is not None and sources.extend_keep is None:
+        args.frames = (sources.video.shape[0] - 1) // 4 * 4 + 1  # the longest 4k+1 clip the video covers
 
 
 @dataclass
@@ -215,10 +219,14 @@ class VaceInputs:
         vace_frames, vace_mask = (torch.empty(shape, device="meta") for shape in shapes)
         check_vace_contexts([vace_frames], [vace_mask], [self.strength], (batch, channels, *positions))
 
-    def request(self, vae: str, args) -> EncodeVace:
-        return EncodeVace(handle=vae, width=args.width, height=args.height, length=args.frames,
-                          control_video=self.control_video, control_masks=self.control_masks,
-                          reference_images=self.reference_images, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
+    def encode(self, runner, vae: str, args) -> VaceEncoded:
+        """The native context, VAE-encoded on the pool (tiled like the decode); written when --save-vace asks."""
+        encoded = runner.encode_vace(EncodeVace(
+            handle=vae, width=args.width, height=args.height, length=args.frames, control_video=self.control_video,
+            control_masks=self.control_masks, reference_images=self.reference_images, tile_px=args.vae_tile,
+            overlap_px=args.vae_overlap))
+        self.save(encoded)
+        return encoded
 
     def sample_fields(self, encoded: VaceEncoded) -> dict:
         """The SampleRequest fields of this context."""

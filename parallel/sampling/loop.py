@@ -105,7 +105,7 @@ def sample(
     negative = None
     if request.guidance_scale != 1.0:
         negative = _rows(text_context(request.negative, request.latent.shape[0], dtype, device), rows)
-    extra = _vace_inputs(model, request, rows, dtype, device)
+    extra = vace_model_inputs(model, request, rows, dtype, device)
     latents = initial_latents(request, schedule.start_sigma, rows).to(device)
     for index, t in enumerate(schedule.timesteps):
         if should_stop is not None and should_stop():
@@ -126,7 +126,7 @@ def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
     return tensor[rows.start : rows.stop]
 
 
-def _vace_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
+def vace_model_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
     """Keyword arguments that feed the VACE contexts to a VACE model; none for T2V. A VACE model given no VACE
     conditioning gets the native default context (zero latents, an all-ones mask)."""
     vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
