@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..parallel import DTYPE_NAMES
 from .files import list_models, list_vace_modules, model_path
-from .runtime import Loaded, default_runner
+from .runtime import ResidentModel, default_runner
 
 DTYPE_CHOICES = (list(DTYPE_NAMES), {"tooltip": "compute dtype; auto: bf16 on GPUs, fp32 on the CPU"})
 POOL_INPUT = {"pool": ("WANMESH_POOL", {"tooltip": "the worker pool to load on; none: the live pool, or one rank"})}
@@ -33,7 +33,7 @@ class WanMeshModelLoader:
         runner = _runner(pool)
         module = None if vace_module in (None, "none") else model_path("diffusion_models", vace_module)
         path = model_path("diffusion_models", model_name)
-        return (Loaded(runner, runner.load_model(path, vace_module=module, dtype=dtype)),)
+        return (ResidentModel(runner, runner.load_model(path, vace_module=module, dtype=dtype)),)
 
 
 class WanMeshVAELoader:
@@ -49,7 +49,7 @@ class WanMeshVAELoader:
 
     def load(self, vae_name, dtype, pool=None):
         runner = _runner(pool)
-        return (Loaded(runner, runner.load_vae(model_path("vae", vae_name), dtype=dtype)),)
+        return (ResidentModel(runner, runner.load_vae(model_path("vae", vae_name), dtype=dtype)),)
 
 
 class WanMeshTextEncoderLoader:
@@ -69,4 +69,4 @@ class WanMeshTextEncoderLoader:
     def load(self, text_encoder_name, dtype, pool=None):
         runner = _runner(pool)
         path = model_path("text_encoders", text_encoder_name)
-        return (Loaded(runner, runner.load_text_encoder(path, dtype=dtype)),)
+        return (ResidentModel(runner, runner.load_text_encoder(path, dtype=dtype)),)

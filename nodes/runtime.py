@@ -13,7 +13,7 @@ def default_runner() -> PoolRunner:
 
 
 @dataclass(frozen=True)
-class Loaded:
+class ResidentModel:
     """A model resident in a runner; nodes pass this along instead of the model itself."""
 
     runner: PoolRunner

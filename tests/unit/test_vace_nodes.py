@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from wanmesh.nodes.convert import check_same_vace, read_conditioning
-from wanmesh.nodes.runtime import Loaded
+from wanmesh.nodes.runtime import ResidentModel
 from wanmesh.nodes.vace import WanMeshTrimLatent, WanMeshVaceEncode
 from wanmesh.parallel import protocol as P
 
@@ -36,7 +36,7 @@ def _text(tokens: int = 7):
 
 def test_two_chained_encodes_append_two_contexts_like_wan_vace_to_video():
     runner = RecordingRunner(references=1)
-    vae = Loaded(runner, "vae|tiny")
+    vae = ResidentModel(runner, "vae|tiny")
     node = WanMeshVaceEncode()
     positive, negative = _text(), _text(3)
     pos1, neg1, latent, trim = node.encode(positive, negative, vae, 64, 48, 9, 2, 0.8,
@@ -63,7 +63,7 @@ def test_two_chained_encodes_append_two_contexts_like_wan_vace_to_video():
 def test_mismatched_vace_between_positive_and_negative_is_refused():
     runner = RecordingRunner(references=0)
     node = WanMeshVaceEncode()
-    positive, negative, _, _ = node.encode(_text(), _text(), Loaded(runner, "vae|tiny"), 64, 48, 5, 1, 1.0)
+    positive, negative, _, _ = node.encode(_text(), _text(), ResidentModel(runner, "vae|tiny"), 64, 48, 5, 1, 1.0)
     with pytest.raises(ValueError, match="positive carries 1 VACE contexts and negative 0"):
         check_same_vace(read_conditioning(positive), read_conditioning(_text()))
 
