@@ -305,16 +305,19 @@ def check_tiles(tile_px: int | None, overlap_px: int | None) -> None:
 # -- sampling settings -------------------------------------------------------------------------------------
 
 
-def check_sampling(*, sampler: str, steps: int, shift: float, denoise: float) -> None:
+def check_sampling(*, sampler: str, steps: int, shift: float, denoise: float, guidance_scale: float = 1.0) -> None:
     """The denoising settings, before any worker work."""
+    if not math.isfinite(guidance_scale) or guidance_scale < 0:
+        raise ValueError(f"the guidance scale (cfg) must be a finite number >= 0, got {guidance_scale}; 1 runs a "
+                         "single pass, Wan's default is 5")
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if not 0.0 < denoise <= 1.0:
         raise ValueError(f"denoise must be in (0, 1], got {denoise}")
-    if shift <= 0:
-        raise ValueError(f"shift must be positive, got {shift}")
+    if not math.isfinite(shift) or shift <= 0:
+        raise ValueError(f"shift must be a positive finite number, got {shift}")
 
 
 # -- VACE conditioning -------------------------------------------------------------------------------------

@@ -143,7 +143,8 @@ class SampleRequest(Request):
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
-        check_sampling(sampler=self.sampler, steps=self.steps, shift=self.shift, denoise=self.denoise)
+        check_sampling(sampler=self.sampler, steps=self.steps, shift=self.shift, denoise=self.denoise,
+                       guidance_scale=self.guidance_scale)
         check_latent(self.latent)
         if not self.positive or not self.negative:
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")

@@ -101,7 +101,8 @@ class LocalWorkers:
         env = {**os.environ, **LOOPBACK_ENV}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", BOOTSTRAP, PACK_DIR, json.dumps(settings)],
+                # "--rank N" is for people reading `ps`; the worker reads its rank from the settings.
+                [sys.executable, "-c", BOOTSTRAP, PACK_DIR, json.dumps(settings), "--rank", str(rank)],
                 pass_fds=(theirs.fileno(),), env=env, start_new_session=True, stdin=subprocess.DEVNULL,
             )
         finally:

@@ -117,9 +117,17 @@ def sample(
             if preview is not None:
                 preview(preview_image(denoised_estimate(latents, prediction, t)))
             latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
+            check_finite(latents, index + 1, request.steps)
         if progress is not None:
             progress(index + 1, request.steps)
     return denormalize_latents(latents).cpu()
+
+
+def check_finite(latents: torch.Tensor, step: int, steps: int) -> None:
+    """Stop at the step that produced NaN or Inf (which would decode to black frames), naming it."""
+    if not torch.isfinite(latents).all():
+        raise FloatingPointError(f"the latents hold NaN or Inf after step {step} of {steps}; the model or its "
+                                 "weights produce non-finite values in this dtype (try fp32 or bf16, or another file)")
 
 
 def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:

@@ -117,7 +117,8 @@ def _configure_threads(device: torch.device, world: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of a local worker process: ``argv[0]`` is the JSON settings written by the pool."""
+    """Entry point of a local worker process: ``argv[0]`` is the JSON settings written by the pool (``--rank N``
+    follows it so that ``ps`` shows which rank a process is)."""
     settings = json.loads((argv if argv is not None else sys.argv[1:])[0])
     guard_against_orphaning(settings["parent_pid"])
     conn = Connection(settings["fd"])
