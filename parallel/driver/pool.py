@@ -28,7 +28,7 @@ __all__ = ["WorkerPool", "WorkerError", "Cancelled", "get_pool", "close_cached_p
 ERROR_GRACE_S = 3.0  # after one rank fails, how long the others get to report before the pool is stopped
 POLL_S = 0.05
 
-Progress = Callable[[int, int], None]
+Progress = Callable[..., None]  # (step, total), or (step, total, preview) when the request asked for previews
 
 
 class _Transaction:
