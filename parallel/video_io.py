@@ -39,7 +39,7 @@ def check_fps(fps: float) -> Fraction:
     return Fraction(float(fps)).limit_denominator(1001)
 
 
-def check_frame_size(width: int, height: int) -> None:
+def check_even_frame_size(width: int, height: int) -> None:
     """yuv420p halves the colour planes, so both sides must be even (Wan sizes are multiples of 16)."""
     if width < 2 or height < 2 or width % 2 or height % 2:
         raise ValueError(f"frame size {width}x{height} (width x height) cannot be written as H.264 yuv420p; "
@@ -117,7 +117,7 @@ def _to_rgb24(frames: torch.Tensor) -> np.ndarray:
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
         shape = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise ValueError(f"frames must be a tensor [frames, height, width, 3] with at least one frame, got {shape}")
-    check_frame_size(frames.shape[2], frames.shape[1])
+    check_even_frame_size(frames.shape[2], frames.shape[1])
     pixels = (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
     return np.ascontiguousarray(pixels.cpu().numpy())
 

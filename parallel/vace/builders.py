@@ -15,10 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import check_frame_count, check_frame_size
+from ..config import SPATIAL_STRIDE, check_frame_count, check_frame_size
 
 GREY = 0.5
-SIZE_MULTIPLE = 16
 MASK_MODES = ("inpaint", "box", "outpaint", "extend", "first_last")
 CONTROL_MODES = ("canny", "scribble", "gray", "flow", "none")
 CONTROL_MODE_ALIASES = {"passthrough": "none"}
@@ -64,7 +63,7 @@ def _check_length(where: str, length: int) -> None:
 
 
 def _check_canvas(where: str, width: int, height: int) -> None:
-    check_frame_size(width, height, SIZE_MULTIPLE, where=f"{where}: ")
+    check_frame_size(width, height, SPATIAL_STRIDE, where=f"{where}: ")
 
 
 def _check_count(name: str, value) -> int:
@@ -190,8 +189,8 @@ def box_mask(width: int, height: int, length: int, start_box: Sequence[float], e
 
 def _padding_advice(size: int, far_pad: int, far_name: str) -> str:
     """The nearest paddings on the right/bottom side that make `size` a multiple of 16."""
-    excess = size % SIZE_MULTIPLE
-    options = [far_pad - excess, far_pad + SIZE_MULTIPLE - excess]
+    excess = size % SPATIAL_STRIDE
+    options = [far_pad - excess, far_pad + SPATIAL_STRIDE - excess]
     return f"{far_name} " + " or ".join(str(p) for p in options if p >= 0)
 
 
@@ -202,11 +201,11 @@ def outpaint(video: torch.Tensor, left: int, top: int, right: int, bottom: int) 
                                 (("left", left), ("top", top), ("right", right), ("bottom", bottom)))
     frames, height, width, _ = video.shape
     new_w, new_h = width + left + right, height + top + bottom
-    if new_w % SIZE_MULTIPLE or new_h % SIZE_MULTIPLE:
-        advice = [_padding_advice(new_w, right, "pad_right")] if new_w % SIZE_MULTIPLE else []
-        advice += [_padding_advice(new_h, bottom, "pad_bottom")] if new_h % SIZE_MULTIPLE else []
+    if new_w % SPATIAL_STRIDE or new_h % SPATIAL_STRIDE:
+        advice = [_padding_advice(new_w, right, "pad_right")] if new_w % SPATIAL_STRIDE else []
+        advice += [_padding_advice(new_h, bottom, "pad_bottom")] if new_h % SPATIAL_STRIDE else []
         raise ValueError(f"outpaint: padded size {new_w}x{new_h} (width x height) must be multiples of "
-                         f"{SIZE_MULTIPLE}; nearest valid with the other paddings unchanged: {', '.join(advice)}")
+                         f"{SPATIAL_STRIDE}; nearest valid with the other paddings unchanged: {', '.join(advice)}")
     control, masks = _grey_frames(frames, new_h, new_w, device=video.device)
     control[:, top:top + height, left:left + width] = video
     masks[:, top:top + height, left:left + width] = 0.0

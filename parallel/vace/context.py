@@ -11,9 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-LATENT_CHANNELS = 16
-FRAME_CHANNELS = 2 * LATENT_CHANNELS
-MASK_CHANNELS = 64
+from ..config import LATENT_CHANNELS, VACE_FRAME_CHANNELS, VACE_MASK_CHANNELS
 
 
 def normalise_latents(latents: torch.Tensor, latents_mean: torch.Tensor, latents_std: torch.Tensor) -> torch.Tensor:
@@ -25,10 +23,10 @@ def normalise_latents(latents: torch.Tensor, latents_mean: torch.Tensor, latents
 
 
 def _check_context(index: int, frames: torch.Tensor, mask: torch.Tensor) -> None:
-    if frames.ndim != 5 or frames.shape[1] != FRAME_CHANNELS:
-        raise ValueError(f"vace_frames[{index}] must be [B, {FRAME_CHANNELS}, T, h, w], got shape {tuple(frames.shape)}")
-    if mask.ndim != 5 or mask.shape[1] != MASK_CHANNELS or mask.shape[2:] != frames.shape[2:]:
-        raise ValueError(f"vace_mask[{index}] must be [B, {MASK_CHANNELS}, {', '.join(map(str, frames.shape[2:]))}] "
+    if frames.ndim != 5 or frames.shape[1] != VACE_FRAME_CHANNELS:
+        raise ValueError(f"vace_frames[{index}] must be [B, {VACE_FRAME_CHANNELS}, T, h, w], got shape {tuple(frames.shape)}")
+    if mask.ndim != 5 or mask.shape[1] != VACE_MASK_CHANNELS or mask.shape[2:] != frames.shape[2:]:
+        raise ValueError(f"vace_mask[{index}] must be [B, {VACE_MASK_CHANNELS}, {', '.join(map(str, frames.shape[2:]))}] "
                          f"to match vace_frames[{index}], got shape {tuple(mask.shape)}")
 
 
@@ -70,6 +68,6 @@ def default_vace_context(batch: int, frames: int, h: int, w: int, latents_mean: 
                          device: Optional[torch.device] = None) -> torch.Tensor:
     """What a VACE model gets with no VACE conditioning (as native): raw zero latents (normalised to -mean/std)
     and a ones mask -> `[batch, 1, 96, frames, h, w]`."""
-    raw_zeros = torch.zeros((batch, FRAME_CHANNELS, frames, h, w), dtype=dtype, device=device)
-    ones_mask = torch.ones((batch, MASK_CHANNELS, frames, h, w), dtype=dtype, device=device)
+    raw_zeros = torch.zeros((batch, VACE_FRAME_CHANNELS, frames, h, w), dtype=dtype, device=device)
+    ones_mask = torch.ones((batch, VACE_MASK_CHANNELS, frames, h, w), dtype=dtype, device=device)
     return vace_model_context([raw_zeros], [ones_mask], latents_mean, latents_std)

@@ -15,13 +15,16 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import check_frame_count, check_frame_size
+from ..config import (
+    LATENT_CHANNELS,
+    SPATIAL_STRIDE,
+    TEMPORAL_STRIDE,
+    VAE_SPATIAL_FACTOR,
+    check_frame_count,
+    check_frame_size,
+)
 
-VAE_STRIDE = 8
-TIME_STRIDE = 4
-SIZE_MULTIPLE = 16
 GREY = 0.5
-LATENT_CHANNELS = 16
 
 EncodeFrames = Callable[[torch.Tensor], torch.Tensor]
 
@@ -37,7 +40,7 @@ class VaceEncoding:
 
 def latent_frame_count(length: int) -> int:
     """Latent frames T of a `length = 4k+1` frame video."""
-    return (length - 1) // TIME_STRIDE + 1
+    return (length - 1) // TEMPORAL_STRIDE + 1
 
 
 # --- canvas fitting -------------------------------------------------------------------------------
@@ -114,9 +117,9 @@ def fold_mask(mask: torch.Tensor, latent_frames: int) -> torch.Tensor:
     """Mask `[F, H, W]` -> `[64, T, H/8, W/8]`: each 8x8 pixel block onto channels (row offset major), then
     nearest-exact resampling of the frames to the `latent_frames` latent frames."""
     frames, height, width = mask.shape
-    h, w = height // VAE_STRIDE, width // VAE_STRIDE
-    blocks = mask.reshape(frames, h, VAE_STRIDE, w, VAE_STRIDE).permute(2, 4, 0, 1, 3)
-    folded = blocks.reshape(VAE_STRIDE * VAE_STRIDE, frames, h, w)
+    h, w = height // VAE_SPATIAL_FACTOR, width // VAE_SPATIAL_FACTOR
+    blocks = mask.reshape(frames, h, VAE_SPATIAL_FACTOR, w, VAE_SPATIAL_FACTOR).permute(2, 4, 0, 1, 3)
+    folded = blocks.reshape(VAE_SPATIAL_FACTOR * VAE_SPATIAL_FACTOR, frames, h, w)
     resampled = torch.nn.functional.interpolate(folded.unsqueeze(0), size=(latent_frames, h, w), mode="nearest-exact")
     return resampled.squeeze(0)
 
@@ -157,7 +160,7 @@ def encode_vace(encode_frames: EncodeFrames, width: int, height: int, length: in
 # --- input checks ---------------------------------------------------------------------------------
 
 def _check_canvas(width: int, height: int, length: int) -> None:
-    check_frame_size(width, height, SIZE_MULTIPLE, where="VACE ")
+    check_frame_size(width, height, SPATIAL_STRIDE, where="VACE ")
     check_frame_count(length, "VACE length")
 
 
