@@ -10,6 +10,7 @@ FOLDER_ALIASES = {
     "vae": ("vae",),
 }
 DIFFUSERS_PREFIX = "diffusers/"
+GGUF_FILES = "wanmesh_gguf"  # our own folder_paths entry: the diffusion-model folders, .gguf files only
 
 
 def _folder_name(kind: str) -> str:
@@ -35,7 +36,21 @@ def list_models(kind: str) -> list[str]:
     """Files of a model folder plus diffusers folders (shown as 'diffusers/<name>')."""
     import folder_paths
 
-    return sorted(folder_paths.get_filename_list(_folder_name(kind))) + _diffusers_folders()
+    names = set(folder_paths.get_filename_list(_folder_name(kind)))
+    if kind == "diffusion_models":
+        names |= set(_gguf_files())
+    return sorted(names) + _diffusers_folders()
+
+
+def _gguf_files() -> list[str]:
+    """GGUF transformers in the diffusion-model folders. ComfyUI lists only its own weight suffixes there, and
+    adding .gguf to that entry would show them in native loaders that cannot read them, so a separate entry
+    shares the same folder list (extra_model_paths included)."""
+    import folder_paths
+
+    folders = folder_paths.folder_names_and_paths[_folder_name("diffusion_models")][0]
+    folder_paths.folder_names_and_paths[GGUF_FILES] = (folders, {".gguf"})
+    return folder_paths.get_filename_list(GGUF_FILES)
 
 
 def model_path(kind: str, name: str) -> str:

@@ -19,7 +19,7 @@ class WanMeshModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {
-            "required": {"model_name": (list_models("diffusion_models"), {"tooltip": "Wan T2V or VACE transformer file or diffusers folder"}),
+            "required": {"model_name": (list_models("diffusion_models"), {"tooltip": "Wan T2V or VACE transformer file (.safetensors, .gguf) or diffusers folder"}),
                          "dtype": DTYPE_CHOICES},
             "optional": {"vace_module": (["none"] + list_vace_modules(), {"tooltip": "VACE module merged onto a T2V model; none: no VACE module"}), **POOL_INPUT},
         }
@@ -27,7 +27,7 @@ class WanMeshModelLoader:
     RETURN_TYPES = ("WANMESH_MODEL",)
     FUNCTION = "load"
     CATEGORY = CATEGORY
-    DESCRIPTION = "Loads a Wan 2.1 T2V or VACE transformer (ComfyUI single file, fp8 included, or diffusers folder)."
+    DESCRIPTION = "Loads a Wan 2.1 T2V or VACE transformer (ComfyUI single file, fp8 and GGUF included, or diffusers folder)."
 
     def load(self, model_name, dtype, vace_module="none", pool=None):
         runner = _runner(pool)

@@ -22,7 +22,7 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="text to video (tiny built-in models when no model is given)")
     files = p.add_argument_group("models (default: the tiny built-in models in a cache folder)")
     files.add_argument("--models", type=Path, help="a models tree written by `wanmesh make-tiny`")
-    files.add_argument("--model", help="Wan T2V or VACE transformer (single file or diffusers folder)")
+    files.add_argument("--model", help="Wan T2V or VACE transformer (.safetensors or .gguf single file, or diffusers folder)")
     files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
     files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
     files.add_argument("--vace-module", help="VACE module file merged onto --model")

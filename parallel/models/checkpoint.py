@@ -172,6 +172,8 @@ def read_tensor(
     handle: CheckpointFile, original_key: str, dtype: torch.dtype, index: TensorSlice = None
 ) -> torch.Tensor:
     """Read one tensor (or a slice of it) as `dtype`, dequantising fp8 and applying a scaled-fp8 factor."""
+    if hasattr(handle, "read_dequantised"):  # a GGUF file dequantises its own blocks (models/gguf_file.py)
+        return handle.read_dequantised(original_key, dtype, index)
     tensor = handle.raw(original_key, index)
     if tensor.dtype in _FP8_DTYPES:
         tensor = tensor.to(torch.float32)
@@ -241,10 +243,12 @@ class WeightSource:
 
 
 def open_files(paths: Iterable[Path], stack: contextlib.ExitStack) -> list[CheckpointFile]:
-    """Open several checkpoint files, closing them when `stack` closes."""
+    """Open several checkpoint files (safetensors, pickles or GGUF), closing them when `stack` closes."""
+    from .gguf_file import GGUFFile, is_gguf_path
+
     files = []
     for path in paths:
-        checkpoint = CheckpointFile(path)
+        checkpoint = GGUFFile(path) if is_gguf_path(path) else CheckpointFile(path)
         stack.callback(checkpoint.close)
         files.append(checkpoint)
     return files

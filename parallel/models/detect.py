@@ -62,11 +62,23 @@ def detect_kind(keys: Iterable[str]) -> str:
 def safetensors_kind(path: str) -> str:
     """``detect_kind`` of a safetensors file from its header alone (no tensor data is read); "unknown" for a
     file that is not a readable safetensors file."""
+    if str(path).lower().endswith(".gguf"):
+        return _gguf_kind(path)
     try:
         header = read_safetensors_header(path)
     except (OSError, ModelFileError):
         return "unknown"
     return detect_kind(key for key in header if key != "__metadata__")
+
+
+def _gguf_kind(path: str) -> str:
+    """``detect_kind`` of a GGUF file from its tensor index (memory-mapped; no tensor is dequantised)."""
+    from .gguf_file import GGUFFile
+
+    try:
+        return detect_kind(GGUFFile(path).keys)
+    except (OSError, ModelFileError):
+        return "unknown"
 
 
 def describe_kind(keys: Iterable[str]) -> str:

@@ -40,6 +40,14 @@ class ShardedWeightSource(WeightSource):
         super().__init__(source.refs, f"{source.description} (tensor-parallel shard {rank} of {tp})")
         self.shard_dims = dict(shard_dims)
         self.rank, self.tp = rank, tp
+        self._check_input_splits()
+
+    def _check_input_splits(self) -> None:
+        """Quantised files (GGUF) split a tensor's input (last) dimension only on quant-block boundaries."""
+        for name, dim in self.shard_dims.items():
+            ref = self.refs.get(name)
+            if ref is not None and hasattr(ref.file, "check_input_split") and dim == len(ref.file.shape(ref.key)) - 1:
+                ref.file.check_input_split(ref.key, self.tp)
 
     def local_index(self, name: str) -> TensorSlice:
         dim = self.shard_dims.get(name)

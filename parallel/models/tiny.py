@@ -278,6 +278,17 @@ def _write_pipeline(folder: Path, pipeline_class, transformer: torch.nn.Module, 
     (folder / "tokenizer" / SPIECE_FILENAME).write_bytes(models.spiece_model)
 
 
+def _write_tiny_ggufs(t2v_state: dict[str, torch.Tensor], paths: dict[str, Path]) -> None:
+    """The T2V model as GGUF files users have (Q8_0; Q4_K where the input dims allow 256-element blocks)."""
+    from gguf import GGMLQuantizationType
+
+    from .gguf_write import write_wan_gguf
+
+    heads = TINY_TRANSFORMER["num_attention_heads"]
+    write_wan_gguf(t2v_state, paths["t2v_gguf_q8_0"], GGMLQuantizationType.Q8_0, num_heads=heads)
+    write_wan_gguf(t2v_state, paths["t2v_gguf_q4_k"], GGMLQuantizationType.Q4_K, num_heads=heads)
+
+
 def make_tiny(directory: str | Path) -> dict[str, Path]:
     """Write the tiny model tree under `directory` and return the path of each model."""
     root = Path(directory)
@@ -290,6 +301,8 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
         "text_encoder": root / "text_encoders" / "umt5_tiny.safetensors",
         "diffusers_t2v": root / "diffusers" / "wan_tiny_t2v",
         "diffusers_vace": root / "diffusers" / "wan_tiny_vace",
+        "t2v_gguf_q8_0": root / "diffusion_models" / "wan_tiny_t2v_Q8_0.gguf",
+        "t2v_gguf_q4_k": root / "diffusion_models" / "wan_tiny_t2v_Q4_K.gguf",
     }
     for path in paths.values():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -299,6 +312,7 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
     vace_state = original_state_dict(models.vace, original_transformer_names(TINY_VACE),
                                      convert_wan_transformer_to_diffusers)
     save_file(t2v_state, paths["t2v"], metadata=heads)
+    _write_tiny_ggufs(t2v_state, paths)
     save_file(vace_state, paths["vace"], metadata=heads)
     module_state = {key: tensor for key, tensor in vace_state.items() if key.startswith("vace_")}
     save_file(module_state, paths["vace_module"], metadata=heads)

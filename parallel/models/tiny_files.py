@@ -10,6 +10,7 @@ TINY_FILES = {
     "vace": "diffusion_models/wan_tiny_vace.safetensors",
     "vae": "vae/wan_tiny_vae.safetensors",
     "text_encoder": "text_encoders/umt5_tiny.safetensors",
+    "model_gguf": "diffusion_models/wan_tiny_t2v_Q8_0.gguf",
 }
 
 
