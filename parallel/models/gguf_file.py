@@ -156,13 +156,15 @@ class GGUFFile:
             # Stored reshaped (ComfyUI-GGUF's shape fix): blocks no longer follow the rows, so read it whole.
             whole = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
             return torch.from_numpy(np.ascontiguousarray(whole[index])).to(dtype)
-        raw = np.asarray(tensor.data)[index[:-1]]  # outer dims index the stored rows directly
-        raw = raw[..., self._byte_slice(key, index[-1])]
+        stored = np.asarray(tensor.data)
+        # Outer dims index the stored rows directly; the last dim holds blocks as bytes, or typed floats (F32/F16).
+        columns = self._stored_columns(key, index[-1], in_bytes=stored.dtype == np.uint8)
+        raw = stored[index[:-1]][..., columns]
         values = gguf.quants.dequantize(np.ascontiguousarray(raw), tensor.tensor_type)
         return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).to(dtype)
 
-    def _byte_slice(self, key: str, columns: slice) -> slice:
-        """The stored bytes of each row holding input elements `columns` (which must sit on block boundaries)."""
+    def _stored_columns(self, key: str, columns: slice, in_bytes: bool) -> slice:
+        """The stored columns of each row holding input elements `columns` (which must sit on block boundaries)."""
         tensor_type, width = self.tensor_type(key), self.shape(key)[-1]
         start, stop, step = columns.indices(width)
         block, bytes_per_block = gguf.GGML_QUANT_SIZES[tensor_type]
@@ -170,7 +172,8 @@ class GGUFFile:
             raise ModelFileError(
                 f"{self.path}: tensor {key} of shape {self.shape(key)} and type {tensor_type.name}: the input slice "
                 f"[{start}:{stop}] does not start and end on its {block}-element quant blocks")
-        return slice(start // block * bytes_per_block, math.ceil(stop / block) * bytes_per_block)
+        unit = bytes_per_block if in_bytes else block
+        return slice(start // block * unit, math.ceil(stop / block) * unit)
 
 
 def _full_index(index: TensorSlice, ndim: int) -> tuple[slice, ...]:
