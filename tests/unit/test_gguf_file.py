@@ -114,3 +114,14 @@ def test_tiny_files_match_gguf_and_the_float_model(tiny_models, tiny_reference, 
     loaded, floats = load_transformer(path).state_dict(), tiny_reference.t2v.state_dict()
     for key, tensor in floats.items():
         assert (loaded[key] - tensor).abs().max() <= tolerance * tensor.abs().max(), key
+
+
+def test_vace_module_merges_onto_a_gguf_base(tiny_models):
+    """A VACE module (safetensors) on a GGUF T2V base: the base weights are the GGUF ones, the VACE ones the module's."""
+    base_path = str(tiny_models["t2v_gguf_q8_0"])
+    merged = load_transformer(base_path, vace_module=str(tiny_models["vace_module"])).state_dict()
+    base, full_vace = load_transformer(base_path).state_dict(), load_transformer(str(tiny_models["vace"])).state_dict()
+    assert set(merged) == set(full_vace)
+    for name, tensor in merged.items():
+        expected = base[name] if name in base else full_vace[name]
+        assert torch.equal(tensor, expected), name
