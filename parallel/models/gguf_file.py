@@ -64,7 +64,8 @@ class GGUFFile:
         try:
             self._reader = gguf.GGUFReader(str(self.path))
         except Exception as error:  # the reader raises ValueError/struct errors on foreign or truncated files
-            raise ModelFileError(f"{self.path}: cannot read as GGUF ({type(error).__name__}: {error})") from None
+            first_line = (str(error).splitlines() or [""])[0]
+            raise ModelFileError(f"{self.path}: cannot read as GGUF ({type(error).__name__}: {first_line})") from None
         self.architecture = _string_field(self._reader, gguf.Keys.General.ARCHITECTURE)
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         self.keys: list[str] = list(self._tensors)

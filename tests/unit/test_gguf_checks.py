@@ -64,6 +64,14 @@ def test_other_architecture_is_refused(tmp_path, no_dequantisation):
     assert safetensors_kind(path) == "unknown"
 
 
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    path = tmp_path / "renamed.gguf"
+    path.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match=r"renamed.gguf: cannot read as GGUF") as error:
+        load_transformer(str(path))
+    assert "\n" not in str(error.value)
+
+
 def test_ti2v_5b_is_refused(tmp_path, no_dequantisation):
     path = _write(tmp_path / "ti2v.gguf", _wan_like(channels=48))
     with pytest.raises(ValueError, match=r"48-channel latents.*not the 48-channel Wan 2.2 TI2V 5B"):
