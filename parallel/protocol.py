@@ -140,6 +140,8 @@ class SampleRequest(Request):
     vace_masks: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 64, T, h, w]
     vace_strengths: list[float] = field(default_factory=list)
     preview: bool = False  # rank 0 attaches a small RGB preview of the denoised estimate to each step's progress
+    # LoRAs merged on the workers before sampling: resident model handle -> ordered [(LoRA file, strength)]
+    model_loras: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""

@@ -10,6 +10,7 @@ TINY_FILES = {
     "vace": "diffusion_models/wan_tiny_vace.safetensors",
     "vae": "vae/wan_tiny_vae.safetensors",
     "text_encoder": "text_encoders/umt5_tiny.safetensors",
+    **{f"lora_{name}": f"loras/wan_tiny_lora_{name}.safetensors" for name in ("comfy", "peft", "kohya", "diff")},
 }
 
 
