@@ -19,6 +19,7 @@ from .config import (
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
+from .models.lora import STRENGTH_RANGE as LORA_STRENGTH_RANGE, check_lora_for_model, model_files_of_handle
 from .protocol import EncodeVace, SampleRequest
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
@@ -26,4 +27,5 @@ __all__ = [
     "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
     "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
     "H264_ENCODERS", "read_video", "video_encoder", "write_video",
+    "LORA_STRENGTH_RANGE", "check_lora_for_model", "model_files_of_handle",
 ]

@@ -18,6 +18,7 @@ up among the model's own layer names flattened the same way.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ DIFFUSERS_PREFIX = "transformer."
 KOHYA_PREFIX = "lora_unet_"
 ORIGINAL, DIFFUSERS, KOHYA = "original", "diffusers", "kohya"
 STRENGTH_RANGE = (-10.0, 10.0)
+log = logging.getLogger("wanmesh.lora")
 
 
 @dataclass
@@ -178,6 +180,10 @@ def check_lora_for_model(lora_path: str | Path, model_files: list[str]) -> LoraH
         example = deltas[0]
         raise ValueError(f"LoRA {header.path.name} does not fit this model: no layer of the model has the shape of "
                          f"its deltas (e.g. {example[0]} is {list(example[1])}); it is for another model")
+    unfit = [name for name, shape in deltas if shape not in shapes] + header.other_keys
+    if unfit:
+        log.warning("LoRA %s: %d keys/layers fit no layer of the model and will not be applied: %s",
+                    header.path.name, len(unfit), first_names(unfit, 5))
     return header
 
 
