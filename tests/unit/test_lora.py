@@ -261,3 +261,26 @@ def test_protocol_round_trips_the_loras():
                               guidance_scale=1.0, shift=1.0, model_loras={"model|a|b|c": [("x.safetensors", 0.5)]})
     back = P.decode_message(P.encode_message(request, lambda t: t), lambda t: t)
     assert [tuple(entry) for entry in back.model_loras["model|a|b|c"]] == [("x.safetensors", 0.5)]
+
+
+def _live_tensor_bytes() -> tuple[int, int]:
+    import gc
+
+    gc.collect()
+    tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_twenty_switches_keep_no_copy_of_any_weight(engine, tiny_models):
+    executor, handle = engine
+    comfy, peft, diff = (str(tiny_models[f"lora_{name}"]) for name in ("comfy", "peft", "diff"))
+    rounds = [[(comfy, 1.0)], [(comfy, 1.0), (peft, 0.5)], [(diff, 0.7)], []]
+    pointers = {name: p.data_ptr() for name, p in _model(engine).named_parameters()}
+    for loras in rounds:
+        executor.apply_loras(handle, loras)
+    before = _live_tensor_bytes()
+    for _ in range(20):
+        for loras in rounds:
+            executor.apply_loras(handle, loras)
+    assert _live_tensor_bytes() == before  # no saved base weights, no cached deltas
+    assert {name: p.data_ptr() for name, p in _model(engine).named_parameters()} == pointers  # merged in place
