@@ -265,9 +265,12 @@ def test_protocol_round_trips_the_loras():
 
 def _live_tensor_bytes() -> tuple[int, int]:
     import gc
+    import warnings
 
     gc.collect()
-    tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -284,3 +287,19 @@ def test_twenty_switches_keep_no_copy_of_any_weight(engine, tiny_models):
             executor.apply_loras(handle, loras)
     assert _live_tensor_bytes() == before  # no saved base weights, no cached deltas
     assert {name: p.data_ptr() for name, p in _model(engine).named_parameters()} == pointers  # merged in place
+
+
+@pytest.mark.parametrize("lora_arg, message", [("{other}", "does not fit this model"), ("{comfy}:12", "outside"),
+                                               ("{model}", "is not a LoRA")])
+def test_command_line_refuses_a_bad_lora_before_the_pool_starts(lora_arg, message, tiny_models, tmp_path, capsys):
+    from wanmesh.parallel.cli import main
+
+    other = _write(tmp_path, "other.safetensors", {
+        "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.ones(13824, 4),
+        "diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.ones(4, 5120)})
+    lora = lora_arg.format(other=other, comfy=tiny_models["lora_comfy"], model=tiny_models["t2v"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--models", str(tiny_models["t2v"].parents[1]), "--prompt", "x", "--device", "cpu",
+              "--out", str(tmp_path / "x.mp4"), "--lora", lora])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
