@@ -19,7 +19,8 @@ from .config import (
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
-from .models.lora import STRENGTH_RANGE as LORA_STRENGTH_RANGE, check_lora_for_model, model_files_of_handle
+from .config import LORA_STRENGTH_RANGE
+from .models.lora import check_lora_for_model, model_files_of_handle
 from .protocol import EncodeVace, SampleRequest
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import check_latent, check_sampling, check_vace_contexts
+from .config import check_latent, check_model_loras, check_sampling, check_vace_contexts
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -151,6 +151,7 @@ class SampleRequest(Request):
         if not self.positive or not self.negative:
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
         check_vace_contexts(self.vace_frames, self.vace_masks, self.vace_strengths, self.latent.shape)
+        check_model_loras(self.model_loras)
 
 
 @dataclass(frozen=True)

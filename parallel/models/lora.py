@@ -23,10 +23,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import check_lora_strength
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, first_names, read_safetensors_header
 
 __all__ = ["LoraHeader", "LoraLayer", "check_lora_for_model", "read_lora_header", "parse_lora_arg",
-           "model_files_of_handle", "check_strength"]
+           "model_files_of_handle"]
 
 # Key ending -> part of a layer's LoRA. Longest endings first (".diff_b" before ".diff").
 LORA_PARTS = (
@@ -37,7 +38,6 @@ ORIGINAL_PREFIXES = (COMFY_TRANSFORMER_PREFIX, "diffusion_model.")
 DIFFUSERS_PREFIX = "transformer."
 KOHYA_PREFIX = "lora_unet_"
 ORIGINAL, DIFFUSERS, KOHYA = "original", "diffusers", "kohya"
-STRENGTH_RANGE = (-10.0, 10.0)
 log = logging.getLogger("wanmesh.lora")
 
 
@@ -197,12 +197,6 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
             path, strength = text, 1.0  # a colon inside the path (a Windows drive), no strength
     else:
         path, strength = text, 1.0
-    check_strength(strength)
+    check_lora_strength(strength)
     return path, strength
-
-
-def check_strength(strength: float) -> None:
-    low, high = STRENGTH_RANGE
-    if not (math.isfinite(strength) and low <= strength <= high):
-        raise ValueError(f"LoRA strength {strength} is outside {low}..{high}")
 

@@ -28,7 +28,8 @@ from torch import nn
 
 from ..distributed.tensor_parallel import shard_index
 from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, first_names, open_files, rename_map
-from ..models.lora import DIFFUSERS, KOHYA, LoraHeader, LoraLayer, check_strength, read_lora_header
+from ..config import check_lora_strength
+from ..models.lora import DIFFUSERS, KOHYA, LoraHeader, LoraLayer, read_lora_header
 
 __all__ = ["LoraPatch", "LoraState", "apply_loras", "plan_lora", "applied_loras"]
 
@@ -55,15 +56,6 @@ class LoraPatch:
     layers: dict[str, LoraLayer]
     unmatched: list[str] = field(default_factory=list)
 
-    def parameter_names(self, parameters: dict[str, nn.Parameter]) -> set[str]:
-        names = set()
-        for module, layer in self.layers.items():
-            if "up" in layer.keys or "diff" in layer.keys:
-                names.add(f"{module}.weight")
-            if "diff_b" in layer.keys:
-                names.add(f"{module}.bias")
-        return {name for name in names if name in parameters}
-
 
 def applied_loras(model: nn.Module) -> tuple[tuple[str, float], ...]:
     return getattr(model, STATE_ATTRIBUTE, LoraState()).applied
@@ -74,7 +66,7 @@ def normalise_loras(loras) -> tuple[tuple[str, float], ...]:
     normalised = []
     for entry in loras or ():
         path, strength = entry
-        check_strength(float(strength))
+        check_lora_strength(float(strength))
         normalised.append((str(path), float(strength)))
     return tuple(normalised)
 
@@ -202,21 +194,26 @@ def _bias_delta(patch: LoraPatch, layer: LoraLayer, dim: int | None, rank: int, 
     return _read(patch.file, layer.keys["diff_b"], index)
 
 
+def _layer_deltas(layer: LoraLayer, module: str) -> list[tuple[str, str]]:
+    """(parameter name, "weight" or "bias") of each delta the layer brings."""
+    deltas = [(f"{module}.weight", "weight")] if layer.weight_delta_shape() is not None else []
+    return deltas + ([(f"{module}.bias", "bias")] if "diff_b" in layer.keys else [])
+
+
 @torch.no_grad()
 def merge_patch(model: nn.Module, patch: LoraPatch) -> set[str]:
     """Add ``strength x`` each layer's delta (this rank's slice, float32, then cast) to the weights; the names changed."""
+    if patch.strength == 0:
+        return set()  # strength 0 leaves the weights exactly as they are
     parameters = dict(model.named_parameters())
     changed = set()
-    if patch.strength == 0:
-        return changed  # strength 0 leaves the weights exactly as they are
     for module, layer in patch.layers.items():
-        for name, delta_of in ((f"{module}.weight", "weight"), (f"{module}.bias", "bias")):
-            if name not in parameters or (delta_of == "weight" and layer.weight_delta_shape() is None) \
-                    or (delta_of == "bias" and "diff_b" not in layer.keys):
+        for name, kind in _layer_deltas(layer, module):
+            if name not in parameters:
                 continue
             parameter = parameters[name]
             dim, rank, tp = _shard_of(model, name)
-            delta = _weight_delta(patch, layer, parameter.shape, dim, rank, tp) if delta_of == "weight" \
+            delta = _weight_delta(patch, layer, parameter.shape, dim, rank, tp) if kind == "weight" \
                 else _bias_delta(patch, layer, dim, rank, tp)
             merged = parameter.detach().to(torch.float32) + patch.strength * delta.to(parameter.device)
             parameter.data.copy_(merged.to(parameter.dtype))

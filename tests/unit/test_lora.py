@@ -261,6 +261,10 @@ def test_protocol_round_trips_the_loras():
                               guidance_scale=1.0, shift=1.0, model_loras={"model|a|b|c": [("x.safetensors", 0.5)]})
     back = P.decode_message(P.encode_message(request, lambda t: t), lambda t: t)
     assert [tuple(entry) for entry in back.model_loras["model|a|b|c"]] == [("x.safetensors", 0.5)]
+    bad = P.SampleRequest("model|a|b|c", torch.zeros(1, 16, 2, 4, 4), [torch.zeros(1, 64)], [torch.zeros(1, 64)],
+                          seed=1, steps=1, guidance_scale=1.0, shift=1.0, model_loras={"model|a|b|c": [("x", 12.0)]})
+    with pytest.raises(ValueError, match="LoRA strength 12.0 is outside -10.0..10.0"):
+        bad.validate()
 
 
 def _live_tensor_bytes() -> tuple[int, int]:
