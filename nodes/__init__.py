@@ -2,6 +2,7 @@
 
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
+from .lora import WanMeshLoraLoader
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
 from .vace import WanMeshTrimLatent, WanMeshVaceEncode
 from .vace_builders import WanMeshVaceControl, WanMeshVaceMask, WanMeshVaceReference
@@ -12,6 +13,7 @@ _NODES = {
     "WanMeshPool": (WanMeshPool, "WanMesh Pool"),
     "WanMeshModelLoader": (WanMeshModelLoader, "WanMesh Model Loader"),
     "WanMeshVAELoader": (WanMeshVAELoader, "WanMesh VAE Loader"),
+    "WanMeshLoraLoader": (WanMeshLoraLoader, "WanMesh LoRA Loader"),
     "WanMeshTextEncoderLoader": (WanMeshTextEncoderLoader, "WanMesh Text Encoder Loader"),
     "WanMeshTextEncode": (WanMeshTextEncode, "WanMesh Text Encode"),
     "WanMeshEmptyLatent": (WanMeshEmptyLatent, "WanMesh Empty Latent"),

@@ -8,6 +8,7 @@ FOLDER_ALIASES = {
     "diffusion_models": ("diffusion_models", "unet"),
     "text_encoders": ("text_encoders", "clip"),
     "vae": ("vae",),
+    "loras": ("loras",),
 }
 DIFFUSERS_PREFIX = "diffusers/"
 GGUF_FILES = "wanmesh_gguf"  # our own folder_paths entry: the diffusion-model folders, .gguf files only

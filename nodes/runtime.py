@@ -18,6 +18,7 @@ class ResidentModel:
 
     runner: PoolRunner
     handle: str
+    loras: tuple[tuple[str, float], ...] = ()  # (LoRA file, strength) in order, merged on the workers when sampling
 
 
 PREVIEW_MAX_RESOLUTION = 512  # what ComfyUI's own latent previews are limited to

@@ -91,6 +91,7 @@ class WanMeshSampler:
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
             sampler=sampler_name, denoise=denoise, vace_frames=conditional.vace_frames,
             vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(),
+            model_loras={model.handle: list(model.loras)},
         )
         try:
             samples = model.runner.sample(request, progress=progress_reporter(steps), should_stop=interrupted)

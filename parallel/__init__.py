@@ -19,6 +19,8 @@ from .config import (
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
+from .config import LORA_STRENGTH_RANGE
+from .models.lora import check_lora_for_model, model_files_of_handle
 from .protocol import EncodeVace, SampleRequest
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
@@ -26,4 +28,5 @@ __all__ = [
     "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
     "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
     "H264_ENCODERS", "read_video", "video_encoder", "write_video",
+    "LORA_STRENGTH_RANGE", "check_lora_for_model", "model_files_of_handle",
 ]

@@ -342,3 +342,23 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
                     f"{positions}; use the latent made by the same VACE encode (its length, size and references)")
         if not math.isfinite(strength):
             raise ValueError(f"vace_strength[{index}] is {strength}; give a finite strength (1.0 is the default)")
+
+
+# -- LoRAs -------------------------------------------------------------------------------------------------
+
+LORA_STRENGTH_RANGE = (-10.0, 10.0)
+
+
+def check_lora_strength(strength: float) -> None:
+    low, high = LORA_STRENGTH_RANGE
+    if not (isinstance(strength, numbers.Real) and math.isfinite(strength) and low <= strength <= high):
+        raise ValueError(f"LoRA strength {strength} is outside {low}..{high}")
+
+
+def check_model_loras(model_loras: dict) -> None:
+    """The per-model LoRA lists of a sample request: (file, strength) pairs with strengths in range."""
+    for handle, loras in model_loras.items():
+        for entry in loras:
+            if len(entry) != 2 or not isinstance(entry[0], str):
+                raise ValueError(f"a LoRA of {handle!r} must be a (file, strength) pair, got {entry!r}")
+            check_lora_strength(entry[1])

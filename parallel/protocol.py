@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import check_latent, check_sampling, check_vace_contexts
+from .config import check_latent, check_model_loras, check_sampling, check_vace_contexts
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -140,6 +140,8 @@ class SampleRequest(Request):
     vace_masks: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 64, T, h, w]
     vace_strengths: list[float] = field(default_factory=list)
     preview: bool = False  # rank 0 attaches a small RGB preview of the denoised estimate to each step's progress
+    # LoRAs merged on the workers before sampling: resident model handle -> ordered [(LoRA file, strength)]
+    model_loras: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -149,6 +151,7 @@ class SampleRequest(Request):
         if not self.positive or not self.negative:
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
         check_vace_contexts(self.vace_frames, self.vace_masks, self.vace_strengths, self.latent.shape)
+        check_model_loras(self.model_loras)
 
 
 @dataclass(frozen=True)

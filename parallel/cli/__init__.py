@@ -55,6 +55,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--save-latents", type=Path,
                    help="write the raw latents [B,16,T,h,w] (VACE reference frames trimmed) as tensor 'latents'")
     p.add_argument("--save-frames", type=Path, help="write the frames [F,H,W,3] 0..1 as tensor 'frames'")
+    p.add_argument("--lora", action="append", default=[], metavar="FILE[:STRENGTH]",
+                   help="LoRA merged into the model on the workers (repeatable, applied in order; strength 1.0 when "
+                        "not given, -10..10)")
     add_vace_arguments(p)
 
 
@@ -77,6 +80,7 @@ BENCHMARKS = {
     "tp": ("tp", "tensor parallelism: bytes per collective, time per step, weight memory"),
     "vae": ("vae", "VAE patch parallelism: decode time and peak memory per rank"),
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
+    "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
 }
 
 
@@ -107,6 +111,17 @@ def resolve_model_files(args) -> dict[str, str | None]:
     return {**paths, "vace_module": args.vace_module}
 
 
+def read_loras(lora_args: list[str], files: dict) -> list[tuple[str, float]]:
+    """--lora FILE[:STRENGTH] values as (file, strength), each file's header checked against the model's."""
+    from ..models.lora import check_lora_for_model, parse_lora_arg
+
+    loras = [parse_lora_arg(text) for text in lora_args]
+    model_files = [path for path in (files["model"], files["vace_module"]) if path]
+    for path, _ in loras:
+        check_lora_for_model(path, model_files)
+    return loras
+
+
 def apply_defaults(args, tiny: bool) -> None:
     for key, value in (TINY_DEFAULTS if tiny else REAL_DEFAULTS).items():
         if getattr(args, key) is None:
@@ -133,6 +148,7 @@ def _run(args) -> int:
         from .generate import generate
 
         files = resolve_model_files(args)
+        files["loras"] = read_loras(args.lora, files)  # headers checked against the model before the pool starts
         vace = read_vace_inputs(args, files)  # VACE files read and checked; sizes default to the video's
         apply_defaults(args, tiny=args.model is None)
         generate(args, files, vace)

@@ -76,6 +76,7 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
     request = SampleRequest(
         handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
         steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler, **fields,
+        model_loras={model: list(files.get("loras") or [])},
     )
     latents = runner.sample(request, progress=_progress)[:, :, trim:]
     runner.unload(model)

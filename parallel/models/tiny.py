@@ -319,7 +319,17 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
     save_file(original_state_dict(models.vae, original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers),
               paths["vae"])
     save_file(original_text_encoder_state(models.text_encoder, models.spiece_model), paths["text_encoder"])
+    paths.update(_write_loras(root, t2v_state))
     _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
     _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
     return paths
 
+
+def _write_loras(root: Path, t2v_state: dict[str, torch.Tensor]) -> dict[str, Path]:
+    """The tiny LoRAs (one per format) for the tiny T2V model."""
+    from .tiny_loras import make_tiny_loras
+
+    shapes = {key: tuple(tensor.shape) for key, tensor in t2v_state.items()}
+    names = rename_map([key for key in shapes if key.endswith(".weight")], convert_wan_transformer_to_diffusers)
+    to_diffusers = {original.removesuffix(".weight"): new.removesuffix(".weight") for new, original in names.items()}
+    return make_tiny_loras(root, shapes, to_diffusers)

@@ -40,6 +40,7 @@ class RankExecutor(ResidentModels):
     @torch.no_grad()
     def sample(self, request: SampleRequest, progress=None, should_stop=None) -> torch.Tensor:
         """Raw latents for a request the driver has validated; model-specific inputs are checked here."""
+        self.apply_loras(request.handle, request.model_loras.get(request.handle, ()))
         model = self._get(request.handle, "model")
         check_conditioning(model, request)
         dtype = next(model.parameters()).dtype

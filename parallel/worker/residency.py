@@ -36,6 +36,7 @@ class ResidentModels:
         self.device = torch.device(device)
         self.parallel = parallel  # ParallelContext of this rank, or None for one rank without process groups
         self._models: dict[str, object] = {}
+        self._model_files: dict[str, tuple[str, str | None]] = {}  # transformer handle -> (file, VACE module)
 
     def _degree(self, dim: str) -> int:
         return self.parallel.size(dim) if self.parallel is not None and self.parallel.is_distributed else 1
@@ -50,6 +51,7 @@ class ResidentModels:
     def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto") -> str:
         torch_dtype = resolve_dtype(dtype, self.device)
         key = f"model|{path}|{vace_module or ''}|{torch_dtype}"
+        self._model_files[key] = (path, vace_module)
         return self._load(key, lambda: self._load_transformer(path, vace_module, torch_dtype))
 
     def _load_transformer(self, path: str, vace_module: str | None, torch_dtype: torch.dtype):
@@ -102,6 +104,14 @@ class ResidentModels:
             raise TypeError(f"{handle!r} is not a {kind}")
         return self._models[handle]
 
+    def apply_loras(self, handle: str, loras) -> None:
+        """Make ``loras`` ((file, strength) pairs, in order) the LoRAs merged into the resident model ``handle``;
+        only the difference to what is merged now is done (nothing when unchanged)."""
+        from .lora_merge import apply_loras
+
+        model = self._get(handle, "model")
+        path, vace_module = self._model_files[handle]
+        apply_loras(model, loras, path=path, vace_module=vace_module)
 
 
 def transformer_heads(path: str, vace_module: str | None = None) -> int:

@@ -40,6 +40,7 @@ MODEL_FOLDERS = {
     "clip": "text_encoders/",
     "text_encoders": "text_encoders/",
     "vae": "vae/",
+    "loras": "loras/",
 }
 POLL_INTERVAL_S = 0.25
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

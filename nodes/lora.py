@@ -1,0 +1,44 @@
+"""The LoRA loader node: adds a LoRA (file, strength) to a resident model's list; the workers merge it when sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..parallel import LORA_STRENGTH_RANGE, check_lora_for_model, model_files_of_handle
+from .files import model_path
+
+CATEGORY = "WanMesh/loaders"
+
+
+def _lora_files() -> list[str]:
+    import folder_paths
+
+    return sorted(folder_paths.get_filename_list("loras"))
+
+
+class WanMeshLoraLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        low, high = LORA_STRENGTH_RANGE
+        return {
+            "required": {
+                "model": ("WANMESH_MODEL", {"tooltip": "the loaded Wan model (or the output of another LoRA loader)"}),
+                "lora_name": (_lora_files(), {"tooltip": "LoRA file from ComfyUI's loras folder (ComfyUI, PEFT/"
+                                                          "diffusers, kohya or diff format)"}),
+                "strength": ("FLOAT", {"default": 1.0, "min": low, "max": high, "step": 0.01,
+                                       "tooltip": "how strongly the LoRA changes the model; 0 leaves it unchanged, "
+                                                  "negative values invert it"}),
+            },
+        }
+
+    RETURN_TYPES = ("WANMESH_MODEL",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Applies a LoRA to a WanMesh model; chain several. The LoRA is merged into the workers' "
+                   "(tensor-parallel sharded) weights when the sampler runs and taken out again, from the model "
+                   "file, when the LoRAs change. The file's header is checked against the model here.")
+
+    def load(self, model, lora_name, strength):
+        path = model_path("loras", lora_name)
+        check_lora_for_model(path, model_files_of_handle(model.handle))
+        return (dataclasses.replace(model, loras=(*model.loras, (path, float(strength)))),)
