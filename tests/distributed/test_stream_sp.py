@@ -3,7 +3,7 @@
 One world of 4 ranks runs every layout (dp fills what a layout leaves). Each rank computes the single-device
 result itself (the unsplit model, same seed) and checks, per layout: the cached stream with ONE fused all-to-all
 per direction equals it; the unfused three-gather baseline equals it too; the uncached reference (masked, split
-the same way) equals it; the collective calls per forward are what the design says (2 all-to-alls per block, no
+the same way) equals it; each rank's KV cache is 1/(tp x ulysses) of one device's; the collective calls per forward are what the design says (2 all-to-alls per block, no
 gather in attention, when fused) and their bytes match ``exchange_bytes_per_chunk``; the model keeps its
 ordinary context-parallel plan afterwards. Chunks of 2 over 5 frames of 3 x 3 tokens: 18 and 9 tokens, neither
 divisible by 4 (padding), and a shorter last chunk.
@@ -91,7 +91,7 @@ def _output_gather_bytes(plan: ParallelContext) -> int:
     return total
 
 
-def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor) -> None:
+def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, reference_cache: int) -> None:
     plan = _plan(rank, world, layout)
     model = _model()
     apply_tensor_parallel(model, plan.tp_group)
@@ -99,8 +99,11 @@ def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor) 
     name = f"layout {layout}"
     blocks, ulysses = TINY_TRANSFORMER["num_layers"], plan.size("ulysses")
     for fused in (True, False):
+        stats = {}
         with CollectiveCounter() as counter:
-            _check_close(f"{name} fused={fused}", _stream(model, plan, fused_all_to_all=fused), reference)
+            _check_close(f"{name} fused={fused}", _stream(model, plan, fused_all_to_all=fused, stats=stats), reference)
+        shards = plan.size("tp") * ulysses  # the cache is split by heads over both
+        assert stats["cache_bytes"] * shards == reference_cache, f"{name}: cache {stats['cache_bytes']} bytes"
         if ulysses > 1:
             a2a, gathers = counter.calls["all_to_all_single"], counter.calls["all_gather"]
             expected = (2 * blocks * _forwards(), _forwards()) if fused else (0, (4 * blocks + 1) * _forwards())
@@ -121,9 +124,10 @@ def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor) 
 
 def _rank_main(rank: int, world: int) -> None:
     with torch.no_grad():
-        reference = _stream(_model())
+        stats = {}
+        reference = _stream(_model(), stats=stats)
         for layout in LAYOUTS:
-            _check_layout(rank, world, layout, reference)
+            _check_layout(rank, world, layout, reference, stats["cache_bytes"])
             dist.barrier()
 
 
