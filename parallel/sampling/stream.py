@@ -22,7 +22,9 @@ the device's global generator (not reproducible across devices), ComfyUI seeds i
 follows ComfyUI. Self-Forcing's warped timesteps come from its 1000-entry scheduler table (the same values up to
 float rounding). ComfyUI supports cfg 1 only; here a guidance scale != 1 runs the conditional and the
 unconditional branch one after the other, each with its own KV cache (and its own write pass), combined as the
-ordinary loop combines them. CFG parallel is refused (``config.check_stream_layout``).
+ordinary loop combines them. CFG parallel is refused (``config.check_stream_layout``). The rolling window
+(``kv_window``, ``sink``) counts frames as Self-Forcing's ``local_attn_size`` / ``sink_size`` do (the window
+includes the current chunk; sink frames stay pinned); ComfyUI's native sampler has no window (the default here).
 
 Parallel layout (``plan`` = the worker's ``distributed.mesh.ParallelContext``, None = one device): a chunk's
 tokens are split over the Ulysses group (``distributed/causal_sp.py``), tensor parallelism is already in the
