@@ -363,6 +363,7 @@ def check_model_loras(model_loras: dict) -> None:
                 raise ValueError(f"a LoRA of {handle!r} must be a (file, strength) pair, got {entry!r}")
             check_lora_strength(entry[1])
 
+
 # -- causal streaming --------------------------------------------------------------------------------------
 
 
