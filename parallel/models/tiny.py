@@ -143,6 +143,14 @@ def build_tiny_models(seed: int = SEED) -> TinyModels:
     return TinyModels(t2v, vace, vae, text_encoder, spiece_model)
 
 
+def build_tiny_low_noise_expert(seed: int = SEED) -> WanTransformer3DModel:
+    """A second tiny T2V transformer, the low-noise expert of a tiny two-expert (Wan 2.2 A14B-like) pair:
+    the tiny T2V's config, other weights."""
+    expert = WanTransformer3DModel(**TINY_TRANSFORMER)
+    randomise_(expert, seed + 4)
+    return expert.eval().requires_grad_(False)
+
+
 # --- original key layouts -------------------------------------------------------------------------
 
 def _pairs(*names: str) -> list[str]:
@@ -290,6 +298,7 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
         "text_encoder": root / "text_encoders" / "umt5_tiny.safetensors",
         "diffusers_t2v": root / "diffusers" / "wan_tiny_t2v",
         "diffusers_vace": root / "diffusers" / "wan_tiny_vace",
+        "t2v_low": root / "diffusion_models" / "wan_tiny_t2v_low.safetensors",
     }
     for path in paths.values():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,6 +314,9 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
     save_file(original_state_dict(models.vae, original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers),
               paths["vae"])
     save_file(original_text_encoder_state(models.text_encoder, models.spiece_model), paths["text_encoder"])
+    low_state = original_state_dict(build_tiny_low_noise_expert(), original_transformer_names(TINY_TRANSFORMER),
+                                    convert_wan_transformer_to_diffusers)
+    save_file(low_state, paths["t2v_low"], metadata=heads)
     _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
     _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
     return paths
