@@ -124,8 +124,8 @@ class WanMeshSampler:
             add_noise=add_noise,
         )
         try:
-            reply = model.runner.sample_reply(request, progress=progress_reporter(max(1, min(steps, end_step) - start_step)),
-                                              should_stop=interrupted)
+            run_steps = max(1, min(steps, end_step) - start_step)  # the progress bar covers the steps this run does
+            reply = model.runner.sample_reply(request, progress=progress_reporter(run_steps), should_stop=interrupted)
         except Cancelled:
             raise_if_interrupted()
             raise

@@ -15,7 +15,7 @@ from transformers import UMT5EncoderModel
 
 from wanmesh.parallel.models import tiny
 
-EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace"}
+EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace", "t2v_low"}
 WAN_LATENTS_MEAN_FIRST = -0.7571
 WAN_LATENTS_STD_FIRST = 2.8184
 

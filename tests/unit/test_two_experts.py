@@ -177,14 +177,25 @@ def test_experts_of_different_sizes_or_kinds_fail_before_sampling(tiny_models, e
     executor.unload(vace)
 
 
+def _a14b_expert_shapes(dim: int, in_channels: int) -> dict:
+    """Header shapes of a Wan 2.2 A14B expert (the Wan 2.1 14B layout), changed where asked."""
+    return {"patch_embedding.weight": (dim, in_channels, 1, 2, 2), "blocks.0.ffn.0.weight": (13824, dim),
+            "blocks.39.ffn.0.weight": (13824, dim), "head.head.weight": (64, dim),
+            "text_embedding.0.weight": (dim, 4096), "time_embedding.0.weight": (dim, 256)}
+
+
+def test_wan22_a14b_expert_shapes_read_as_the_wan21_14b_config():
+    config = infer_transformer_config(_a14b_expert_shapes(5120, 16), None)
+    assert (config["num_attention_heads"], config["num_layers"], config["in_channels"]) == (40, 40, 16)
+    assert "vace_layers" not in config
+
+
 def test_wan22_ti2v_5b_and_i2v_transformers_are_refused_at_load():
-    shapes = {"patch_embedding.weight": (3072, 48, 1, 2, 2), "blocks.0.ffn.0.weight": (14336, 3072),
-              "head.head.weight": (192, 3072)}
+    shapes = _a14b_expert_shapes(3072, 48)
     with pytest.raises(ModelFileError, match="Wan 2.2 TI2V 5B transformer .48 latent channels"):
         infer_transformer_config(shapes, None)
-    shapes["patch_embedding.weight"] = (5120, 36, 1, 2, 2)
     with pytest.raises(ModelFileError, match="36 input channels"):
-        infer_transformer_config(shapes, None)
+        infer_transformer_config(_a14b_expert_shapes(5120, 36), None)
 
 
 def test_reply_reports_one_model_runs_and_step_ranges(engine):
@@ -193,3 +204,16 @@ def test_reply_reports_one_model_runs_and_step_ranges(engine):
     assert report == "model: steps 1-2"
     _, report = _run(engine, handle=high, start_step=5, sampler="euler")
     assert report == "model: step 5"
+
+
+def test_tiny_low_noise_expert_shares_the_t2v_config_with_other_weights(tiny_models):
+    from safetensors import safe_open
+
+    configs, first_weights = [], []
+    for name in ("t2v", "t2v_low"):
+        with safe_open(str(tiny_models[name]), "pt") as file:
+            shapes = {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
+            configs.append(infer_transformer_config(shapes, file.metadata()))
+            first_weights.append(file.get_tensor("blocks.0.self_attn.q.weight"))
+    assert configs[0] == configs[1]
+    assert not torch.allclose(first_weights[0], first_weights[1])
