@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..parallel import SAMPLERS, Cancelled, SampleRequest, latent_shape
@@ -16,6 +18,7 @@ from .runtime import interrupted, previews_enabled, progress_reporter, raise_if_
 
 CATEGORY = "WanMesh/sampling"
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
+logger = logging.getLogger(__name__)
 
 
 class WanMeshTextEncode:
@@ -55,6 +58,26 @@ class WanMeshEmptyLatent:
         return (tensor_to_latent(torch.zeros(latent_shape(width, height, length, batch_size))),)
 
 
+END_STEP_TO_THE_END = 10000  # ComfyUI's advanced sampler default for "run to the last step"
+TWO_EXPERT_INPUTS = {
+    "model_low_noise": ("WANMESH_MODEL", {"tooltip": "Wan 2.2 A14B: the low-noise expert (model is then the "
+                                                     "high-noise one); none: model runs every step"}),
+    "boundary": ("FLOAT", {"default": 0.875, "min": 0.0, "max": 1.0, "step": 0.001,
+                           "tooltip": "steps whose timestep is at or above boundary x 1000 run the high-noise "
+                                      "expert, the rest the low-noise one (0.875: Wan 2.2 T2V, 0.9: I2V)"}),
+    "cfg_low_noise": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 100.0, "step": 0.1,
+                                "tooltip": "guidance scale of the low-noise expert's steps; -1: the same as cfg"}),
+    "start_step": ("INT", {"default": 0, "min": 0, "max": END_STEP_TO_THE_END,
+                           "tooltip": "first step to run (like KSamplerAdvanced's start_at_step)"}),
+    "end_step": ("INT", {"default": END_STEP_TO_THE_END, "min": 1, "max": END_STEP_TO_THE_END,
+                         "tooltip": "stop before this step and return the latent with its leftover noise; "
+                                    "steps or more (10000): run to the end"}),
+    "add_noise": ("BOOLEAN", {"default": True,
+                              "tooltip": "off for a second chained sampler: the latent already holds the "
+                                         "noise of start_step"}),
+}
+
+
 class WanMeshSampler:
     @classmethod
     def INPUT_TYPES(cls):
@@ -74,6 +97,7 @@ class WanMeshSampler:
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
                                       "tooltip": "1 starts from noise; less keeps part of the input latent"}),
             },
+            "optional": TWO_EXPERT_INPUTS,  # after every older input, so saved workflows keep their widget order
         }
 
     RETURN_TYPES = ("LATENT",)
@@ -82,20 +106,36 @@ class WanMeshSampler:
     DESCRIPTION = ("Samples a Wan video on the worker pool with every parallel mode of the pool; takes VACE "
                    "through the conditioning (WanMesh's or ComfyUI's native VACE encode), one or several contexts.")
 
-    def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise):
+    def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise,
+               model_low_noise=None, boundary=0.875, cfg_low_noise=-1.0, start_step=0,
+               end_step=END_STEP_TO_THE_END, add_noise=True):
         conditional = read_conditioning(positive, "positive")
         unconditional = read_conditioning(negative, "negative")
         check_same_vace(conditional, unconditional)
+        check_same_pool(model, model_low_noise)
+        end = None if end_step >= steps else end_step
         request = SampleRequest(
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
             sampler=sampler_name, denoise=denoise, vace_frames=conditional.vace_frames,
             vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(),
-            model_loras={model.handle: list(model.loras)},
+            model_loras={expert.handle: list(expert.loras) for expert in (model, model_low_noise) if expert is not None},
+            handle_low=None if model_low_noise is None else model_low_noise.handle, boundary=boundary,
+            guidance_scale_low=None if cfg_low_noise < 0 else cfg_low_noise, start_step=start_step, end_step=end,
+            add_noise=add_noise,
         )
         try:
-            samples = model.runner.sample(request, progress=progress_reporter(steps), should_stop=interrupted)
+            run_steps = max(1, min(steps, end_step) - start_step)  # the progress bar covers the steps this run does
+            reply = model.runner.sample_reply(request, progress=progress_reporter(run_steps), should_stop=interrupted)
         except Cancelled:
             raise_if_interrupted()
             raise
-        return (tensor_to_latent(samples),)
+        logger.info("WanMesh sampler: %s", reply.expert_steps)
+        return (tensor_to_latent(reply.latents),)
+
+
+def check_same_pool(model, model_low_noise) -> None:
+    """Both experts must be resident in the same worker pool (load both with the same pool input)."""
+    if model_low_noise is not None and model_low_noise.runner.pool is not model.runner.pool:
+        raise ValueError("model and model_low_noise are loaded in different worker pools; connect both loaders "
+                         "to the same WanMesh Pool")

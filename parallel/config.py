@@ -405,3 +405,42 @@ def check_stream_layout(*, ring: int, cfg_parallel: bool) -> None:
     if cfg_parallel:
         raise ValueError("streaming does not run with cfg_parallel: both guidance branches keep their own KV cache on "
                          "every rank and run one after the other; turn cfg_parallel off")
+# -- two experts and step ranges (Wan 2.2 A14B, chained samplers) ------------------------------------------
+
+EXPERT_CONFIG_KEYS = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
+                      "freq_dim", "ffn_dim", "num_layers", "patch_size", "vace_layers")
+
+
+def check_step_range(start_step: int, end_step: int | None, steps: int) -> None:
+    """The steps one sampler runs out of ``steps`` (ComfyUI's start/end at step); None ends at the last step."""
+    end = steps if end_step is None else end_step
+    for name, value in (("start_step", start_step), ("end_step", end)):
+        if not _is_whole(value):
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if not 0 <= start_step < end <= steps:
+        raise ValueError(f"the step range start_step={start_step}, end_step={end} is not valid for {steps} steps; "
+                         f"it needs 0 <= start_step < end_step <= {steps} (end_step None: to the last step)")
+
+
+def check_experts(*, boundary: float, guidance_scale_low: float | None) -> None:
+    """The two-expert settings: the switch point (a fraction of the 1000 training timesteps) and the low-noise
+    expert's guidance scale (None: the high-noise expert's)."""
+    if isinstance(boundary, bool) or not isinstance(boundary, numbers.Real) or not 0.0 <= boundary <= 1.0:
+        raise ValueError(f"boundary must be a number in [0, 1] (a fraction of the 1000 training timesteps; Wan 2.2 "
+                         f"T2V uses 0.875, I2V 0.9), got {boundary!r}")
+    if guidance_scale_low is not None and (not math.isfinite(guidance_scale_low) or guidance_scale_low < 0):
+        raise ValueError(f"the low-noise expert's guidance scale (cfg_low) must be a finite number >= 0 or unset, "
+                         f"got {guidance_scale_low}")
+
+
+def check_same_expert_config(high: dict, low: dict) -> None:
+    """Both experts of a two-expert run must share one architecture (Wan 2.2 A14B's two halves do)."""
+    differing = [f"{key} {high.get(key)!r} vs {low.get(key)!r}" for key in EXPERT_CONFIG_KEYS
+                 if _comparable(high.get(key)) != _comparable(low.get(key))]
+    if differing:
+        raise ValueError(f"the high-noise and low-noise experts differ in {', '.join(differing)} (high vs low); "
+                         "two experts must have the same size and kind (e.g. the two halves of Wan 2.2 A14B)")
+
+
+def _comparable(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value

@@ -14,7 +14,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import check_latent, check_model_loras, check_sampling, check_vace_contexts
+from .config import (check_experts, check_latent, check_model_loras, check_sampling, check_step_range,
+                     check_vace_contexts)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -58,6 +59,7 @@ class Embeddings(Reply):
 class Latents(Reply):
     kind: ClassVar[str] = "latents"
     latents: torch.Tensor
+    expert_steps: str = ""  # sampling only: which steps each expert ran (sampling/experts.py describe_expert_steps)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,13 @@ class SampleRequest(Request):
     preview: bool = False  # rank 0 attaches a small RGB preview of the denoised estimate to each step's progress
     # LoRAs merged on the workers before sampling: resident model handle -> ordered [(LoRA file, strength)]
     model_loras: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # Two experts (Wan 2.2 A14B) and step ranges (chained samplers); see sampling/experts.py for the rule:
+    handle_low: str | None = None  # the low-noise expert's resident model; None: `handle` runs every step
+    boundary: float = 0.875  # steps with timestep >= boundary * 1000 run `handle`, the others `handle_low`
+    guidance_scale_low: float | None = None  # the low-noise expert's guidance scale; None: guidance_scale
+    start_step: int = 0  # first step run, out of `steps`
+    end_step: int | None = None  # steps run stop before this one; None: steps (the result keeps leftover noise before)
+    add_noise: bool = True  # False: the latent already holds the noise of step start_step (a chained second sampler)
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -152,6 +161,8 @@ class SampleRequest(Request):
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
         check_vace_contexts(self.vace_frames, self.vace_masks, self.vace_strengths, self.latent.shape)
         check_model_loras(self.model_loras)
+        check_experts(boundary=self.boundary, guidance_scale_low=self.guidance_scale_low)
+        check_step_range(self.start_step, self.end_step, self.steps)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ def _add_generate(sub) -> None:
     files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
     files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
     files.add_argument("--vace-module", help="VACE module file merged onto --model")
+    files.add_argument("--model-low", help="Wan 2.2 A14B: the low-noise expert (--model is then the high-noise one)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative", default="")
     p.add_argument("--width", type=int)
@@ -38,6 +39,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    experts = p.add_argument_group("two experts (Wan 2.2 A14B) and step ranges")
+    experts.add_argument("--boundary", type=float, default=0.875,
+                         help="steps with timestep >= boundary x 1000 run --model, the rest --model-low (default 0.875)")
+    experts.add_argument("--cfg-low", dest="guidance_scale_low", type=float,
+                         help="guidance scale of the low-noise expert's steps (default: --guidance-scale)")
+    experts.add_argument("--start-step", type=int, default=0, help="first step to run (default 0)")
+    experts.add_argument("--end-step", type=int, help="stop before this step, keeping the leftover noise (default: all)")
     par = p.add_argument_group("parallelism")
     par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (must divide the head count)")
@@ -100,7 +108,7 @@ def resolve_model_files(args) -> dict[str, str | None]:
         missing = [f"--{k.replace('_', '-')}" for k, v in single.items() if not v]
         if missing:
             raise SystemExit(f"missing {', '.join(missing)}: --model, --vae and --text-encoder go together")
-        return {**single, "vace_module": args.vace_module}
+        return {**single, "vace_module": args.vace_module, "model_low": args.model_low}
     root = args.models if args.models is not None else ensure_tiny_models(tiny_cache_dir())
     tiny_model = "vace" if wants_vace(args) and args.vace_module is None else "model"
     paths = {key: str(root / TINY_FILES[name]) for key, name in
@@ -108,7 +116,7 @@ def resolve_model_files(args) -> dict[str, str | None]:
     for key, path in paths.items():
         if not Path(path).is_file():
             raise SystemExit(f"{path} does not exist: --models expects a tree written by `wanmesh make-tiny DIR`")
-    return {**paths, "vace_module": args.vace_module}
+    return {**paths, "vace_module": args.vace_module, "model_low": args.model_low}
 
 
 def read_loras(lora_args: list[str], files: dict) -> list[tuple[str, float]]:

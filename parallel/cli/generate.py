@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from safetensors.torch import save_file
 
-from ..config import ParallelConfig, check_tiles, latent_shape
+from ..config import ParallelConfig, check_experts, check_step_range, check_tiles, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
@@ -40,6 +41,9 @@ def generate(args, files: dict[str, str | None], vace: VaceSources | None = None
     shape = latent_shape(args.width, args.height, args.frames)  # rejects bad sizes before loading anything
     config = pool_config(args)
     check_tiles(args.vae_tile, args.vae_overlap)
+    experts = _expert_fields(args)  # bad boundaries and step ranges fail before the pool starts
+    check_experts(boundary=experts["boundary"], guidance_scale_low=experts["guidance_scale_low"])
+    check_step_range(experts["start_step"], experts["end_step"], args.steps)
     started = time.perf_counter()
     with WorkerPool(config) as pool:
         frames, latents = _run(PoolRunner(pool), args, files, shape, inputs)
@@ -72,15 +76,28 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
     if encoded is not None:
         fields, trim = vace.sample_fields(encoded), encoded.trim_latent
         shape = (*shape[:2], encoded.frames.shape[2], *shape[3:])
-    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
     request = SampleRequest(
-        handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
+        handle="", latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
         steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler, **fields,
-        model_loras={model: list(files.get("loras") or [])},
+        **_expert_fields(args),
     )
-    latents = runner.sample(request, progress=_progress)[:, :, trim:]
-    runner.unload(model)
-    return latents
+    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
+    low = None
+    if files.get("model_low"):
+        low = runner.load_model(files["model_low"], vace_module=files["vace_module"], dtype=args.dtype)
+    loras = {model: list(files.get("loras") or [])}  # --lora applies to --model (the high-noise expert)
+    reply = runner.sample_reply(replace(request, handle=model, handle_low=low, model_loras=loras), progress=_progress)
+    print(f"  {reply.expert_steps}", file=sys.stderr)
+    for handle in (model, low):
+        if handle is not None:
+            runner.unload(handle)
+    return reply.latents[:, :, trim:]
+
+
+def _expert_fields(args) -> dict:
+    """The two-expert and step-range settings of the command line (defaults when a flag is absent)."""
+    return {"boundary": getattr(args, "boundary", 0.875), "start_step": getattr(args, "start_step", 0),
+            "guidance_scale_low": getattr(args, "guidance_scale_low", None), "end_step": getattr(args, "end_step", None)}
 
 
 def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

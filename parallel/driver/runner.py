@@ -52,8 +52,12 @@ class PoolRunner:
 
     def sample(self, request: P.SampleRequest, progress=None, should_stop=None) -> torch.Tensor:
         """Raw latents; raises ``Cancelled`` when ``should_stop`` asked the workers to stop."""
+        return self.sample_reply(request, progress=progress, should_stop=should_stop).latents
+
+    def sample_reply(self, request: P.SampleRequest, progress=None, should_stop=None) -> P.Latents:
+        """The sampling reply: raw latents and which steps each expert ran (``expert_steps``)."""
         request.validate()
-        return self.pool.call(request, progress=progress, should_cancel=should_stop).latents
+        return self.pool.call(request, progress=progress, should_cancel=should_stop)
 
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         check_tiles(tile_px, overlap_px)

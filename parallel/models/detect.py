@@ -125,6 +125,7 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
             "VACE model."
         )
     dim, in_channels, *patch_size = _require(shapes, "patch_embedding.weight", "patch size")
+    check_latent_channels(in_channels)
     num_layers = _block_count(shapes, "blocks.")
     if num_layers == 0:
         raise ModelFileError("Cannot infer the layer count: no 'blocks.N.*' tensors found.")
@@ -152,10 +153,30 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
     return config
 
 
+WAN21_LATENT_CHANNELS = 16
+WAN22_TI2V_LATENT_CHANNELS = 48
+
+
+def check_latent_channels(in_channels: int) -> None:
+    """Only transformers on the 16-channel Wan 2.1 latent load (Wan 2.1, and both experts of Wan 2.2 A14B T2V)."""
+    if in_channels == WAN22_TI2V_LATENT_CHANNELS:
+        raise ModelFileError(
+            "This is the Wan 2.2 TI2V 5B transformer (48 latent channels, for the 48-channel Wan 2.2 VAE), which is "
+            "not supported; use Wan 2.1 T2V/VACE or the Wan 2.2 A14B T2V experts (16 latent channels).")
+    if in_channels != WAN21_LATENT_CHANNELS:
+        raise ModelFileError(
+            f"This transformer takes {in_channels} input channels (an image-to-video or other conditioned model, e.g. "
+            f"Wan 2.2 I2V A14B with 36), which is not supported; use a T2V or VACE model with "
+            f"{WAN21_LATENT_CHANNELS} input channels.")
+
+
 def infer_vae_config(shapes: Shapes) -> dict:
     """diffusers `AutoencoderKLWan` kwargs from Wan 2.1 VAE shapes (original layout)."""
     base_dim = _require(shapes, "encoder.conv1.weight", "VAE base dim")[0]
     z_dim = _require(shapes, "conv2.weight", "VAE latent channels")[0]
+    if z_dim != WAN21_LATENT_CHANNELS:
+        raise ModelFileError(f"This VAE has {z_dim} latent channels (the Wan 2.2 VAE of TI2V 5B has 48), which is not "
+                             f"supported; use the Wan 2.1 VAE ({WAN21_LATENT_CHANNELS} channels, also used by Wan 2.2 A14B).")
     # diffusers' key converter is written for 4 levels of 2 residual blocks with resamples between them.
     resample_indices = [level * (VAE_RES_BLOCKS + 1) + VAE_RES_BLOCKS for level in range(VAE_LEVELS - 1)]
     expected_blocks = VAE_LEVELS * VAE_RES_BLOCKS + VAE_LEVELS - 1

@@ -143,6 +143,14 @@ def build_tiny_models(seed: int = SEED) -> TinyModels:
     return TinyModels(t2v, vace, vae, text_encoder, spiece_model)
 
 
+def build_tiny_low_noise_expert(seed: int = SEED) -> WanTransformer3DModel:
+    """A second tiny T2V transformer, the low-noise expert of a tiny two-expert (Wan 2.2 A14B-like) pair:
+    the tiny T2V's config, other weights."""
+    expert = WanTransformer3DModel(**TINY_TRANSFORMER)
+    randomise_(expert, seed + 4)
+    return expert.eval().requires_grad_(False)
+
+
 # --- original key layouts -------------------------------------------------------------------------
 
 def _pairs(*names: str) -> list[str]:
@@ -303,6 +311,7 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
         "diffusers_vace": root / "diffusers" / "wan_tiny_vace",
         "t2v_gguf_q8_0": root / "diffusion_models" / "wan_tiny_t2v_Q8_0.gguf",
         "t2v_gguf_q4_k": root / "diffusion_models" / "wan_tiny_t2v_Q4_K.gguf",
+        "t2v_low": root / "diffusion_models" / "wan_tiny_t2v_low.safetensors",
     }
     for path in paths.values():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -320,6 +329,9 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
               paths["vae"])
     save_file(original_text_encoder_state(models.text_encoder, models.spiece_model), paths["text_encoder"])
     paths.update(_write_loras(root, t2v_state))
+    low_state = original_state_dict(build_tiny_low_noise_expert(), original_transformer_names(TINY_TRANSFORMER),
+                                    convert_wan_transformer_to_diffusers)
+    save_file(low_state, paths["t2v_low"], metadata=heads)
     _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
     _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
     return paths

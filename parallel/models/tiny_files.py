@@ -12,6 +12,7 @@ TINY_FILES = {
     "text_encoder": "text_encoders/umt5_tiny.safetensors",
     "model_gguf": "diffusion_models/wan_tiny_t2v_Q8_0.gguf",
     **{f"lora_{name}": f"loras/wan_tiny_lora_{name}.safetensors" for name in ("comfy", "peft", "kohya", "diff")},
+    "model_low": "diffusion_models/wan_tiny_t2v_low.safetensors",  # the tiny low-noise expert (two-expert runs)
 }
 
 

@@ -36,7 +36,8 @@ from .checkpoint import (
 )
 from .umt5 import TextEncoder, load_text_encoder
 from .wan_vace import WanVaceMultiContext
-from .detect import describe_kind, detect_kind, infer_transformer_config, infer_vae_config
+from .detect import (WAN21_LATENT_CHANNELS, check_latent_channels, describe_kind, detect_kind, infer_transformer_config,
+                     infer_vae_config)
 
 __all__ = ["ModelFileError", "TextEncoder", "load_text_encoder", "load_transformer", "load_vae",
            "resolve_model_location", "transformer_weight_source"]
@@ -104,6 +105,7 @@ def transformer_weight_source(
     location = resolve_model_location(path, "transformer")
     if location.is_dir():
         config = _read_folder_config(location, set(TRANSFORMER_CLASSES), "Wan transformer")
+        check_latent_channels(config.get("in_channels", WAN21_LATENT_CHANNELS))
         source = _identity_source(location, stack, DIFFUSERS_WEIGHTS_NAME)
         shapes = None
     else:

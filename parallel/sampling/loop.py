@@ -16,6 +16,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from ..config import SAMPLERS
 from ..errors import Cancelled
 from ..protocol import SampleRequest
+from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
 from .preview import denoised_estimate, preview_image
@@ -58,24 +59,37 @@ def text_context(embeddings: list[torch.Tensor], batch: int, dtype: torch.dtype,
 @dataclass
 class _Schedule:
     scheduler: object
-    timesteps: torch.Tensor
+    timesteps: torch.Tensor  # the timesteps this run steps through (start_step .. end_step - 1)
     start_sigma: float
+    first_step: int = 0  # the step number of timesteps[0], counted over the request's `steps`
 
 
 def _schedule(request: SampleRequest) -> _Schedule:
-    """Timesteps for `steps` steps; with denoise < 1, the last `steps` of a longer schedule (as ComfyUI does)."""
+    """Timesteps for `steps` steps; with denoise < 1, the last `steps` of a longer schedule (as ComfyUI does); of
+    those, the steps from start_step up to end_step (ComfyUI's advanced sampler; see experts.py)."""
     scheduler = make_scheduler(request.sampler, request.shift)
     total = request.steps if request.denoise >= 1.0 else max(request.steps, int(request.steps / request.denoise))
     scheduler.set_timesteps(total, device="cpu")
     begin = total - request.steps
-    scheduler.set_begin_index(begin)
-    return _Schedule(scheduler, scheduler.timesteps[begin:], float(scheduler.sigmas[begin]))
+    first = begin + request.start_step
+    stop = begin + (request.steps if request.end_step is None else request.end_step)
+    scheduler.set_begin_index(first)
+    return _Schedule(scheduler, scheduler.timesteps[first:stop], float(scheduler.sigmas[first]), request.start_step)
+
+
+def schedule_timesteps(request: SampleRequest) -> tuple[torch.Tensor, int]:
+    """(the timesteps a request steps through, the step number of the first): what the expert report needs."""
+    schedule = _schedule(request)
+    return schedule.timesteps, schedule.first_step
 
 
 def initial_latents(request: SampleRequest, start_sigma: float, rows: range) -> torch.Tensor:
-    """Seeded noise for the whole batch (so any subset of rows matches one device), mixed with the input latent."""
+    """Seeded noise for the whole batch (so any subset of rows matches one device), mixed with the input latent
+    at the first step's noise level; without add_noise the input latent already holds that noise."""
+    if not request.add_noise:
+        return normalize_latents(request.latent[rows.start : rows.stop])
     noise = seeded_noise(tuple(request.latent.shape), request.seed)[rows.start : rows.stop]
-    if request.denoise >= 1.0:
+    if request.denoise >= 1.0 and request.start_step == 0:
         return noise
     source = normalize_latents(request.latent[rows.start : rows.stop])
     return start_sigma * noise + (1.0 - start_sigma) * source
@@ -92,34 +106,42 @@ def sample(
     rows: range | None = None,
     guidance: Callable | None = None,
     preview: Callable | None = None,
+    low_model: Callable | None = None,
 ) -> torch.Tensor:
     """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU).
 
     `rows` samples only those batch rows (a data-parallel share); an empty share still follows every step so
     that collective progress and cancel checks stay in step with the other replicas. `guidance` replaces
     `guided_prediction` (same signature), e.g. to split the CFG passes over ranks. `preview` receives a small
-    RGB image of the denoised estimate at every step, before that step's progress call."""
+    RGB image of the denoised estimate at every step, before that step's progress call. `low_model` is the
+    low-noise expert of a two-expert run (``experts.py`` says which steps it runs); both share one architecture.
+    Progress counts the steps this run covers (start_step up to end_step)."""
     schedule = _schedule(request)
+    experts = Experts.for_request(model, low_model, request)
     rows = range(request.latent.shape[0]) if rows is None else rows
     positive = _rows(text_context(request.positive, request.latent.shape[0], dtype, device), rows)
     negative = None
-    if request.guidance_scale != 1.0:
+    if experts.needs_negative:
         negative = _rows(text_context(request.negative, request.latent.shape[0], dtype, device), rows)
     extra = vace_model_inputs(model, request, rows, dtype, device)
     latents = initial_latents(request, schedule.start_sigma, rows).to(device)
+    run_steps = len(schedule.timesteps)
     for index, t in enumerate(schedule.timesteps):
+        step = schedule.first_step + index + 1  # 1-based over the whole schedule, for messages
         if should_stop is not None and should_stop():
-            raise Cancelled(f"sampling cancelled before step {index + 1} of {request.steps}")
+            raise Cancelled(f"sampling cancelled before step {step} of {request.steps}")
         if len(rows):
+            expert = experts.at(t)
+            step_negative = negative if expert.guidance_scale != 1.0 else None
             prediction = (guidance or guided_prediction)(
-                model, latents.to(dtype), t, positive, negative, request.guidance_scale, extra
+                expert.model, latents.to(dtype), t, positive, step_negative, expert.guidance_scale, extra
             )
             if preview is not None:
                 preview(preview_image(denoised_estimate(latents, prediction, t)))
             latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
-            check_finite(latents, index + 1, request.steps)
+            check_finite(latents, step, request.steps)
         if progress is not None:
-            progress(index + 1, request.steps)
+            progress(index + 1, run_steps)
     return denormalize_latents(latents).cpu()
 
 

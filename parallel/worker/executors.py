@@ -18,6 +18,7 @@ from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace
 from ..sampling.loop import pad_to_wan_text_length, sample
+from ..sampling.two_experts import expert_steps_report, low_noise_expert
 from .residency import ResidentModels
 
 __all__ = ["RankExecutor"]
@@ -40,16 +41,25 @@ class RankExecutor(ResidentModels):
     @torch.no_grad()
     def sample(self, request: SampleRequest, progress=None, should_stop=None) -> torch.Tensor:
         """Raw latents for a request the driver has validated; model-specific inputs are checked here."""
-        self.apply_loras(request.handle, request.model_loras.get(request.handle, ()))
+        for handle in filter(None, (request.handle, request.handle_low)):
+            self.apply_loras(handle, request.model_loras.get(handle, ()))
         model = self._get(request.handle, "model")
+        low_model = low_noise_expert(self, request, model)
         check_conditioning(model, request)
         dtype = next(model.parameters()).dtype
         rows = self._batch_rows(request.latent.shape[0])
         latents = sample(
             model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows,
-            guidance=self._guidance(), preview=self._previewer(request, progress, rows),
+            guidance=self._guidance(), preview=self._previewer(request, progress, rows), low_model=low_model,
         )
         return self._gather_batch(latents, request.latent.shape[0])
+
+    def sample_latents(self, request: SampleRequest, progress=None, should_stop=None):
+        """``sample`` as the protocol's reply, with the report of which steps each expert ran."""
+        from ..protocol import Latents
+
+        latents = self.sample(request, progress=progress, should_stop=should_stop)
+        return Latents(latents, expert_steps=expert_steps_report(request))
 
     def _previewer(self, request: SampleRequest, progress, rows: range):
         """Rank 0 keeps the step's preview and sends it with that step's progress (other ranks make none)."""

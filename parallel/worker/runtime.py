@@ -65,7 +65,7 @@ EXECUTOR_DISPATCH: dict[type[P.Request], Handler] = {
     P.LoadVae: lambda ctx, r: P.Loaded(ctx.executor.load_vae(r.path, dtype=r.dtype)),
     P.LoadTextEncoder: lambda ctx, r: P.Loaded(ctx.executor.load_text_encoder(r.path, dtype=r.dtype)),
     P.EncodeText: lambda ctx, r: P.Embeddings(ctx.executor.encode_text(r.handle, list(r.prompts))),
-    P.SampleRequest: lambda ctx, r: P.Latents(ctx.executor.sample(r, progress=ctx.progress, should_stop=ctx.should_stop)),
+    P.SampleRequest: lambda ctx, r: ctx.executor.sample_latents(r, progress=ctx.progress, should_stop=ctx.should_stop),
     P.EncodeVace: lambda ctx, r: _vace_encoded(ctx.executor.encode_vace(r)),
     P.Decode: lambda ctx, r: P.Images(ctx.executor.decode(r.handle, r.latents, r.tile_px, r.overlap_px)),
     P.Encode: lambda ctx, r: P.Latents(ctx.executor.encode(r.handle, r.frames, r.tile_px, r.overlap_px)),

@@ -17,7 +17,7 @@ from wanmesh.parallel.models import tiny
 
 EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace",
                  "t2v_gguf_q8_0", "t2v_gguf_q4_k",
-                 "lora_comfy", "lora_peft", "lora_kohya", "lora_diff"}
+                 "lora_comfy", "lora_peft", "lora_kohya", "lora_diff", "t2v_low"}
 WAN_LATENTS_MEAN_FIRST = -0.7571
 WAN_LATENTS_STD_FIRST = 2.8184
 
