@@ -55,6 +55,15 @@ class PoolRunner:
         request.validate()
         return self.pool.call(request, progress=progress, should_cancel=should_stop).latents
 
+    def stream(self, request: P.StreamSample, on_chunk=None, progress=None, should_stop=None) -> P.Streamed:
+        """A streaming run: the whole latent (and frames with a VAE); ``on_chunk(StreamChunk)`` gets each finished
+        chunk as soon as rank 0 sends it, ``progress(step, total)`` every step. Raises ``Cancelled`` on cancel
+        (chunks already delivered stay delivered)."""
+        from .stream_chunks import chunk_progress
+
+        request.validate()
+        return self.pool.call(request, progress=chunk_progress(on_chunk, progress), should_cancel=should_stop)
+
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         check_tiles(tile_px, overlap_px)
         return self.pool.call(P.Decode(handle=handle, latents=latents, tile_px=tile_px, overlap_px=overlap_px)).images
