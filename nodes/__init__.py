@@ -3,6 +3,7 @@
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
+from .stream import WanMeshStreamSampler
 from .vace import WanMeshTrimLatent, WanMeshVaceEncode
 from .vace_builders import WanMeshVaceControl, WanMeshVaceMask, WanMeshVaceReference
 from .vae import WanMeshVAEDecode, WanMeshVAEEncode
@@ -16,6 +17,7 @@ _NODES = {
     "WanMeshTextEncode": (WanMeshTextEncode, "WanMesh Text Encode"),
     "WanMeshEmptyLatent": (WanMeshEmptyLatent, "WanMesh Empty Latent"),
     "WanMeshSampler": (WanMeshSampler, "WanMesh Sampler"),
+    "WanMeshStreamSampler": (WanMeshStreamSampler, "WanMesh Stream Sampler"),
     "WanMeshVAEDecode": (WanMeshVAEDecode, "WanMesh VAE Decode"),
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
     "WanMeshVaceEncode": (WanMeshVaceEncode, "WanMesh VACE Encode"),

@@ -19,11 +19,12 @@ from .config import (
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
-from .protocol import EncodeVace, SampleRequest
+from .protocol import EncodeVace, SampleRequest, StreamSample, parse_stream_timesteps
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
 __all__ = [
     "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
     "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
     "H264_ENCODERS", "read_video", "video_encoder", "write_video",
+    "StreamSample", "parse_stream_timesteps",
 ]

@@ -202,6 +202,18 @@ def check_stream_timesteps(timesteps) -> None:
                          f"got {values}")
 
 
+def parse_stream_timesteps(text: str | None) -> list[float] | None:
+    """'1000, 750,500' -> [1000.0, 750.0, 500.0] (checked); None or blank -> None (the steps/shift schedule)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"timesteps must be a comma list of numbers, e.g. 1000,750,500,250; got {text!r}") from None
+    check_stream_timesteps(values)
+    return values
+
+
 @dataclass(frozen=True)
 class Streamed(Reply):
     """The whole streamed video: raw latents [B, 16, T, h, w] and, with a VAE, frames [B*F, H, W, 3] in 0..1."""
