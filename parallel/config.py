@@ -342,3 +342,46 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
                     f"{positions}; use the latent made by the same VACE encode (its length, size and references)")
         if not math.isfinite(strength):
             raise ValueError(f"vace_strength[{index}] is {strength}; give a finite strength (1.0 is the default)")
+
+
+# -- causal streaming --------------------------------------------------------------------------------------
+
+
+def check_stream_options(latent_frames: int, chunk: int, kv_window: int | None, sink: int) -> None:
+    """Chunked causal generation: a chunk of at least one latent frame, a KV window (latent frames attended,
+    the current chunk included; None = the whole video) that holds a whole chunk next to the pinned sink frames."""
+    if not _is_whole(latent_frames) or latent_frames < 1:
+        raise ValueError(f"the latent must have at least 1 frame, got {latent_frames!r}")
+    if not _is_whole(chunk) or chunk < 1:
+        raise ValueError(f"chunk must be a whole number of latent frames >= 1, got {chunk!r} (1 = frame by frame, "
+                         "3 = the usual chunk of causal checkpoints)")
+    if not _is_whole(sink) or sink < 0:
+        raise ValueError(f"sink must be a whole number of latent frames >= 0, got {sink!r} (0 = no pinned frames)")
+    if kv_window is None:
+        return
+    if not _is_whole(kv_window) or kv_window < chunk:
+        raise ValueError(f"kv_window={kv_window!r} latent frames is smaller than a chunk of {chunk}; the window must "
+                         f"hold at least one whole chunk (>= {chunk}), or leave it empty for the whole video")
+    if sink > kv_window:
+        raise ValueError(f"sink={sink} is larger than kv_window={kv_window}; the pinned frames are part of the window "
+                         f"(0 <= sink <= {kv_window - chunk})")
+    if sink + chunk > kv_window:
+        raise ValueError(f"sink={sink} plus a chunk of {chunk} exceed kv_window={kv_window}; the window must hold the "
+                         f"pinned frames and a whole chunk (sink <= {kv_window - chunk} or kv_window >= {sink + chunk})")
+
+
+def stream_chunks(latent_frames: int, chunk: int) -> list[tuple[int, int]]:
+    """(start frame, frame count) of each chunk; the last one may be shorter (8 frames in chunks of 3: 3+3+2)."""
+    check_stream_options(latent_frames, chunk, None, 0)
+    return [(start, min(chunk, latent_frames - start)) for start in range(0, latent_frames, chunk)]
+
+
+def check_stream_layout(*, ring: int, cfg_parallel: bool) -> None:
+    """Streaming splits a chunk's tokens over the Ulysses ranks (and heads over tp); ring attention with a KV
+    cache and CFG parallel (one cache per branch lives on every rank) are refused."""
+    if ring > 1:
+        raise ValueError(f"streaming does not run with ring={ring}: ring attention with a KV cache is not supported; "
+                         "use ulysses (and tp) for the sequence split, ring=1")
+    if cfg_parallel:
+        raise ValueError("streaming does not run with cfg_parallel: both guidance branches keep their own KV cache on "
+                         "every rank and run one after the other; turn cfg_parallel off")

@@ -1,0 +1,160 @@
+"""Causal streaming sampling: chunk by chunk with a KV cache, as the released causal checkpoints sample; runs in
+the workers.
+
+The scheme (ComfyUI's native autoregressive sampler and the Self-Forcing reference, DESIGN §6):
+
+* sigmas: ``stream_sigmas`` - the shift-warped "simple" schedule, 4 steps at shift 5 give
+  [1, 0.9375, 0.8333, 0.625, 0]; the model's timestep is ``1000 * sigma``;
+* sampling is in normalised latent space (``latents.py``) and the result is converted back to raw latents;
+* the starting noise is drawn once from ``seed`` for the whole latent (CPU generator, as the ordinary loop and
+  ComfyUI draw it); each chunk takes its own frames;
+* per chunk and step: the flow prediction ``v`` gives the clean estimate ``x0 = x - sigma * v``; before the
+  next step it is re-noised, ``x = (1 - sigma') * x0 + sigma' * eps`` with ``eps`` drawn from a CPU generator
+  seeded with ``seed + 1000 * chunk + step`` (``step`` = 0-based index of the step just taken); no noise after
+  the last step (its next sigma is 0);
+* the cache is rolled back after each step (the chunk's K/V are never kept during its steps) and written for
+  good by one extra forward at timestep 0 on the clean chunk; the last chunk's write is skipped (nothing reads
+  it, the output is the same);
+* the cross-attention K/V are computed once per prompt; a shorter last chunk is allowed.
+
+Where the references differ and what is followed here: Self-Forcing draws its re-noise with ``randn_like`` on
+the device's global generator (not reproducible across devices), ComfyUI seeds it per chunk and step - this
+follows ComfyUI. Self-Forcing's warped timesteps come from its 1000-entry scheduler table (the same values up to
+float rounding). ComfyUI supports cfg 1 only; here a guidance scale != 1 runs the conditional and the
+unconditional branch one after the other, each with its own KV cache (and its own write pass), combined as the
+ordinary loop combines them. CFG parallel is refused (``config.check_stream_layout``).
+
+Parallel layout (``plan`` = the worker's ``distributed.mesh.ParallelContext``, None = one device): a chunk's
+tokens are split over the Ulysses group (``distributed/causal_sp.py``), tensor parallelism is already in the
+model (its cache holds its heads); ring > 1 and CFG parallel are refused. ``on_chunk`` is called on EVERY rank
+with the same finished chunk (callers that report to the driver use rank 0's call).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..config import check_stream_layout, check_stream_options, stream_chunks
+from ..errors import Cancelled
+from ..models.causal import CacheWindow, CausalWan, LocalAttention
+from .guidance import combine_guidance
+from .latents import denormalize_latents, seeded_noise
+
+__all__ = ["renoise_seed", "sample_stream", "stream_sigmas"]
+
+TRAIN_TIMESTEPS = 1000
+
+
+def _shifted(sigma: float, shift: float) -> float:
+    return shift * sigma / (1.0 + (shift - 1.0) * sigma)
+
+
+def stream_sigmas(steps: int, shift: float, timesteps: list[int] | None = None) -> list[float]:
+    """The per-chunk sigmas, ending with 0. Without ``timesteps``: ComfyUI's "simple" schedule of ``steps`` steps
+    for a flow model with this shift. With ``timesteps`` (decreasing, in 1..1000, as Self-Forcing's
+    ``denoising_step_list``): those, warped by the shift (shift 1 keeps them as given); ``steps`` is then ignored."""
+    if not (shift > 0 and shift < float("inf")):
+        raise ValueError(f"shift must be a positive finite number, got {shift}")
+    if timesteps is None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+        timesteps = [TRAIN_TIMESTEPS - int(i * TRAIN_TIMESTEPS / steps) for i in range(steps)]
+    else:
+        timesteps = [float(t) for t in timesteps]
+        if not timesteps or any(not 0 < t <= TRAIN_TIMESTEPS for t in timesteps) or any(
+                a <= b for a, b in zip(timesteps, timesteps[1:])):
+            raise ValueError(f"timesteps {timesteps} must be a non-empty, strictly decreasing list in (0, 1000], "
+                             "e.g. [1000, 750, 500, 250]")
+    return [_shifted(t / TRAIN_TIMESTEPS, shift) for t in timesteps] + [0.0]
+
+
+def renoise_seed(seed: int, chunk_index: int, step: int) -> int:
+    """The seed of the noise that re-noises chunk ``chunk_index`` after step ``step`` (0-based)."""
+    return int(seed) + 1000 * chunk_index + step
+
+
+def _attention_strategy(model, plan, fused_all_to_all: bool):
+    """Local attention, or the Ulysses causal attention when the plan's ulysses degree is > 1."""
+    if plan is None:
+        return LocalAttention()
+    check_stream_layout(ring=plan.size("ring"), cfg_parallel=plan.config.cfg_parallel)
+    if plan.size("ulysses") == 1 or not plan.is_distributed:
+        return LocalAttention()
+    from ..distributed.causal_sp import UlyssesCausalAttention
+
+    return UlyssesCausalAttention(model, plan.ulysses_group, fused_all_to_all=fused_all_to_all)
+
+
+def _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale) -> None:
+    if len(latent_shape) != 5:
+        raise ValueError(f"latent_shape must be (B, 16, T, h, w), got {tuple(latent_shape)}")
+    if len(sigmas) < 2 or sigmas[-1] != 0.0:
+        raise ValueError(f"sigmas must hold at least one step and end with 0 (see stream_sigmas), got {sigmas}")
+    if positive.ndim != 3 or positive.shape[0] != latent_shape[0]:
+        raise ValueError(f"positive must be [B={latent_shape[0]}, L, D], got {tuple(positive.shape)}")
+    if guidance_scale != 1.0 and negative is None:
+        raise ValueError(f"guidance_scale={guidance_scale} needs a negative context; give one or use guidance 1")
+
+
+def sample_stream(
+    model, *, positive: torch.Tensor, negative: torch.Tensor | None, latent_shape: tuple[int, ...], seed: int,
+    sigmas: list[float], chunk: int, kv_window: int | None = None, sink: int = 0, use_cache: bool = True,
+    guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
+    progress: Callable | None = None, fused_all_to_all: bool = True,
+) -> torch.Tensor:
+    """Generate the whole latent chunk by chunk; returns raw latents [B, 16, T, h, w] (float32, CPU).
+
+    ``positive``/``negative``: text contexts [B, L, D] (``loop.text_context``); ``negative`` is used only when
+    ``guidance_scale != 1``. ``on_chunk(index, start_frame, raw_latents [B, 16, n, h, w])`` is called on every
+    rank the moment a chunk is clean; ``should_stop()`` is polled before every step (raises ``Cancelled``);
+    ``progress(done, total)`` follows every step, over all chunks. ``use_cache=False`` recomputes every earlier
+    frame at every step (the reference). ``fused_all_to_all=False`` runs the Ulysses split with three
+    all-gathers instead of one all-to-all (the baseline the benchmark compares)."""
+    latent_shape = tuple(int(s) for s in latent_shape)
+    _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
+    check_stream_options(latent_shape[2], chunk, kv_window, sink)
+    strategy = _attention_strategy(model, plan, fused_all_to_all)
+    device, dtype = positive.device, next(model.parameters()).dtype
+    branches = [("positive", positive)] + ([("negative", negative)] if guidance_scale != 1.0 else [])
+    noise = seeded_noise(latent_shape, seed)
+    clean = torch.zeros(latent_shape)
+    chunks = stream_chunks(latent_shape[2], chunk)
+    steps = len(sigmas) - 1
+    window = CacheWindow(kv_window, sink)
+    with torch.no_grad(), CausalWan(model, latent_shape, chunk, window, use_cache, strategy) as causal:
+        for index, (start, count) in enumerate(chunks):
+            before = clean[:, :, :start].to(device=device, dtype=dtype)
+
+            def predict(x: torch.Tensor, sigma: float) -> torch.Tensor:
+                outputs = [causal.predict(x.to(device=device, dtype=dtype), start, TRAIN_TIMESTEPS * sigma,
+                                          context, before, branch=name).float().cpu() for name, context in branches]
+                return outputs[0] if len(outputs) == 1 else combine_guidance(outputs[0], outputs[1], guidance_scale)
+
+            x = noise[:, :, start : start + count]
+            for step in range(steps):
+                if should_stop is not None and should_stop():
+                    raise Cancelled(f"streaming cancelled before step {step + 1} of chunk {index + 1} of {len(chunks)}")
+                x = _denoise_step(predict, x, sigmas, step, renoise_seed(seed, index, step))
+                if progress is not None:
+                    progress(index * steps + step + 1, len(chunks) * steps)
+            clean[:, :, start : start + count] = x
+            if index + 1 < len(chunks):
+                for name, context in branches:
+                    causal.write(x.to(device=device, dtype=dtype), start, context, branch=name)
+            if on_chunk is not None:
+                on_chunk(index, start, denormalize_latents(x))
+    return denormalize_latents(clean)
+
+
+def _denoise_step(predict: Callable, x: torch.Tensor, sigmas: list[float], step: int, noise_seed: int) -> torch.Tensor:
+    """One step: predict the clean chunk, then re-noise it to the next sigma (nothing at the last, sigma 0)."""
+    sigma, next_sigma = sigmas[step], sigmas[step + 1]
+    clean = x - sigma * predict(x, sigma)
+    if not torch.isfinite(clean).all():
+        raise FloatingPointError(f"the latents hold NaN or Inf after step {step + 1}; the model or its weights produce "
+                                 "non-finite values in this dtype (try fp32 or bf16, or another file)")
+    if next_sigma == 0.0:
+        return clean
+    return (1.0 - next_sigma) * clean + next_sigma * seeded_noise(tuple(x.shape), noise_seed)
