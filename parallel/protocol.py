@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import check_latent, check_sampling, check_vace_contexts
+from .config import check_latent, check_sampling, check_stream_options, check_vace_contexts
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -177,8 +177,6 @@ class StreamSample(Request):
     preview: bool = True  # rank 0 sends each finished chunk (latents and decoded frames) with its progress
 
     def validate(self) -> None:
-        from .config import check_stream_options  # the streaming checks (chunk, window, sink)
-
         check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
                        guidance_scale=self.guidance_scale)
         check_latent(self.latent)

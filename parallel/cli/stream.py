@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..config import check_sampling, latent_shape
+from ..config import check_sampling, check_stream_options, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.stream_chunks import StreamChunk
@@ -64,8 +64,6 @@ def add_arguments(sub) -> argparse.ArgumentParser:
 
 def check_stream_arguments(args) -> tuple[int, ...]:
     """Every option that can be checked without a model; the latent shape when all are good."""
-    from ..config import check_stream_options
-
     shape = latent_shape(args.width, args.height, args.frames)
     check_sampling(sampler="euler", steps=args.steps, shift=args.shift, denoise=1.0,
                    guidance_scale=args.guidance_scale)

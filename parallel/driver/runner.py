@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import protocol as P
-from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_tiles, check_video_size
+from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_stream_layout, check_tiles, check_video_size
 from ..vace.encode import check_encode_inputs
 from .pool import WorkerPool, current_pool, get_pool
 
@@ -62,6 +62,7 @@ class PoolRunner:
         from .stream_chunks import chunk_progress
 
         request.validate()
+        check_stream_layout(ring=self.config.ring, cfg_parallel=self.config.cfg_parallel)
         return self.pool.call(request, progress=chunk_progress(on_chunk, progress), should_cancel=should_stop)
 
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
