@@ -147,11 +147,11 @@ def _run(args) -> int:
         generate(args, files, vace)
         return 0
     if args.command == "stream":
-        files = resolve_model_files(args)
         for key, value in (TINY_STREAM_DEFAULTS if args.model is None else REAL_STREAM_DEFAULTS).items():
             if getattr(args, key) is None:
                 setattr(args, key, value)
-        _stream_cli().stream(args, files)
+        _stream_cli().check_stream_arguments(args)  # every option, before model files are made or read
+        _stream_cli().stream(args, resolve_model_files(args))
         return 0
     if args.command == "bench":
         status = _bench_module(BENCHMARKS[args.bench][0]).run(args)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..config import check_sampling, check_stream_options, latent_shape
+from ..config import check_sampling, check_stream_layout, check_stream_options, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.stream_chunks import StreamChunk
@@ -71,6 +71,8 @@ def check_stream_arguments(args) -> tuple[int, ...]:
     args.timesteps = parse_stream_timesteps(args.timesteps) if isinstance(args.timesteps, str) else args.timesteps
     if not math.isfinite(args.fps) or args.fps <= 0:
         raise ValueError(f"fps must be a positive number, got {args.fps}")
+    pool_config(args)  # the layout (world, tp, ulysses) and the device
+    check_stream_layout(ring=args.ring, cfg_parallel=args.cfg_parallel)
     return shape
 
 
