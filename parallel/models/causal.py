@@ -4,7 +4,7 @@ Causal checkpoints (Self-Forcing, CausVid, Causal-Forcing) have Wan 2.1's weight
 Nothing of the model is forked: :class:`CausalWan` wraps a loaded (optionally tensor-parallel) diffusers
 ``WanTransformer3DModel`` and, for the duration of a ``with`` block, installs
 
-* a forward hook on ``rope`` that returns the slice of ONE precomputed RoPE table for the whole video
+* in place of the model's ``rope`` module, one that returns the slice of ONE precomputed RoPE table for the whole video
   (:class:`CausalRope`), indexed by global frame: a chunk starting at frame ``s`` is encoded at its true place
   in time; the table is built once per video, never per call;
 * a self-attention processor on every block's ``attn1`` that projects q/k/v, applies that RoPE and attends over
@@ -175,7 +175,7 @@ def masked_attention(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 class LocalAttention:
     """The chunk's tokens all on this rank (one device, or tensor parallel over heads)."""
 
-    def rope(self, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, rope: tuple[torch.Tensor, torch.Tensor], per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return rope
 
     def attend(self, cache: BlockKVCache, q, k, v, frames: list[int]) -> torch.Tensor:
@@ -233,6 +233,17 @@ class CachedCrossAttnProcessor:
 # --------------------------------------------------------------------------------------
 
 
+class _TableRope(nn.Module):
+    """Stands in for the model's ``rope`` while streaming: returns rows of the one table, computes nothing."""
+
+    def __init__(self, stream: "CausalWan"):
+        super().__init__()
+        self.stream = stream
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.stream.rotary_rows()
+
+
 @dataclass
 class _Forward:
     """What the hooks and processors of one forward need: the frames it covers and how to attend."""
@@ -280,8 +291,9 @@ class CausalWan:
 
             context.remove(model)
             self._undo.append(lambda: context.install(model, context_parallel_plan(model)))
-        hook = model.rope.register_forward_hook(lambda module, args, output: self.strategy.rope(self._rotary()))
-        self._undo.append(hook.remove)
+        own_rope = model.rope
+        model.rope = _TableRope(self)  # the model asks for its RoPE each forward: answer from the table
+        self._undo.append(lambda: setattr(model, "rope", own_rope))
         for handle in self.strategy.install(model):
             self._undo.append(handle.remove)
         for index, block in enumerate(model.blocks):
@@ -298,8 +310,10 @@ class CausalWan:
 
     # -- what the hooks and processors ask ---------------------------------------------------------------
 
-    def _rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope.frames(self.current.start, self.current.count)
+    def rotary_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's rows of the precomputed table (this rank's, when the sequence is split)."""
+        rows = self.rope.frames(self.current.start, self.current.count)
+        return self.strategy.rope(rows, per_token=self.current.mask is not None)
 
     def _block_caches(self) -> list[BlockKVCache]:
         if self.branch not in self.caches:

@@ -1,0 +1,148 @@
+"""Causal streaming on one device, with the tiny T2V model: the KV cache equals recomputation, the causal RoPE is
+the whole video's table, and the sampling scheme equals an independent hand-written loop.
+
+References used: ``use_cache=False`` (every earlier frame recomputed under a block-causal frame mask, no cache
+code at all); the ordinary bidirectional diffusers forward; the native scheme written out in this file with the
+plain model (noise from the seed, x0 = x - sigma * v, re-noise seeded with seed + 1000 * chunk + step); RoPE
+frequencies computed here from Wan's formula.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+from wanmesh.parallel.errors import Cancelled
+from wanmesh.parallel.models.causal import CacheWindow, CausalRope, CausalWan
+from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, randomise_
+from wanmesh.parallel.sampling.latents import denormalize_latents, seeded_noise
+from wanmesh.parallel.sampling.stream import sample_stream, stream_sigmas
+
+TOLERANCE = 2e-5
+SHAPE = (1, 16, 8, 4, 6)  # 8 latent frames of 2 x 3 tokens: chunks of 3 run as 3 + 3 + 2
+SIGMAS = stream_sigmas(4, 5.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    t2v = WanTransformer3DModel(**TINY_TRANSFORMER)
+    randomise_(t2v, 11)
+    return t2v.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def contexts():
+    generator = torch.Generator().manual_seed(5)
+    dim = TINY_TRANSFORMER["text_dim"]
+    return torch.randn(1, 512, dim, generator=generator), torch.randn(1, 512, dim, generator=generator)
+
+
+def _stream(model, contexts, **options):
+    positive, negative = contexts
+    arguments = dict(positive=positive, negative=negative, latent_shape=SHAPE, seed=3, sigmas=SIGMAS, chunk=3)
+    return sample_stream(model, **{**arguments, **options})
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_cached_equals_uncached(model, contexts, chunk):
+    cached = _stream(model, contexts, chunk=chunk)
+    uncached = _stream(model, contexts, chunk=chunk, use_cache=False)
+    assert torch.allclose(cached, uncached, atol=TOLERANCE), (cached - uncached).abs().max()
+    # causality matters: a chunk size of all frames (bidirectional) gives another video
+    assert (cached - _stream(model, contexts, chunk=SHAPE[2])).abs().max() > 1e-2
+
+
+def test_rolling_window_with_sink_equals_uncached_with_the_same_window(model, contexts):
+    options = dict(chunk=2, kv_window=5, sink=1)
+    cached = _stream(model, contexts, **options)
+    uncached = _stream(model, contexts, use_cache=False, **options)
+    assert torch.allclose(cached, uncached, atol=TOLERANCE), (cached - uncached).abs().max()
+    assert (cached - _stream(model, contexts, chunk=2)).abs().max() > 1e-3  # the window changes what is seen
+
+
+def test_guidance_keeps_one_cache_per_branch(model, contexts):
+    cached = _stream(model, contexts, guidance_scale=3.0)
+    uncached = _stream(model, contexts, guidance_scale=3.0, use_cache=False)
+    assert torch.allclose(cached, uncached, atol=TOLERANCE), (cached - uncached).abs().max()
+    assert (cached - _stream(model, contexts)).abs().max() > 1e-3
+
+
+def test_one_chunk_without_cache_is_the_bidirectional_model(model, contexts):
+    latents = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))
+    expected = model(hidden_states=latents, timestep=torch.tensor([937.5]), encoder_hidden_states=contexts[0],
+                     return_dict=False)[0]
+    for use_cache in (False, True):
+        with CausalWan(model, SHAPE, SHAPE[2], use_cache=use_cache) as causal:
+            got = causal.predict(latents, 0, 937.5, contexts[0])
+        assert torch.allclose(got, expected, atol=TOLERANCE), (got - expected).abs().max()
+
+
+def test_scheme_equals_a_hand_written_native_loop(model, contexts):
+    """One chunk of all frames: the stream sampler equals the native scheme written out with the plain model."""
+    positive = contexts[0]
+    x = seeded_noise(SHAPE, 3)
+    for step in range(4):
+        sigma, following = SIGMAS[step], SIGMAS[step + 1]
+        v = model(hidden_states=x, timestep=torch.tensor([1000.0 * sigma]), encoder_hidden_states=positive,
+                  return_dict=False)[0]
+        x0 = x - sigma * v
+        if following > 0:
+            eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3 + 1000 * 0 + step))
+            x0 = (1 - following) * x0 + following * eps
+        x = x0
+    got = _stream(model, contexts, chunk=SHAPE[2], use_cache=False)
+    assert torch.allclose(got, denormalize_latents(x), atol=TOLERANCE), (got - denormalize_latents(x)).abs().max()
+
+
+def _wan_rope_reference(frames: range, height: int, width: int, head_dim: int, theta: float = 10000.0):
+    """Wan's 3-axis RoPE computed from the formula: angle = position * theta^(-2i/d) per axis, interleaved pairs."""
+    h_dim = w_dim = 2 * (head_dim // 6)
+    t_dim = head_dim - h_dim - w_dim
+    grid = torch.stack(torch.meshgrid(torch.tensor(list(frames)), torch.arange(height), torch.arange(width),
+                                      indexing="ij"), dim=-1).reshape(-1, 3).double()
+    angles = []
+    for axis, dim in enumerate((t_dim, h_dim, w_dim)):
+        inverse = theta ** (-torch.arange(0, dim, 2).double() / dim)
+        angles.append((grid[:, axis : axis + 1] * inverse).repeat_interleave(2, dim=1))
+    angle = torch.cat(angles, dim=1)
+    return angle.cos(), angle.sin()
+
+
+@pytest.mark.parametrize("start,count", [(0, 3), (5, 3), (6, 2)])
+def test_causal_rope_at_start_frame_is_the_whole_video_table_sliced(model, start, count):
+    rope = CausalRope(model, SHAPE[2], SHAPE[3], SHAPE[4])
+    cos, sin = rope.frames(start, count)
+    ref_cos, ref_sin = _wan_rope_reference(range(start, start + count), SHAPE[3] // 2, SHAPE[4] // 2,
+                                           TINY_TRANSFORMER["attention_head_dim"])
+    assert torch.allclose(cos[0, :, 0].double(), ref_cos, atol=1e-6)
+    assert torch.allclose(sin[0, :, 0].double(), ref_sin, atol=1e-6)
+    assert cos.data_ptr() == rope.cos.data_ptr() + start * 6 * cos.shape[-1] * cos.element_size()  # a view
+
+
+def test_short_last_chunk_callbacks_and_progress(model, contexts):
+    seen, progress = [], []
+    result = _stream(model, contexts, on_chunk=lambda i, s, x: seen.append((i, s, x)),
+                     progress=lambda done, total: progress.append((done, total)))
+    assert [(i, s, x.shape[2]) for i, s, x in seen] == [(0, 0, 3), (1, 3, 3), (2, 6, 2)]
+    assert torch.equal(torch.cat([x for _, _, x in seen], dim=2), result)
+    assert progress == [(n, 12) for n in range(1, 13)]
+
+
+def test_cancel_between_steps(model, contexts):
+    calls = []
+    with pytest.raises(Cancelled, match="step 2 of chunk 1"):
+        _stream(model, contexts, should_stop=lambda: calls.append(1) or len(calls) > 1)
+
+
+def test_window_bounds_the_cache_and_restores_the_model(model, contexts):
+    own_processor, own_rope = model.blocks[0].attn1.processor, model.rope
+    with CausalWan(model, SHAPE, 2, CacheWindow(kv_window=4, sink=1)) as causal:
+        latents = torch.randn(SHAPE)
+        for start in range(0, SHAPE[2], 2):
+            causal.predict(latents[:, :, start : start + 2], start, 500.0, contexts[0])
+            causal.write(latents[:, :, start : start + 2], start, contexts[0])
+        kept = [cache.frame_ids for cache in causal.caches["positive"]]
+    assert kept == [[0, 5, 6, 7]] * len(model.blocks)  # sink frame 0 pinned, then the 3 most recent frames
+    assert model.blocks[0].attn1.processor is own_processor and model.rope is own_rope
