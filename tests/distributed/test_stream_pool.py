@@ -54,7 +54,7 @@ def test_one_device_streamed_frames_equal_the_whole_decode(reference):
 
 @pytest.fixture(scope="module")
 def runner(tiny, reference):
-    with WorkerPool(ParallelConfig(world=2, ulysses=1, devices="cpu"), timeout_s=300) as pool:
+    with WorkerPool(ParallelConfig(world=2, ulysses=2, devices="cpu"), timeout_s=300) as pool:
         runner = PoolRunner(pool)
         yield runner, runner.load_model(tiny["t2v"]), runner.load_vae(tiny["vae"])
 
