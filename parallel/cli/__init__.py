@@ -80,6 +80,7 @@ BENCHMARKS = {
     "tp": ("tp", "tensor parallelism: bytes per collective, time per step, weight memory"),
     "vae": ("vae", "VAE patch parallelism: decode time and peak memory per rank"),
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
+    "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
 }
 
 
