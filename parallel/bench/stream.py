@@ -54,7 +54,8 @@ def _model(settings: dict, device: torch.device):
                   num_layers=settings["layers"], ffn_dim=4 * dim)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if settings["dtype"] == "bf16" else torch.float32
-    return WanTransformer3DModel(**config).to(device=device, dtype=dtype).eval()
+    model = WanTransformer3DModel(**config).to(device=device).eval()
+    return model.to(dtype=dtype) if dtype != torch.float32 else model
 
 
 def _plan(world: int, rank: int, device: torch.device):
@@ -171,14 +172,14 @@ def format_table(rows: list[dict], settings: dict) -> str:
     lines = [f"causal streaming, {settings['width']}x{settings['height']}, {settings['frames']} frames, chunk "
              f"{settings['chunk']}, {settings['steps']} steps, {settings['layers']} blocks x {settings['heads']} heads "
              f"x {settings['head_dim']}, {settings['device']} (median [min..max] of {settings['repeats']} runs)",
-             f"{'row':<24}{'first chunk s':>22}{'s per chunk':>22}{'frames/s':>22}{'cache MiB/rank':>16}"
+             f"{'row':<24}{'first chunk s':>26}{'s per chunk':>26}{'frames/s':>26}{'cache MiB/rank':>16}"
              f"{'MiB sent/fwd':>14}{'calls/fwd':>11}"]
     for row in rows:
         cells = [f"{m:.3f} [{lo:.3f}..{hi:.3f}]" for m, lo, hi in (row["first_chunk_s"], row["chunk_s"], row["fps"])]
         exchange = row.get("exchange")
         sent = mib(exchange["bytes"]) if exchange else "-"
         calls = str(exchange["calls"]) if exchange else "-"
-        lines.append(f"{row['name']:<24}{cells[0]:>22}{cells[1]:>22}{cells[2]:>22}{mib(row['cache_bytes']):>16}"
+        lines.append(f"{row['name']:<24}{cells[0]:>26}{cells[1]:>26}{cells[2]:>26}{mib(row['cache_bytes']):>16}"
                      f"{sent:>14}{calls:>11}")
     for degree in sorted({row["world"] for row in rows if row["world"] > 1}):
         fused = next(r for r in rows if r["world"] == degree and r["fused"])
