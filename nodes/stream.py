@@ -140,5 +140,6 @@ class WanMeshStreamSampler:
             empty = torch.zeros(0, samples.shape[-2] * 8, samples.shape[-1] * 8, 3)
             return {"ui": {}, "result": (latent, empty)}
         video = saver.save_whole(result.frames)
-        ui = {"images": [video], "animated": (True,), "chunks": [saver.file_info(name) for name in saver.files]}
+        # chunk files by name (same subfolder as the video), plain strings so the frontend shows only the video
+        ui = {"images": [video], "animated": (True,), "chunk_files": list(saver.files)}
         return {"ui": ui, "result": (latent, result.frames)}

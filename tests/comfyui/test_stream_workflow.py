@@ -70,7 +70,8 @@ def test_stream_workflow_announces_each_chunk_file_then_saves_the_video(comfyui_
         video = read_video(_file(comfyui_server, info))
         assert video.shape[0] == sum(expected)
         assert (torch.cat(chunk_videos) - video).abs().mean() < 0.03  # lossy H.264 of the same frames
-    assert [c["filename"] for c in result.outputs[sampler_id]["chunks"]] == [d["filename"] for _, d in chunk_events]
+    assert result.outputs[sampler_id]["chunk_files"] == [d["filename"] for _, d in chunk_events]
+    assert all(d["subfolder"] == whole["subfolder"] for _, d in chunk_events)
 
 
 def test_interrupt_keeps_the_chunks_already_written(comfyui_server: ComfyUIServer,
