@@ -74,7 +74,9 @@ def frame_visibility(chunks: list[tuple[int, int]], window: CacheWindow, frames:
         chunk_end[start : start + length] = start + length
     chunk_end = chunk_end[:frames].unsqueeze(1)
     key = torch.arange(frames).unsqueeze(0)
-    recent_from = chunk_end - (window.kv_window - window.sink) if window.kv_window is not None else 0 * chunk_end
+    if window.kv_window is None:
+        return key < chunk_end
+    recent_from = chunk_end - (window.kv_window - window.sink)
     return (key < chunk_end) & ((key < window.sink) | (key >= recent_from))
 
 
@@ -280,6 +282,7 @@ class CausalWan:
         self.current: _Forward | None = None
         self._frame_mask = frame_visibility(self.chunks, self.window, frames) if not self.use_cache else None
         self._undo: list = []
+        self._last_mask: torch.Tensor | None = None
 
     # -- installation ----------------------------------------------------------------------------------
 
@@ -357,11 +360,16 @@ class CausalWan:
         latents = torch.cat([clean_before, chunk_latents], dim=2) if start else chunk_latents
         per_frame = torch.cat([torch.zeros(start), torch.full((count,), float(timestep))])
         t = per_frame.repeat_interleave(self.rope.tokens_per_frame).expand(batch, -1).to(chunk_latents.device)
-        frames = start + count
-        mask = self._frame_mask[:frames, :frames].repeat_interleave(self.rope.tokens_per_frame, 0)
-        mask = mask.repeat_interleave(self.rope.tokens_per_frame, 1).to(chunk_latents.device)
-        self.current = _Forward(0, frames, mask=mask)
+        self.current = _Forward(0, start + count, mask=self._token_mask(start + count, chunk_latents.device))
         return self._run(latents, t, context)[:, :, start:]
+
+    def _token_mask(self, frames: int, device: torch.device) -> torch.Tensor:
+        """The frame mask of the first ``frames`` frames expanded to tokens; one per chunk, kept for its steps."""
+        if self._last_mask is None or self._last_mask.shape[0] != frames * self.rope.tokens_per_frame:
+            per = self.rope.tokens_per_frame
+            mask = self._frame_mask[:frames, :frames].repeat_interleave(per, 0).repeat_interleave(per, 1)
+            self._last_mask = mask.to(device)
+        return self._last_mask
 
     def write(self, clean_chunk: torch.Tensor, start: int, context: torch.Tensor, branch: str = "positive") -> None:
         """Keep the clean chunk's K/V in every block's cache: one forward at timestep 0 (nothing when uncached)."""

@@ -22,7 +22,9 @@ the device's global generator (not reproducible across devices), ComfyUI seeds i
 follows ComfyUI. Self-Forcing's warped timesteps come from its 1000-entry scheduler table (the same values up to
 float rounding). ComfyUI supports cfg 1 only; here a guidance scale != 1 runs the conditional and the
 unconditional branch one after the other, each with its own KV cache (and its own write pass), combined as the
-ordinary loop combines them. CFG parallel is refused (``config.check_stream_layout``).
+ordinary loop combines them. CFG parallel is refused (``config.check_stream_layout``). The rolling window
+(``kv_window``, ``sink``) counts frames as Self-Forcing's ``local_attn_size`` / ``sink_size`` do (the window
+includes the current chunk; sink frames stay pinned); ComfyUI's native sampler has no window (the default here).
 
 Parallel layout (``plan`` = the worker's ``distributed.mesh.ParallelContext``, None = one device): a chunk's
 tokens are split over the Ulysses group (``distributed/causal_sp.py``), tensor parallelism is already in the
@@ -32,6 +34,7 @@ with the same finished chunk (callers that report to the driver use rank 0's cal
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -102,7 +105,7 @@ def sample_stream(
     model, *, positive: torch.Tensor, negative: torch.Tensor | None, latent_shape: tuple[int, ...], seed: int,
     sigmas: list[float], chunk: int, kv_window: int | None = None, sink: int = 0, use_cache: bool = True,
     guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
-    progress: Callable | None = None, fused_all_to_all: bool = True,
+    progress: Callable | None = None, fused_all_to_all: bool = True, stats: dict | None = None,
 ) -> torch.Tensor:
     """Generate the whole latent chunk by chunk; returns raw latents [B, 16, T, h, w] (float32, CPU).
 
@@ -111,41 +114,73 @@ def sample_stream(
     rank the moment a chunk is clean; ``should_stop()`` is polled before every step (raises ``Cancelled``);
     ``progress(done, total)`` follows every step, over all chunks. ``use_cache=False`` recomputes every earlier
     frame at every step (the reference). ``fused_all_to_all=False`` runs the Ulysses split with three
-    all-gathers instead of one all-to-all (the baseline the benchmark compares)."""
+    all-gathers instead of one all-to-all (the baseline the benchmark compares). ``stats``, a dict, receives
+    ``chunk_seconds`` (time from the start to each finished chunk) and ``cache_bytes`` (this rank's KV cache)."""
     latent_shape = tuple(int(s) for s in latent_shape)
     _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
     check_stream_options(latent_shape[2], chunk, kv_window, sink)
     strategy = _attention_strategy(model, plan, fused_all_to_all)
-    device, dtype = positive.device, next(model.parameters()).dtype
-    branches = [("positive", positive)] + ([("negative", negative)] if guidance_scale != 1.0 else [])
+    _check_model(model)
+    parameter = next(model.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    branches = [("positive", positive.to(device=device, dtype=dtype))]
+    if guidance_scale != 1.0:
+        branches.append(("negative", negative.to(device=device, dtype=dtype)))
     noise = seeded_noise(latent_shape, seed)
     clean = torch.zeros(latent_shape)
     chunks = stream_chunks(latent_shape[2], chunk)
     steps = len(sigmas) - 1
-    window = CacheWindow(kv_window, sink)
-    with torch.no_grad(), CausalWan(model, latent_shape, chunk, window, use_cache, strategy) as causal:
+    timer = _ChunkTimer(stats, device)
+    with torch.no_grad(), CausalWan(model, latent_shape, chunk, CacheWindow(kv_window, sink), use_cache,
+                                    strategy) as causal:
         for index, (start, count) in enumerate(chunks):
-            before = clean[:, :, :start].to(device=device, dtype=dtype)
+            before = clean[:, :, :start].to(device=device, dtype=dtype) if not use_cache else None
 
             def predict(x: torch.Tensor, sigma: float) -> torch.Tensor:
-                outputs = [causal.predict(x.to(device=device, dtype=dtype), start, TRAIN_TIMESTEPS * sigma,
-                                          context, before, branch=name).float().cpu() for name, context in branches]
+                outputs = [causal.predict(x.to(dtype), start, TRAIN_TIMESTEPS * sigma, context, before,
+                                          branch=name).float() for name, context in branches]
                 return outputs[0] if len(outputs) == 1 else combine_guidance(outputs[0], outputs[1], guidance_scale)
 
-            x = noise[:, :, start : start + count]
+            x = noise[:, :, start : start + count].to(device)
             for step in range(steps):
                 if should_stop is not None and should_stop():
                     raise Cancelled(f"streaming cancelled before step {step + 1} of chunk {index + 1} of {len(chunks)}")
                 x = _denoise_step(predict, x, sigmas, step, renoise_seed(seed, index, step))
                 if progress is not None:
                     progress(index * steps + step + 1, len(chunks) * steps)
-            clean[:, :, start : start + count] = x
+            clean[:, :, start : start + count] = x.cpu()
             if index + 1 < len(chunks):
                 for name, context in branches:
-                    causal.write(x.to(device=device, dtype=dtype), start, context, branch=name)
+                    causal.write(x.to(dtype), start, context, branch=name)
+            timer.chunk_done(causal)
             if on_chunk is not None:
-                on_chunk(index, start, denormalize_latents(x))
+                on_chunk(index, start, denormalize_latents(clean[:, :, start : start + count]))
     return denormalize_latents(clean)
+
+
+def _check_model(model) -> None:
+    if getattr(getattr(model, "config", None), "vace_layers", None) is not None:
+        raise ValueError("streaming runs Wan text-to-video models; this is a VACE model (VACE-conditioned streaming "
+                         "is not supported): load the T2V model without a VACE module")
+
+
+class _ChunkTimer:
+    """Fills the caller's ``stats`` dict: seconds to each finished chunk (from the start) and the KV cache bytes
+    this rank holds (all blocks and branches; with Ulysses / tp only this rank's heads)."""
+
+    def __init__(self, stats: dict | None, device: torch.device):
+        self.stats, self.device = stats, device
+        self.start = time.perf_counter()
+        if stats is not None:
+            stats.update(chunk_seconds=[], cache_bytes=0)
+
+    def chunk_done(self, causal: CausalWan) -> None:
+        if self.stats is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats["chunk_seconds"].append(time.perf_counter() - self.start)
+        self.stats["cache_bytes"] = max(self.stats["cache_bytes"], causal.cache_bytes())
 
 
 def _denoise_step(predict: Callable, x: torch.Tensor, sigmas: list[float], step: int, noise_seed: int) -> torch.Tensor:
@@ -157,4 +192,4 @@ def _denoise_step(predict: Callable, x: torch.Tensor, sigmas: list[float], step:
                                  "non-finite values in this dtype (try fp32 or bf16, or another file)")
     if next_sigma == 0.0:
         return clean
-    return (1.0 - next_sigma) * clean + next_sigma * seeded_noise(tuple(x.shape), noise_seed)
+    return (1.0 - next_sigma) * clean + next_sigma * seeded_noise(tuple(x.shape), noise_seed).to(x.device)

@@ -136,6 +136,16 @@ def test_cancel_between_steps(model, contexts):
         _stream(model, contexts, should_stop=lambda: calls.append(1) or len(calls) > 1)
 
 
+def test_stats_report_chunk_times_and_a_cache_bounded_by_the_window(model, contexts):
+    whole, windowed = {}, {}
+    _stream(model, contexts, chunk=2, stats=whole)
+    _stream(model, contexts, chunk=2, kv_window=4, sink=1, stats=windowed)
+    blocks, heads, head_dim = (TINY_TRANSFORMER[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim"))
+    frame_bytes = 2 * blocks * 6 * heads * head_dim * 4  # keys and values of one latent frame (6 tokens), fp32
+    assert whole["cache_bytes"] == 8 * frame_bytes and windowed["cache_bytes"] == 4 * frame_bytes
+    assert len(whole["chunk_seconds"]) == 4 and whole["chunk_seconds"] == sorted(whole["chunk_seconds"])
+
+
 def test_window_bounds_the_cache_and_restores_the_model(model, contexts):
     own_processor, own_rope = model.blocks[0].attn1.processor, model.rope
     with CausalWan(model, SHAPE, 2, CacheWindow(kv_window=4, sink=1)) as causal:
