@@ -72,41 +72,16 @@ def _plan(world: int, rank: int, device: torch.device):
     return ParallelContext(config=config, rank=rank, device=device, mesh=mesh, coords=rank_coordinates(config, rank))
 
 
-def _recording_causal_wan():
-    """CausalWan that remembers its largest cache after each write (sample_stream keeps its CausalWan to itself,
-    so the benchmark swaps in this subclass to read ``cache_bytes``)."""
-    from ..models.causal import CausalWan
+def _one_run(model, inputs: dict, plan, fused: bool) -> dict:
+    """One streamed video: seconds from the start to each finished chunk, and this rank's largest KV cache."""
+    from ..sampling.stream import sample_stream
 
-    class Recording(CausalWan):
-        peak_bytes = 0
-
-        def write(self, *args, **kwargs):
-            super().write(*args, **kwargs)
-            Recording.peak_bytes = max(Recording.peak_bytes, self.cache_bytes())
-
-    return Recording
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _one_run(model, inputs: dict, plan, fused: bool, device: torch.device) -> dict:
-    """One streamed video; chunk arrival times relative to the start (this rank's clock)."""
-    from ..sampling import stream as stream_module
-
-    arrivals: list[float] = []
-
-    def on_chunk(index, start, latents):
-        _sync(device)
-        arrivals.append(time.perf_counter() - began)
-
+    stats: dict = {}
     if dist.is_initialized():
         dist.barrier()
     began = time.perf_counter()
-    stream_module.sample_stream(model, plan=plan, on_chunk=on_chunk, fused_all_to_all=fused, **inputs)
-    return {"arrivals": arrivals, "total": time.perf_counter() - began}
+    sample_stream(model, plan=plan, fused_all_to_all=fused, stats=stats, **inputs)
+    return {"arrivals": stats["chunk_seconds"], "total": time.perf_counter() - began, "cache_bytes": stats["cache_bytes"]}
 
 
 def _slowest(values: list[float], device: torch.device) -> list[float]:
@@ -123,8 +98,6 @@ def rank_main(rank: int, world: int, settings: dict, folder: str) -> None:
 
     device = rank_device(settings, rank)
     model = _model(settings, device)
-    recording = _recording_causal_wan()
-    stream_module.CausalWan = recording
     plan = _plan(world, rank, device)
     shape = latent_shape(settings["width"], settings["height"], settings["frames"])
     text = torch.randn(1, 32, model.config.text_dim, generator=torch.Generator().manual_seed(1))
@@ -136,9 +109,8 @@ def rank_main(rank: int, world: int, settings: dict, folder: str) -> None:
     peaks: dict[bool, int] = {}
     for repeat in range(settings["repeats"] + 1):  # the first round is the warm-up
         for fused in variants:
-            recording.peak_bytes = 0
-            run = _one_run(model, inputs, plan, fused, device)
-            peaks[fused] = recording.peak_bytes
+            run = _one_run(model, inputs, plan, fused)
+            peaks[fused] = run["cache_bytes"]
             if repeat:
                 samples[fused].append(_slowest(run["arrivals"] + [run["total"]], device))
     if rank == 0:
