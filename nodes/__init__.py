@@ -4,6 +4,7 @@ from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .lora import WanMeshLoraLoader
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
+from .stream import WanMeshStreamSampler
 from .vace import WanMeshTrimLatent, WanMeshVaceEncode
 from .vace_builders import WanMeshVaceControl, WanMeshVaceMask, WanMeshVaceReference
 from .vae import WanMeshVAEDecode, WanMeshVAEEncode
@@ -18,6 +19,7 @@ _NODES = {
     "WanMeshTextEncode": (WanMeshTextEncode, "WanMesh Text Encode"),
     "WanMeshEmptyLatent": (WanMeshEmptyLatent, "WanMesh Empty Latent"),
     "WanMeshSampler": (WanMeshSampler, "WanMesh Sampler"),
+    "WanMeshStreamSampler": (WanMeshStreamSampler, "WanMesh Stream Sampler"),
     "WanMeshVAEDecode": (WanMeshVAEDecode, "WanMesh VAE Decode"),
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
     "WanMeshVaceEncode": (WanMeshVaceEncode, "WanMesh VACE Encode"),

@@ -21,7 +21,7 @@ from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
 from .config import LORA_STRENGTH_RANGE
 from .models.lora import check_lora_for_model, model_files_of_handle
-from .protocol import EncodeVace, SampleRequest
+from .protocol import EncodeVace, SampleRequest, StreamSample, parse_stream_timesteps
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
     "H264_ENCODERS", "read_video", "video_encoder", "write_video",
     "LORA_STRENGTH_RANGE", "check_lora_for_model", "model_files_of_handle",
+    "StreamSample", "parse_stream_timesteps",
 ]

@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .config import (check_experts, check_latent, check_model_loras, check_sampling, check_step_range,
-                     check_vace_contexts)
+                     check_stream_options, check_vace_contexts)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -166,6 +166,76 @@ class SampleRequest(Request):
 
 
 @dataclass(frozen=True)
+class StreamSample(Request):
+    """One causal (chunk by chunk) streaming run: sampled with a KV cache, each finished chunk reported by rank 0
+    with its raw latents and, when ``vae_handle`` names a loaded VAE, its frames decoded by the streaming VAE.
+
+    ``latent`` is the empty latent [B, 16, T, h, w] whose shape gives the video's size; ``negative`` may be
+    empty (no guidance); ``timesteps`` (0..1000, descending) replaces the ``steps``/``shift`` schedule."""
+
+    kind: ClassVar[str] = "stream_sample"
+    handle: str
+    latent: torch.Tensor
+    positive: list[torch.Tensor]
+    negative: list[torch.Tensor]
+    seed: int
+    steps: int = 4
+    shift: float = 5.0
+    timesteps: list[float] | None = None
+    guidance_scale: float = 1.0
+    chunk: int = 3
+    kv_window: int | None = None  # latent frames kept in the cache; None = the whole video
+    sink: int = 0
+    use_cache: bool = True
+    vae_handle: str | None = None
+    preview: bool = True  # rank 0 sends each finished chunk (latents and decoded frames) with its progress
+
+    def validate(self) -> None:
+        check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
+                       guidance_scale=self.guidance_scale)
+        check_latent(self.latent)
+        check_stream_options(self.latent.shape[2], self.chunk, self.kv_window, self.sink)
+        check_stream_timesteps(self.timesteps)
+        if not self.positive:
+            raise ValueError("positive conditioning must hold at least one prompt embedding")
+        if self.guidance_scale != 1.0 and not self.negative:
+            raise ValueError(f"guidance scale {self.guidance_scale} needs negative conditioning; connect a negative "
+                             "prompt or set cfg to 1")
+
+
+def check_stream_timesteps(timesteps) -> None:
+    """A streaming timestep list: at least one value, each in (0, 1000], strictly descending (or None)."""
+    if timesteps is None:
+        return
+    values = list(timesteps)
+    if not values or any(not (0.0 < float(t) <= 1000.0) for t in values) or any(
+            b >= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"timesteps must be a descending list of values in (0, 1000], e.g. 1000,750,500,250; "
+                         f"got {values}")
+
+
+def parse_stream_timesteps(text: str | None) -> list[float] | None:
+    """'1000, 750,500' -> [1000.0, 750.0, 500.0] (checked); None or blank -> None (the steps/shift schedule)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"timesteps must be a comma list of numbers, e.g. 1000,750,500,250; got {text!r}") from None
+    check_stream_timesteps(values)
+    return values
+
+
+@dataclass(frozen=True)
+class Streamed(Reply):
+    """The whole streamed video: raw latents [B, 16, T, h, w] and, with a VAE, frames [B*F, H, W, 3] in 0..1."""
+
+    kind: ClassVar[str] = "streamed"
+    latents: torch.Tensor
+    frames: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class EncodeVace(Request):
     """VACE inputs -> ComfyUI's native VACE conditioning tensors, VAE-encoded on the pool (``vace/encode.py``)."""
 
@@ -238,14 +308,15 @@ class Diagnostic(Request):
 
 REQUESTS: dict[str, type[Request]] = {
     cls.kind: cls
-    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, EncodeVace, Decode, Encode, Unload, Health, Shutdown, Diagnostic)
+    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, EncodeVace, Decode, Encode, Unload, Health, Shutdown, Diagnostic, StreamSample)
 }
 REPLIES: dict[str, type[Reply]] = {
-    cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, VaceEncoded, Done, HealthReport, DiagnosticResult)
+    cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, VaceEncoded, Done, HealthReport, DiagnosticResult, Streamed)
 }
 REPLY_TO: dict[type[Request], type[Reply]] = {
     LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, SampleRequest: Latents, EncodeVace: VaceEncoded,
     Decode: Images, Encode: Latents, Unload: Done, Health: HealthReport, Shutdown: Done, Diagnostic: DiagnosticResult,
+    StreamSample: Streamed,
 }
 LOADS = (LoadModel, LoadVae, LoadTextEncoder)
 

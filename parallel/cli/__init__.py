@@ -1,4 +1,4 @@
-"""The `wanmesh` command line: make-tiny, generate and bench; runs in the CLI (driver) process.
+"""The `wanmesh` command line: make-tiny, generate, stream and bench; runs in the CLI (driver) process.
 
 It drives the same worker pool and runner the ComfyUI nodes use. Subcommands import what they need when run,
 so `wanmesh --help` stays quick.
@@ -16,6 +16,8 @@ from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 # Sizes used when nothing is given: the real Wan 480p default, or a quick clip for the tiny built-in models.
 REAL_DEFAULTS = {"width": 832, "height": 480, "frames": 81, "steps": 30, "shift": 5.0}
 TINY_DEFAULTS = {"width": 128, "height": 96, "frames": 17, "steps": 10, "shift": 3.0}
+TINY_STREAM_DEFAULTS = {"width": 128, "height": 96, "frames": 17}  # `wanmesh stream`: 5 latent frames, chunks 3+2
+REAL_STREAM_DEFAULTS = {"width": 832, "height": 480, "frames": 81}
 
 
 def _add_generate(sub) -> None:
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write the tiny test models as a ComfyUI models tree")
     tiny.add_argument("directory", type=Path)
     _add_generate(sub)
+    _stream_cli().add_arguments(sub)
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
@@ -89,7 +92,14 @@ BENCHMARKS = {
     "vae": ("vae", "VAE patch parallelism: decode time and peak memory per rank"),
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
     "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
+    "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
 }
+
+
+def _stream_cli():
+    from . import stream
+
+    return stream
 
 
 def _bench_module(name: str):
@@ -160,6 +170,13 @@ def _run(args) -> int:
         vace = read_vace_inputs(args, files)  # VACE files read and checked; sizes default to the video's
         apply_defaults(args, tiny=args.model is None)
         generate(args, files, vace)
+        return 0
+    if args.command == "stream":
+        for key, value in (TINY_STREAM_DEFAULTS if args.model is None else REAL_STREAM_DEFAULTS).items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        _stream_cli().check_stream_arguments(args)  # every option, before model files are made or read
+        _stream_cli().stream(args, resolve_model_files(args))
         return 0
     if args.command == "bench":
         status = _bench_module(BENCHMARKS[args.bench][0]).run(args)

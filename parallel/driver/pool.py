@@ -235,7 +235,9 @@ class WorkerPool:
         if progress is None or txn.caller_exception is not None:
             return
         try:
-            if message.get("preview") is None:
+            if message.get("chunk") is not None:  # a finished streaming chunk (only stream requests send them)
+                progress(message["step"], message["total"], chunk=message["chunk"])
+            elif message.get("preview") is None:
                 progress(message["step"], message["total"])
             else:  # a preview comes only when the request asked for one, so the callback takes it
                 progress(message["step"], message["total"], message["preview"])

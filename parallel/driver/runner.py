@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import protocol as P
-from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_tiles, check_video_size
+from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_stream_layout, check_tiles, check_video_size
 from ..vace.encode import check_encode_inputs
 from .pool import WorkerPool, current_pool, get_pool
 
@@ -58,6 +58,16 @@ class PoolRunner:
         """The sampling reply: raw latents and which steps each expert ran (``expert_steps``)."""
         request.validate()
         return self.pool.call(request, progress=progress, should_cancel=should_stop)
+
+    def stream(self, request: P.StreamSample, on_chunk=None, progress=None, should_stop=None) -> P.Streamed:
+        """A streaming run: the whole latent (and frames with a VAE); ``on_chunk(StreamChunk)`` gets each finished
+        chunk as soon as rank 0 sends it, ``progress(step, total)`` every step. Raises ``Cancelled`` on cancel
+        (chunks already delivered stay delivered)."""
+        from .stream_chunks import chunk_progress
+
+        request.validate()
+        check_stream_layout(ring=self.config.ring, cfg_parallel=self.config.cfg_parallel)
+        return self.pool.call(request, progress=chunk_progress(on_chunk, progress), should_cancel=should_stop)
 
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         check_tiles(tile_px, overlap_px)

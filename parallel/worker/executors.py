@@ -60,6 +60,24 @@ class RankExecutor(ResidentModels):
 
         latents = self.sample(request, progress=progress, should_stop=should_stop)
         return Latents(latents, expert_steps=expert_steps_report(request))
+    @torch.no_grad()
+    def stream(self, request, progress=None, should_stop=None):
+        """A streaming request (``protocol.StreamSample``): (raw latents, decoded frames or None); rank 0 sends each
+        finished chunk with its progress (``streaming.py``)."""
+        from .streaming import run_stream
+
+        model = self._get(request.handle, "model")
+        check_conditioning(model, request)
+        vae = self._get(request.vae_handle, "vae") if request.vae_handle else None
+        rank = self.parallel.rank if self.parallel is not None else 0
+        return run_stream(model, vae, request, device=self.device, rank=rank, plan=self._stream_plan(),
+                          progress=progress, should_stop=should_stop)
+
+    def _stream_plan(self):
+        """The sequence-parallel layout of the causal model on this rank (None on one device)."""
+        if self.parallel is None or not self.parallel.is_distributed or self.parallel.world == 1:
+            return None
+        return self.parallel
 
     def _previewer(self, request: SampleRequest, progress, rows: range):
         """Rank 0 keeps the step's preview and sends it with that step's progress (other ranks make none)."""

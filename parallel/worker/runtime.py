@@ -70,6 +70,7 @@ EXECUTOR_DISPATCH: dict[type[P.Request], Handler] = {
     P.Decode: lambda ctx, r: P.Images(ctx.executor.decode(r.handle, r.latents, r.tile_px, r.overlap_px)),
     P.Encode: lambda ctx, r: P.Latents(ctx.executor.encode(r.handle, r.frames, r.tile_px, r.overlap_px)),
     P.Unload: _unload,
+    P.StreamSample: lambda ctx, r: P.Streamed(*ctx.executor.stream(r, progress=ctx.progress, should_stop=ctx.should_stop)),
 }
 
 
@@ -103,11 +104,19 @@ class StepReporter:
     def __init__(self, send: Callable[[dict[str, Any]], None] | None):
         self._send = send
         self._preview = None
+        self._last = (0, 0)
 
     def attach_preview(self, image) -> None:
         self._preview = image
 
+    def send_chunk(self, chunk: dict[str, Any]) -> None:
+        """A finished streaming chunk (index, start frame, raw latents and decoded frames as numpy arrays), sent at
+        once with the last step's numbers; the pool hands it to the caller's progress callback as ``chunk``."""
+        if self._send is not None:
+            self._send({"step": self._last[0], "total": self._last[1], "chunk": chunk})
+
     def __call__(self, step: int, total: int) -> None:
+        self._last = (int(step), int(total))
         if self._send is None:
             return
         fields: dict[str, Any] = {"step": int(step), "total": int(total)}

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from wanmesh.parallel import protocol as P
 from wanmesh.nodes.runtime import ResidentModel
 
 
@@ -18,9 +19,9 @@ class RecordingRunner:
     def __init__(self):
         self.requests = []
 
-    def sample(self, request, progress=None, should_stop=None):
+    def sample_reply(self, request, progress=None, should_stop=None):
         self.requests.append(request)
-        return torch.zeros_like(request.latent)
+        return P.Latents(torch.zeros_like(request.latent))
 
 
 @pytest.fixture()

@@ -1,0 +1,145 @@
+"""Streaming (causal Wan) sampler node: chunk by chunk, each finished chunk shown, saved and announced at once.
+
+While it runs, every chunk the workers finish is decoded there by the streaming VAE, shown as the progress
+preview, written to ComfyUI's output folder as ``<prefix>_<counter>_chunk_NNN.mp4`` (atomically, by
+``parallel/video_io.py``) and named in a ``wanmesh.chunk`` websocket message, so API clients can fetch chunks as
+they arrive; then the whole video is written like WanMesh Save Video does. Cancel stops between steps and keeps
+the chunks already written.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..parallel import Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
+from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
+from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, raise_if_interrupted
+from .sampling import MAX_SEED
+
+CHUNK_EVENT = "wanmesh.chunk"
+
+
+class ChunkSaver:
+    """``on_chunk`` of the node: preview, chunk file, websocket message; names files like SaveImage does."""
+
+    def __init__(self, filename_prefix: str, width: int, height: int, fps: float, bar, node_id):
+        import folder_paths  # ComfyUI's module: only there when ComfyUI runs this node
+
+        self.folder, self.name, self.counter, self.subfolder, _ = folder_paths.get_save_image_path(
+            filename_prefix, folder_paths.get_output_directory(), width, height)
+        self.fps, self.bar, self.node_id = fps, bar, node_id
+        self.files: list[str] = []
+
+    def file_info(self, filename: str) -> dict:
+        codec = "h264" if video_encoder() in H264_ENCODERS else "mpeg4"
+        return {"filename": filename, "subfolder": self.subfolder, "type": "output", "format": f"video/{codec}-mp4"}
+
+    def __call__(self, chunk) -> None:
+        if chunk.frames is None:
+            return  # no VAE: nothing to show or save for this chunk
+        filename = f"{self.name}_{self.counter:05}_chunk_{chunk.index:03}.mp4"
+        write_video(chunk.frames, os.path.join(self.folder, filename), self.fps)
+        self.files.append(filename)
+        self._show(chunk.frames[-1])
+        self._announce(chunk, filename)
+
+    def _show(self, frame: torch.Tensor) -> None:
+        from PIL import Image
+
+        pixels = (frame.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+        self.bar.update_absolute(self.bar.current, self.bar.total, ("JPEG", Image.fromarray(pixels), PREVIEW_MAX_RESOLUTION))
+
+    def _announce(self, chunk, filename: str) -> None:
+        from server import PromptServer  # ComfyUI's server module
+
+        server = PromptServer.instance
+        message = {**self.file_info(filename), "chunk": chunk.index, "start_latent_frame": chunk.start_frame,
+                   "first_frame": chunk.first_image_frame, "frames": int(chunk.frames.shape[0]),
+                   "prompt_id": getattr(server, "last_prompt_id", None), "node": self.node_id}
+        server.send_sync(CHUNK_EVENT, message, getattr(server, "client_id", None))
+
+    def save_whole(self, frames: torch.Tensor) -> dict:
+        filename = f"{self.name}_{self.counter:05}_.mp4"
+        write_video(frames, os.path.join(self.folder, filename), self.fps)
+        return self.file_info(filename)
+
+
+class WanMeshStreamSampler:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("WANMESH_MODEL", {"tooltip": "the loaded causal Wan 2.1 transformer (Self-Forcing, CausVid, "
+                                                       "...); Wan 2.1 T2V weights also run causally"}),
+                "positive": ("CONDITIONING", {"tooltip": "prompt"}),
+                "latent": ("LATENT", {"tooltip": "empty latent (WanMesh Empty Latent) fixing size and length"}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip": "noise seed"}),
+                "steps": ("INT", {"default": 4, "min": 1, "max": 1000,
+                                  "tooltip": "denoising steps per chunk (causal checkpoints use 4)"}),
+                "shift": ("FLOAT", {"default": 5.0, "min": 0.01, "max": 100.0, "step": 0.1,
+                                    "tooltip": "timestep shift of the steps schedule (5 gives 1, 0.9375, 0.8333, 0.625)"}),
+                "cfg": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
+                                  "tooltip": "guidance scale; distilled causal checkpoints run at 1 (no negative pass)"}),
+                "chunk": ("INT", {"default": 3, "min": 1, "max": 1024,
+                                  "tooltip": "latent frames per chunk (1 = frame by frame); a shorter last chunk is allowed"}),
+                "kv_window": ("INT", {"default": 0, "min": 0, "max": 1 << 20,
+                                      "tooltip": "latent frames kept in the KV cache; 0 keeps the whole video"}),
+                "sink": ("INT", {"default": 0, "min": 0, "max": 1 << 20,
+                                 "tooltip": "first latent frames always kept in the cache when a window rolls"}),
+                "filename_prefix": ("STRING", {"default": "WanMesh/stream",
+                                               "tooltip": "file name start of the chunk files and the whole video"}),
+                "fps": ("FLOAT", {"default": 16.0, "min": 1.0, "max": 120.0, "step": 1.0,
+                                  "tooltip": "frames per second of the written videos"}),
+            },
+            "optional": {
+                "negative": ("CONDITIONING", {"tooltip": "negative prompt, used only when cfg is not 1"}),
+                "vae": ("WANMESH_VAE", {"tooltip": "decodes each chunk as it finishes (needed for previews, chunk "
+                                                   "files and the IMAGE output)"}),
+                "timesteps": ("STRING", {"default": "", "tooltip": "comma list of timesteps in (0, 1000], e.g. "
+                                                                   "1000,750,500,250; empty = from steps and shift"}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    RETURN_TYPES = ("LATENT", "IMAGE")
+    RETURN_NAMES = ("latent", "images")
+    OUTPUT_TOOLTIPS = ("the whole video's raw latents", "the decoded frames (empty [0, H, W, 3] without a vae)")
+    FUNCTION = "sample"
+    OUTPUT_NODE = True
+    CATEGORY = "WanMesh/sampling"
+    DESCRIPTION = ("Causal streaming sampler: makes the video chunk by chunk with a KV cache on the worker pool "
+                   "(sequence and tensor parallel). With a VAE every finished chunk is shown, saved to the output "
+                   "folder and announced on the websocket ('wanmesh.chunk') while the rest is being made.")
+
+    def sample(self, model, positive, latent, seed, steps, shift, cfg, chunk, kv_window, sink, filename_prefix, fps,
+               negative=None, vae=None, timesteps="", unique_id=None):
+        import comfy.utils
+
+        samples = latent_to_tensor(latent)
+        request = StreamSample(
+            handle=model.handle, latent=samples, positive=read_conditioning(positive, "positive").embeddings,
+            negative=[] if negative is None else read_conditioning(negative, "negative").embeddings, seed=seed,
+            steps=steps, shift=shift, timesteps=parse_stream_timesteps(timesteps), guidance_scale=cfg, chunk=chunk,
+            kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle, preview=True)
+        request.validate()  # before any file name is taken
+        bar = comfy.utils.ProgressBar(1)
+        saver = ChunkSaver(filename_prefix, samples.shape[-1] * 8, samples.shape[-2] * 8, fps, bar, unique_id)
+        try:
+            result = model.runner.stream(request, on_chunk=saver, progress=bar.update_absolute, should_stop=interrupted)
+        except Cancelled:
+            raise_if_interrupted()
+            raise
+        return self._outputs(result, saver, samples)
+
+    @staticmethod
+    def _outputs(result, saver: ChunkSaver, samples: torch.Tensor) -> dict:
+        latent = tensor_to_latent(result.latents)
+        if result.frames is None:
+            empty = torch.zeros(0, samples.shape[-2] * 8, samples.shape[-1] * 8, 3)
+            return {"ui": {}, "result": (latent, empty)}
+        video = saver.save_whole(result.frames)
+        # chunk files by name (same subfolder as the video), plain strings so the frontend shows only the video
+        ui = {"images": [video], "animated": (True,), "chunk_files": list(saver.files)}
+        return {"ui": ui, "result": (latent, result.frames)}

@@ -1,0 +1,130 @@
+"""`wanmesh stream`: causal (chunk by chunk) text to video through the worker pool; runs in the CLI (driver) process.
+
+Each chunk is decoded by the workers' streaming VAE as soon as its denoising steps are done and written to
+``--chunk-dir`` (chunk_000.mp4, chunk_001.mp4, ...) the moment it arrives, with its latency printed; then the
+whole video goes to ``--out``. Every option is checked before the pool starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import check_sampling, check_stream_layout, check_stream_options, latent_shape
+from ..driver.pool import WorkerPool
+from ..driver.runner import PoolRunner
+from ..driver.stream_chunks import StreamChunk
+from ..protocol import StreamSample, parse_stream_timesteps
+from .generate import pool_config
+from .video_file import write_mp4
+
+def add_arguments(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("stream", help="causal streaming text to video: chunks written as they are made")
+    files = p.add_argument_group("models (default: the tiny built-in models in a cache folder)")
+    files.add_argument("--models", type=Path, help="a models tree written by `wanmesh make-tiny`")
+    files.add_argument("--model", help="causal Wan 2.1 transformer (Self-Forcing, CausVid, ...): file or folder")
+    files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
+    files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative", default="", help="negative prompt (used only with --cfg above 1)")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--frames", type=int, help="4k+1 frames")
+    p.add_argument("--chunk", type=int, default=3, help="latent frames per chunk (1 = frame by frame)")
+    p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")
+    p.add_argument("--shift", type=float, default=5.0)
+    p.add_argument("--timesteps", help="comma list of timesteps in (0, 1000] replacing --steps/--shift, "
+                                       "e.g. 1000,750,500,250")
+    p.add_argument("--guidance-scale", "--cfg", dest="guidance_scale", type=float, default=1.0,
+                   help="guidance scale; causal checkpoints are distilled for 1")
+    p.add_argument("--kv-window", type=int, help="latent frames kept in the KV cache (default: the whole video)")
+    p.add_argument("--sink", type=int, default=0, help="first latent frames always kept in the cache")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="recompute all earlier chunks every time (the reference the cache must equal)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the cache is split by heads)")
+    par.add_argument("--ulysses", type=int, default=1, help="sequence-parallel degree (one all-to-all per layer)")
+    par.set_defaults(ring=1, cfg_parallel=False, vae_patch=1, vace_module=None)
+    p.add_argument("--fps", type=int, default=16)
+    p.add_argument("--out", type=Path, required=True, help="the MP4 file of the whole video")
+    p.add_argument("--chunk-dir", type=Path, required=True, help="folder for chunk_000.mp4, chunk_001.mp4, ...")
+    p.add_argument("--save-latents", type=Path, help="write the raw latents [B,16,T,h,w] as tensor 'latents'")
+    return p
+
+
+def check_stream_arguments(args) -> tuple[int, ...]:
+    """Every option that can be checked without a model; the latent shape when all are good."""
+    shape = latent_shape(args.width, args.height, args.frames)
+    check_sampling(sampler="euler", steps=args.steps, shift=args.shift, denoise=1.0,
+                   guidance_scale=args.guidance_scale)
+    check_stream_options(shape[2], args.chunk, args.kv_window, args.sink)
+    args.timesteps = parse_stream_timesteps(args.timesteps) if isinstance(args.timesteps, str) else args.timesteps
+    if not math.isfinite(args.fps) or args.fps <= 0:
+        raise ValueError(f"fps must be a positive number, got {args.fps}")
+    pool_config(args)  # the layout (world, tp, ulysses) and the device
+    check_stream_layout(ring=args.ring, cfg_parallel=args.cfg_parallel)
+    return shape
+
+
+class ChunkWriter:
+    """``on_chunk``: writes each decoded chunk to DIR/chunk_NNN.mp4 at once and prints its latency."""
+
+    def __init__(self, folder: Path, fps: int, started: float):
+        self.folder, self.fps, self.started = folder, fps, started
+        self.last = started
+        self.written: list[Path] = []
+
+    def __call__(self, chunk: StreamChunk) -> None:
+        now = time.perf_counter()
+        path = self.folder / f"chunk_{chunk.index:03d}.mp4"
+        if chunk.frames is not None:
+            write_mp4(chunk.frames, path, fps=self.fps)
+            self.written.append(path)
+        print(f"chunk {chunk.index}: latent frames {chunk.start_frame}..{chunk.start_frame + chunk.latents.shape[2] - 1}"
+              f", {0 if chunk.frames is None else chunk.frames.shape[0]} frames, {now - self.last:.2f} s "
+              f"(since start {now - self.started:.2f} s) -> {path}", flush=True)
+        self.last = now
+
+
+def stream(args, files: dict[str, str | None]) -> None:
+    """Check, start the pool, stream the chunks into --chunk-dir, write --out (and --save-latents)."""
+    shape = check_stream_arguments(args)
+    config = pool_config(args)
+    args.chunk_dir.mkdir(parents=True, exist_ok=True)
+    with WorkerPool(config) as pool:
+        runner = PoolRunner(pool)
+        prompts = _encode_prompts(runner, args, files)
+        model = runner.load_model(files["model"], dtype=args.dtype)
+        vae = runner.load_vae(files["vae"], dtype=args.dtype)
+        request = StreamSample(
+            handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
+            steps=args.steps, shift=args.shift, timesteps=args.timesteps, guidance_scale=args.guidance_scale,
+            chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
+            vae_handle=vae, preview=True,
+        )
+        started = time.perf_counter()
+        writer = ChunkWriter(args.chunk_dir, args.fps, started)
+        result = runner.stream(request, on_chunk=writer)
+    if args.save_latents:  # latents before the video, so a failed write still leaves them
+        save_file({"latents": result.latents.float().contiguous()}, str(args.save_latents))
+    write_mp4(result.frames, args.out, fps=args.fps)
+    seconds = time.perf_counter() - started
+    print(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "
+          f"{config.describe()}) in {seconds:.1f} s", file=sys.stdout)
+
+
+def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
+    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
+    runner.unload(text)
+    return positive, negative

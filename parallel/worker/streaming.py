@@ -1,0 +1,67 @@
+"""One rank's part of a streaming (causal, chunk by chunk) request; runs in a worker process.
+
+Every rank runs the causal sampling loop (``sampling/stream.py``) together; rank 0 decodes each finished chunk
+with the streaming VAE (``models/vae_stream.py``) and sends it to the driver at once, as a progress message
+carrying the chunk's index, start frame, raw latents and decoded frames. The reply holds the whole latent and
+the joined frames, which equal one whole VAE decode.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..models.frames import pixels_to_frames
+from ..models.vae_stream import StreamingVaeDecoder
+from ..protocol import StreamSample
+from ..sampling.loop import text_context
+
+
+class ChunkForwarder:
+    """``on_chunk`` for the sampling loop on rank 0: decode the chunk, keep its pixels, send it to the driver."""
+
+    def __init__(self, decoder: StreamingVaeDecoder | None, progress, send_previews: bool):
+        self.decoder = decoder
+        self.progress = progress
+        self.send_previews = send_previews
+        self.pixels: list[torch.Tensor] = []
+
+    def __call__(self, index: int, start_frame: int, latents: torch.Tensor) -> None:
+        latents = latents.float().cpu()
+        frames = None
+        if self.decoder is not None:
+            pixels = self.decoder.decode_pixels(latents)
+            self.pixels.append(pixels.float().cpu())
+            frames = pixels_to_frames(pixels).numpy()
+        send = getattr(self.progress, "send_chunk", None)
+        if self.send_previews and send is not None:
+            send({"index": int(index), "start_frame": int(start_frame), "latents": latents.numpy(), "frames": frames})
+
+    def joined_frames(self) -> torch.Tensor | None:
+        """Every chunk's frames in order, [B*F, H, W, 3] (batch rows one after another, as a whole decode gives)."""
+        return pixels_to_frames(torch.cat(self.pixels, dim=2)) if self.pixels else None
+
+
+def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=None, progress=None,
+               should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(raw latents [B, 16, T, h, w], frames or None) for a validated request; every rank calls it together."""
+    from ..sampling.stream import sample_stream, stream_sigmas  # the causal model code loads with the request
+
+    dtype = next(model.parameters()).dtype
+    batch = request.latent.shape[0]
+    positive = text_context(request.positive, batch, dtype, device)
+    negative = text_context(request.negative, batch, dtype, device) if request.guidance_scale != 1.0 else None
+    forwarder = None
+    if rank == 0:
+        decoder = StreamingVaeDecoder(vae, device) if vae is not None else None
+        forwarder = ChunkForwarder(decoder, progress, request.preview)
+    latents = sample_stream(
+        model, positive=positive, negative=negative, latent_shape=tuple(request.latent.shape), seed=request.seed,
+        sigmas=stream_sigmas(request.steps, request.shift, request.timesteps), chunk=request.chunk,
+        kv_window=request.kv_window, sink=request.sink, use_cache=request.use_cache,
+        guidance_scale=request.guidance_scale, plan=plan, on_chunk=forwarder, should_stop=should_stop,
+        progress=progress,
+    )
+    frames = forwarder.joined_frames() if forwarder is not None else None
+    return latents.float().cpu(), frames

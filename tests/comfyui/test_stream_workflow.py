@@ -1,0 +1,91 @@
+"""The stream_t2v example workflow in a real ComfyUI server: the WanMesh Stream Sampler writes each chunk into
+the output folder while it runs and names it in a ``wanmesh.chunk`` websocket message (one per chunk, in order,
+before the node finishes), each file reopens with the frame count the Wan VAE gives that chunk, the whole video
+is saved, and ComfyUI's interrupt stops the run between steps keeping the chunks already written."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
+from workflow_graph import MAX_SEED, load_workflow, node_of_type, with_inputs
+
+from wanmesh.parallel import read_video
+
+PROMPT_TIMEOUT_S = 420.0
+SAMPLER = "WanMeshStreamSampler"
+
+
+@pytest.fixture()
+def stream_prompt() -> dict[str, Any]:
+    return with_inputs(load_workflow("api/stream_t2v.json"), SAMPLER, seed=random.randint(0, MAX_SEED))
+
+
+def _node_id(prompt: dict[str, Any], class_type: str) -> str:
+    return next(node_id for node_id, node in prompt.items() if node["class_type"] == class_type)
+
+
+def _expected_chunk_frames(prompt: dict[str, Any]) -> list[int]:
+    """Image frames per chunk, worked out here: latent frames (length-1)/4+1 cut into chunks, the first latent
+    frame decoding to 1 image frame and every later one to 4."""
+    latent_frames = (node_of_type(prompt, "WanMeshEmptyLatent")["inputs"]["length"] - 1) // 4 + 1
+    chunk = node_of_type(prompt, SAMPLER)["inputs"]["chunk"]
+    sizes = [min(chunk, latent_frames - start) for start in range(0, latent_frames, chunk)]
+    return [4 * n - 3 if i == 0 else 4 * n for i, n in enumerate(sizes)]
+
+
+def _file(server: ComfyUIServer, info: dict[str, Any]):
+    return server.output_dir / info["subfolder"] / info["filename"]
+
+
+def test_stream_workflow_announces_each_chunk_file_then_saves_the_video(comfyui_server: ComfyUIServer,
+                                                                         stream_prompt: dict[str, Any]) -> None:
+    sampler_id = _node_id(stream_prompt, SAMPLER)
+    with comfyui_server.listen() as listener:
+        prompt_id = comfyui_server.submit(stream_prompt, client_id=listener.client_id)
+        assert not isinstance(prompt_id, RejectedPrompt), prompt_id.error_text()
+        result = comfyui_server.wait_for(prompt_id, PROMPT_TIMEOUT_S)
+        assert result.status == "success", f"{result.error_text()}\n--- server log ---\n{comfyui_server.log()}"
+        listener.wait_for(lambda e: e.kind == "executing" and e.data.get("node") is None
+                          and e.data.get("prompt_id", prompt_id) == prompt_id, 30.0, "the end-of-prompt event")
+        events = listener.events()
+
+    chunk_events = [(i, e.data) for i, e in enumerate(events) if e.kind == "wanmesh.chunk"
+                    and e.data["prompt_id"] == prompt_id]
+    executed_at = next(i for i, e in enumerate(events) if e.kind == "executed" and e.data.get("node") == sampler_id)
+    expected = _expected_chunk_frames(stream_prompt)
+    assert [data["chunk"] for _, data in chunk_events] == list(range(len(expected)))
+    assert all(index < executed_at for index, _ in chunk_events), "chunks must be announced while the node runs"
+    assert all(data["node"] == sampler_id and data["type"] == "output" for _, data in chunk_events)
+    chunk_videos = [read_video(_file(comfyui_server, data)) for _, data in chunk_events]
+    assert [v.shape[0] for v in chunk_videos] == [data["frames"] for _, data in chunk_events] == expected
+    assert [data["first_frame"] for _, data in chunk_events] == [sum(expected[:i]) for i in range(len(expected))]
+
+    whole = result.outputs[sampler_id]["images"][0]
+    saved = result.outputs[_node_id(stream_prompt, "WanMeshSaveVideo")]["images"][0]
+    for info in (whole, saved):
+        video = read_video(_file(comfyui_server, info))
+        assert video.shape[0] == sum(expected)
+        assert (torch.cat(chunk_videos) - video).abs().mean() < 0.03  # lossy H.264 of the same frames
+    assert result.outputs[sampler_id]["chunk_files"] == [d["filename"] for _, d in chunk_events]
+    assert all(d["subfolder"] == whole["subfolder"] for _, d in chunk_events)
+
+
+def test_interrupt_keeps_the_chunks_already_written(comfyui_server: ComfyUIServer,
+                                                    stream_prompt: dict[str, Any]) -> None:
+    long_prompt = with_inputs(stream_prompt, SAMPLER, steps=300)  # chunk 0 in well under a minute, the rest far off
+    with comfyui_server.listen() as listener:
+        prompt_id = comfyui_server.submit(long_prompt, client_id=listener.client_id)
+        assert not isinstance(prompt_id, RejectedPrompt), prompt_id.error_text()
+        first = listener.wait_for(lambda e: e.kind == "wanmesh.chunk" and e.data["prompt_id"] == prompt_id,
+                                  PROMPT_TIMEOUT_S, "the first chunk")
+        comfyui_server.interrupt()
+        result = comfyui_server.wait_for(prompt_id, 60.0)
+        chunks = [e.data for e in listener.events() if e.kind == "wanmesh.chunk" and e.data["prompt_id"] == prompt_id]
+    assert isinstance(result, PromptResult) and result.status == "error"
+    assert 1 <= len(chunks) < len(_expected_chunk_frames(long_prompt)), chunks
+    assert read_video(_file(comfyui_server, first.data)).shape[0] == first.data["frames"]
+    assert [k for k, _ in result.messages if k == "execution_interrupted"], result.messages

@@ -1,0 +1,112 @@
+"""Streaming through a real 2-rank pool (Ulysses 2): chunks reach the driver in order while the run goes on,
+each chunk is the matching slice of the final result, the joined chunk frames equal one whole VAE decode, the
+pool's result equals one device's, and a cancel between steps keeps the chunks already delivered."""
+
+from __future__ import annotations
+
+import faulthandler
+
+import pytest
+import torch
+
+from wanmesh.parallel.config import ParallelConfig, latent_shape, stream_chunks
+from wanmesh.parallel.driver.pool import WorkerPool
+from wanmesh.parallel.driver.runner import PoolRunner
+from wanmesh.parallel.errors import Cancelled
+from wanmesh.parallel.protocol import StreamSample
+from wanmesh.parallel.worker.executors import RankExecutor
+
+DEADLINE_S = 500
+SHAPE = latent_shape(32, 32, 17)  # 5 latent frames: chunks of 2 run as 2 + 2 + 1
+CHUNK, STEPS = 2, 2
+CLOSE = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+    from wanmesh.parallel.models.tiny import make_tiny
+
+    paths = {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
+    yield paths
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _request(model: str, vae: str | None, positive, seed: int = 11) -> StreamSample:
+    return StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=positive, negative=[], seed=seed,
+                        steps=STEPS, shift=5.0, chunk=CHUNK, vae_handle=vae)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """One device in this process: the streamed result and a whole (non-streamed) decode of its latents."""
+    engine = RankExecutor("cpu")
+    positive = engine.encode_text(engine.load_text_encoder(tiny["text_encoder"]), ["a cat"])
+    model, vae = engine.load_model(tiny["t2v"]), engine.load_vae(tiny["vae"])
+    latents, frames = engine.stream(_request(model, vae, positive))
+    return {"positive": positive, "latents": latents, "frames": frames, "whole_decode": engine.decode(vae, latents)}
+
+
+def test_one_device_streamed_frames_equal_the_whole_decode(reference):
+    assert reference["frames"].shape == (17, 32, 32, 3)
+    torch.testing.assert_close(reference["frames"], reference["whole_decode"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny, reference):
+    with WorkerPool(ParallelConfig(world=2, ulysses=2, devices="cpu"), timeout_s=300) as pool:
+        runner = PoolRunner(pool)
+        yield runner, runner.load_model(tiny["t2v"]), runner.load_vae(tiny["vae"])
+
+
+def test_pool_streams_chunks_in_order_and_matches_one_device(runner, reference):
+    runner, model, vae = runner
+    chunks, steps = [], []
+
+    def on_chunk(chunk):
+        chunks.append((chunk, len(steps)))  # how many steps had been reported when the chunk arrived
+
+    result = runner.stream(_request(model, vae, reference["positive"]), on_chunk=on_chunk,
+                           progress=lambda s, n: steps.append((s, n)))
+    plan = stream_chunks(SHAPE[2], CHUNK)
+    assert [(c.index, c.start_frame, c.latents.shape[2]) for c, _ in chunks] == [
+        (i, start, count) for i, (start, count) in enumerate(plan)]
+    assert [seen for _, seen in chunks] == [STEPS * (i + 1) for i in range(len(plan))]  # sent as each chunk ends
+    assert steps == [(s, STEPS * len(plan)) for s in range(1, STEPS * len(plan) + 1)]
+    for chunk, _ in chunks:
+        torch.testing.assert_close(chunk.latents, result.latents[:, :, chunk.start_frame: chunk.start_frame + chunk.latents.shape[2]])
+        assert chunk.first_image_frame == (0 if chunk.start_frame == 0 else 4 * chunk.start_frame - 3)
+    joined = torch.cat([c.frames for c, _ in chunks])
+    torch.testing.assert_close(joined, result.frames)
+    torch.testing.assert_close(result.latents, reference["latents"], **CLOSE)  # Ulysses 2 == one device
+    torch.testing.assert_close(result.frames, reference["whole_decode"], **CLOSE)
+
+
+def test_without_vae_chunks_carry_latents_only(runner, reference):
+    runner, model, _ = runner
+    chunks = []
+    result = runner.stream(_request(model, None, reference["positive"]), on_chunk=chunks.append)
+    assert result.frames is None and all(c.frames is None for c in chunks) and len(chunks) == 3
+    torch.testing.assert_close(result.latents, reference["latents"], **CLOSE)
+
+
+def test_cancel_between_steps_keeps_the_chunks_already_delivered(runner, reference):
+    runner, model, vae = runner
+    chunks = []
+    with pytest.raises(Cancelled):
+        runner.stream(_request(model, vae, reference["positive"], seed=12), on_chunk=chunks.append,
+                      should_stop=lambda: len(chunks) >= 1)
+    assert [c.index for c in chunks] == [0]
+    assert chunks[0].frames.shape[0] == 4 * CHUNK - 3
+    again = runner.stream(_request(model, vae, reference["positive"]))  # the pool stays usable
+    torch.testing.assert_close(again.latents, reference["latents"], **CLOSE)
+
+
+def test_bad_requests_fail_in_the_driver(runner, reference):
+    runner, model, vae = runner
+    with pytest.raises(ValueError, match="kv_window=1 latent frames is smaller than a chunk of 2"):
+        runner.stream(StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=reference["positive"],
+                                   negative=[], seed=0, chunk=CHUNK, kv_window=1))
+    with pytest.raises(ValueError, match="timesteps must be a descending list"):
+        runner.stream(StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=reference["positive"],
+                                   negative=[], seed=0, timesteps=[250.0, 500.0]))

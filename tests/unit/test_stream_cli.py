@@ -1,0 +1,74 @@
+"""`wanmesh stream` end to end on the tiny models: each chunk lands in --chunk-dir as its own MP4 with the frame
+count the Wan VAE gives that chunk, the whole video and the latents are written, and every bad option (or
+combination) exits with code 2 and one line before any model file is touched or any pool starts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from wanmesh.parallel import read_video
+from wanmesh.parallel.cli import main
+from wanmesh.parallel.cli import stream as stream_module
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from wanmesh.parallel.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    make_tiny(root)
+    return root
+
+
+def test_stream_writes_each_chunk_then_the_whole_video(models, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    out, chunk_dir, latents = tmp_path / "video.mp4", tmp_path / "chunks", tmp_path / "latents.safetensors"
+    status = main(["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
+                   "--frames", "17", "--chunk", "2", "--steps", "2", "--seed", "3", "--device", "cpu",
+                   "--out", str(out), "--chunk-dir", str(chunk_dir), "--save-latents", str(latents)])
+    assert status == 0
+    printed = capsys.readouterr().out
+    # 5 latent frames in chunks of 2: 2 + 2 + 1 -> 4*2-3, 4*2 and 4*1 image frames
+    expected = [5, 8, 4]
+    files = sorted(chunk_dir.glob("chunk_*.mp4"))
+    assert [f.name for f in files] == ["chunk_000.mp4", "chunk_001.mp4", "chunk_002.mp4"]
+    chunk_frames = [read_video(f) for f in files]
+    assert [f.shape[0] for f in chunk_frames] == expected
+    assert len(re.findall(r"^chunk \d: .* s \(since start", printed, flags=re.M)) == 3
+    whole = read_video(out)
+    assert whole.shape == (17, 32, 32, 3)
+    # the chunk files joined show the same frames as the whole video (both lossy H.264 of the same frames)
+    assert (torch.cat(chunk_frames) - whole).abs().mean() < 0.03
+    assert load_file(str(latents))["latents"].shape == (1, 16, 5, 4, 4)
+
+
+BAD = [
+    (["--chunk", "0"], "chunk must be a whole number of latent frames >= 1, got 0"),
+    (["--chunk", "3", "--kv-window", "2"], "kv_window=2 latent frames is smaller than a chunk of 3"),
+    (["--chunk", "2", "--kv-window", "3", "--sink", "4"], "sink=4 is larger than kv_window=3"),
+    (["--frames", "16"], "frame"),
+    (["--timesteps", "250,500"], "timesteps must be a descending list"),
+    (["--timesteps", "1000,x"], "timesteps must be a comma list of numbers"),
+    (["--world", "2", "--ulysses", "3"], "ulysses"),
+    (["--cfg", "-1"], "guidance scale"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_options_exit_2_with_one_line_before_any_work(extra, message, tmp_path, capsys, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("model files or the pool were touched before the options were checked")
+
+    monkeypatch.setattr(stream_module, "WorkerPool", no_work)
+    monkeypatch.setattr("wanmesh.parallel.cli.resolve_model_files", no_work)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stream", "--prompt", "x", "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "c"), *extra])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("wanmesh: error:")
+    assert message in error
+    assert not (tmp_path / "c").exists()
