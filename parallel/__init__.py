@@ -19,6 +19,9 @@ from .config import (
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
+from .pool_memory import stop_pool, unload_pool_models
+from .tensor_files import save_tensors_atomic
+from .validation import check_ranks
 from .protocol import EncodeVace, SampleRequest
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
@@ -26,4 +29,5 @@ __all__ = [
     "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
     "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
     "H264_ENCODERS", "read_video", "video_encoder", "write_video",
+    "stop_pool", "unload_pool_models", "save_tensors_atomic", "check_ranks",
 ]
