@@ -158,6 +158,9 @@ def one_line(error: BaseException) -> str:
 
 
 def _fail(args, code: int, message: str) -> int:
+    generate_module = sys.modules.get(f"{__name__}.generate")
+    if generate_module is not None:
+        generate_module.end_progress_line()
     if getattr(args, "debug", False):
         traceback.print_exc()
     print(f"wanmesh: error: {message}" if code != EXIT_INTERRUPTED else message, file=sys.stderr, flush=True)

@@ -57,8 +57,19 @@ def check_generate(args, files: dict[str, str | None]) -> ParallelConfig:
     return config
 
 
+_progress_line = {"open": False}  # a "step k/n" line without its newline yet
+
+
 def _progress(step: int, total: int) -> None:
     print(f"\r  step {step}/{total}", end="\n" if step == total else "", file=sys.stderr, flush=True)
+    _progress_line["open"] = step != total
+
+
+def end_progress_line() -> None:
+    """Finish an open progress line, so that an error or "interrupted" starts on its own line."""
+    if _progress_line["open"]:
+        print(file=sys.stderr, flush=True)
+        _progress_line["open"] = False
 
 
 def generate(args, files: dict[str, str | None], vace: VaceSources | None = None) -> None:
