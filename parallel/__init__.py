@@ -21,7 +21,7 @@ from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
 from .pool_memory import stop_pool, unload_pool_models
 from .tensor_files import save_tensors_atomic
-from .validation import check_ranks
+from .validation import check_model_file, check_ranks
 from .protocol import EncodeVace, SampleRequest
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
@@ -29,5 +29,5 @@ __all__ = [
     "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
     "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
     "H264_ENCODERS", "read_video", "video_encoder", "write_video",
-    "stop_pool", "unload_pool_models", "save_tensors_atomic", "check_ranks",
+    "stop_pool", "unload_pool_models", "save_tensors_atomic", "check_ranks", "check_model_file",
 ]

@@ -116,6 +116,18 @@ def check_model_split(info: ModelFileInfo, config: ParallelConfig) -> None:
         check_head_split(heads, tp=config.tp, ulysses=config.ulysses, ffn_dim=ffn_dim)
 
 
+MODEL_KINDS = {"model": TRANSFORMER_KINDS, "vae": VAE_KINDS, "text_encoder": TEXT_ENCODER_KINDS,
+               "vace_module": VACE_MODULE_KINDS}
+
+
+def check_model_file(path: str | Path, role: str, name: str, config: ParallelConfig | None = None) -> None:
+    """One model file for a loader (``role``: a key of ``MODEL_KINDS``; ``name`` is what the user picked),
+    headers only; a transformer's head split is checked against ``config`` when given."""
+    info = inspect_model_file(path, name, MODEL_KINDS[role])
+    if role == "model" and config is not None:
+        check_model_split(info, config)
+
+
 # -- output paths --------------------------------------------------------------------------------------------
 
 
