@@ -1,5 +1,6 @@
 """ComfyUI nodes of WanMesh: thin wrappers that convert ComfyUI types and call the engine."""
 
+from . import errors, memory
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .lora import WanMeshLoraLoader
@@ -32,3 +33,6 @@ _NODES = {
 
 NODE_CLASS_MAPPINGS = {node_id: cls for node_id, (cls, _) in _NODES.items()}
 NODE_DISPLAY_NAME_MAPPINGS = {node_id: name for node_id, (_, name) in _NODES.items()}
+
+errors.install(NODE_CLASS_MAPPINGS)  # worker failures show as one line with a short exception name
+memory.install()  # ComfyUI's "unload models" / "free memory" reach the worker pool

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..parallel import DTYPE_NAMES
+from ..parallel import DTYPE_NAMES, check_model_file
 from .files import list_models, list_vace_modules, model_path
 from .runtime import ResidentModel, default_runner
 
@@ -30,9 +30,12 @@ class WanMeshModelLoader:
     DESCRIPTION = "Loads a Wan 2.1 T2V or VACE transformer (ComfyUI single file, fp8 and GGUF included, or diffusers folder)."
 
     def load(self, model_name, dtype, vace_module="none", pool=None):
-        runner = _runner(pool)
         module = None if vace_module in (None, "none") else model_path("diffusion_models", vace_module)
         path = model_path("diffusion_models", model_name)
+        check_model_file(path, "model", f"model_name {model_name}:", pool.config if pool is not None else None)
+        if module is not None:
+            check_model_file(module, "vace_module", f"vace_module {vace_module}:")
+        runner = _runner(pool)
         return (ResidentModel(runner, runner.load_model(path, vace_module=module, dtype=dtype)),)
 
 
@@ -48,8 +51,10 @@ class WanMeshVAELoader:
     DESCRIPTION = "Loads the Wan 2.1 VAE into the worker pool (decode, encode and VACE encode run there)."
 
     def load(self, vae_name, dtype, pool=None):
+        path = model_path("vae", vae_name)
+        check_model_file(path, "vae", f"vae_name {vae_name}:")
         runner = _runner(pool)
-        return (ResidentModel(runner, runner.load_vae(model_path("vae", vae_name), dtype=dtype)),)
+        return (ResidentModel(runner, runner.load_vae(path, dtype=dtype)),)
 
 
 class WanMeshTextEncoderLoader:
@@ -67,6 +72,7 @@ class WanMeshTextEncoderLoader:
     DESCRIPTION = "Loads the umT5 text encoder into the worker pool (tensor parallel with the pool's tp)."
 
     def load(self, text_encoder_name, dtype, pool=None):
-        runner = _runner(pool)
         path = model_path("text_encoders", text_encoder_name)
+        check_model_file(path, "text_encoder", f"text_encoder_name {text_encoder_name}:")
+        runner = _runner(pool)
         return (ResidentModel(runner, runner.load_text_encoder(path, dtype=dtype)),)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..parallel import BACKENDS, ParallelConfig, PoolRunner
+import logging
+
+from ..parallel import BACKENDS, ParallelConfig, PoolRunner, check_ranks
 
 DEGREE = {"default": 1, "min": 1, "max": 64}
 
@@ -34,4 +36,6 @@ class WanMeshPool:
             world=world, tp=tp, ulysses=ulysses, ring=ring, cfg_parallel=cfg_parallel, vae_patch=vae_patch,
             devices=devices, backend=backend, ray_address=ray_address or None,
         )
+        for warning in check_ranks(config):  # a bad device list fails here, before the live pool is replaced
+            logging.getLogger("wanmesh").warning("WanMesh Pool: %s", warning)
         return (PoolRunner.for_config(config),)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from ..parallel import WorkerError, check_video_size
 from .convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
+from .errors import keep_latents, worker_error
 
 CATEGORY = "WanMesh/video"
 TILE_OPTIONS = {
@@ -29,7 +31,11 @@ class WanMeshVAEDecode:
     DESCRIPTION = "Decodes Wan latents to frames on the pool (tiles shared by the pool's vae_patch ranks)."
 
     def decode(self, vae, samples, tile_px=0, overlap_px=64):
-        frames = vae.runner.decode(vae.handle, latent_to_tensor(samples), **_tiles(tile_px, overlap_px))
+        latents = latent_to_tensor(samples)
+        try:
+            frames = vae.runner.decode(vae.handle, latents, **_tiles(tile_px, overlap_px))
+        except WorkerError as error:  # the sampled latents are not lost with the decode
+            raise worker_error(error, "WanMeshVAEDecode", f"; the latents were saved to {keep_latents(latents)}") from None
         return (frames_to_image(frames),)
 
 
@@ -45,5 +51,6 @@ class WanMeshVAEEncode:
     DESCRIPTION = "Encodes frames to raw Wan latents on the pool (tiles shared by the pool's vae_patch ranks)."
 
     def encode(self, vae, pixels, tile_px=0, overlap_px=64):
+        check_video_size(pixels.shape[2], pixels.shape[1], pixels.shape[0])  # Wan's sizes, before any worker work
         latents = vae.runner.encode(vae.handle, image_to_frames(pixels), **_tiles(tile_px, overlap_px))
         return (tensor_to_latent(latents),)

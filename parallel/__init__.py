@@ -21,6 +21,9 @@ from .errors import Cancelled, WorkerError
 from .models.detect import safetensors_kind
 from .config import LORA_STRENGTH_RANGE
 from .models.lora import check_lora_for_model, model_files_of_handle
+from .pool_memory import stop_pool, unload_pool_models
+from .tensor_files import save_tensors_atomic
+from .validation import check_model_file, check_ranks
 from .protocol import EncodeVace, SampleRequest, StreamSample, parse_stream_timesteps
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
@@ -30,4 +33,5 @@ __all__ = [
     "H264_ENCODERS", "read_video", "video_encoder", "write_video",
     "LORA_STRENGTH_RANGE", "check_lora_for_model", "model_files_of_handle",
     "StreamSample", "parse_stream_timesteps",
+    "stop_pool", "unload_pool_models", "save_tensors_atomic", "check_ranks", "check_model_file",
 ]

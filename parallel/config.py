@@ -65,6 +65,7 @@ class ParallelConfig:
     devices: tuple[str, ...] = ("auto",)
     backend: str = "local"
     ray_address: str | None = None
+    memory_budget_gb: float = 0.0  # resident models per rank; 0 = what the device can hold (residency.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", _as_device_tuple(self.devices))
@@ -72,6 +73,7 @@ class ParallelConfig:
         self._check_devices_spec()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is unknown; valid backends: {', '.join(BACKENDS)}")
+        check_memory_budget(self.memory_budget_gb)
 
     # -- derived degrees ----------------------------------------------------------------------------------
 
@@ -405,6 +407,8 @@ def check_stream_layout(*, ring: int, cfg_parallel: bool) -> None:
     if cfg_parallel:
         raise ValueError("streaming does not run with cfg_parallel: both guidance branches keep their own KV cache on "
                          "every rank and run one after the other; turn cfg_parallel off")
+
+
 # -- two experts and step ranges (Wan 2.2 A14B, chained samplers) ------------------------------------------
 
 EXPERT_CONFIG_KEYS = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
@@ -444,3 +448,35 @@ def check_same_expert_config(high: dict, low: dict) -> None:
 
 def _comparable(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+# -- seeds, memory, ranks ----------------------------------------------------------------------------------
+
+MAX_SEED = 2**64 - 1  # ComfyUI's seed widget range; torch generators take any unsigned 64-bit seed
+
+
+def check_seed(seed: int) -> None:
+    if not _is_whole(seed) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed!r} is not valid; valid: an integer from 0 to {MAX_SEED} (2**64 - 1)")
+
+
+def check_steps(steps: int) -> None:
+    if not _is_whole(steps) or steps < 1:
+        raise ValueError(f"steps must be an integer of at least 1, got {steps!r}")
+
+
+def check_memory_budget(budget_gb: float) -> None:
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, numbers.Real) or not math.isfinite(budget_gb) \
+            or budget_gb < 0:
+        raise ValueError(f"memory_budget_gb must be a finite number of GB >= 0 (0: what the device can hold), "
+                         f"got {budget_gb!r}")
+
+
+def ranks_over_cores_warning(config: ParallelConfig, cpu_cores: int) -> str | None:
+    """A warning (None when fine) for CPU ranks that outnumber the machine's cores: they would share cores and
+    each rank's collectives wait on the slowest, so a run gets slower, not faster."""
+    cpu_ranks = sum(1 for device in config.rank_devices() if device == "cpu")
+    if cpu_ranks > cpu_cores:
+        return (f"world={config.world} puts {cpu_ranks} ranks on the CPU but this machine has {cpu_cores} cores; "
+                f"ranks will share cores (use world <= {cpu_cores} on CPU)")
+    return None

@@ -2,12 +2,17 @@
 
 It drives the same worker pool and runner the ComfyUI nodes use. Subcommands import what they need when run,
 so `wanmesh --help` stays quick.
+
+Exit codes: 0 done, 2 bad input (one line on stderr, found before any worker starts where the check is static),
+1 a runtime failure (a worker error, an OS error such as a full disk: one line), 130 interrupted (Ctrl-C).
+`--debug` prints the traceback as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 from ..models.tiny_files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
@@ -59,6 +64,8 @@ def _add_generate(sub) -> None:
     par.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
     par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
     par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")
+    par.add_argument("--memory-budget-gb", type=float, default=0.0,
+                     help="resident models per rank in GB; loading past it unloads the least recently used (0: what the device holds)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")
@@ -71,8 +78,12 @@ def _add_generate(sub) -> None:
     add_vace_arguments(p)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wanmesh", description=__doc__)
+def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
+    """The command's parser; ``bench_options=False`` leaves out the benchmarks' own flags, whose modules import
+    the model libraries (seconds), so that `generate` checks its input and fails fast."""
+    parser = argparse.ArgumentParser(prog="wanmesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="print tracebacks with errors")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write the tiny test models as a ComfyUI models tree")
     tiny.add_argument("directory", type=Path)
@@ -81,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
-        _bench_module(module).add_arguments(bench_sub.add_parser(name, help=help_text))
+        bench_parser = bench_sub.add_parser(name, help=help_text)
+        if bench_options:
+            _bench_module(module).add_arguments(bench_parser)
     return parser
 
 
@@ -113,11 +126,11 @@ def resolve_model_files(args) -> dict[str, str | None]:
     model when a VACE flag is given without --vace-module)."""
     single = {"model": args.model, "vae": args.vae, "text_encoder": args.text_encoder}
     if args.models is not None and any(single.values()):
-        raise SystemExit("give either --models DIR or --model/--vae/--text-encoder, not both")
+        raise ValueError("give either --models DIR or --model/--vae/--text-encoder, not both")
     if any(single.values()):
         missing = [f"--{k.replace('_', '-')}" for k, v in single.items() if not v]
         if missing:
-            raise SystemExit(f"missing {', '.join(missing)}: --model, --vae and --text-encoder go together")
+            raise ValueError(f"missing {', '.join(missing)}: --model, --vae and --text-encoder go together")
         return {**single, "vace_module": args.vace_module, "model_low": args.model_low}
     root = args.models if args.models is not None else ensure_tiny_models(tiny_cache_dir())
     tiny_model = "vace" if wants_vace(args) and args.vace_module is None else "model"
@@ -125,7 +138,7 @@ def resolve_model_files(args) -> dict[str, str | None]:
              (("model", tiny_model), ("vae", "vae"), ("text_encoder", "text_encoder"))}
     for key, path in paths.items():
         if not Path(path).is_file():
-            raise SystemExit(f"{path} does not exist: --models expects a tree written by `wanmesh make-tiny DIR`")
+            raise ValueError(f"{path} does not exist: --models expects a tree written by `wanmesh make-tiny DIR`")
     return {**paths, "vace_module": args.vace_module, "model_low": args.model_low}
 
 
@@ -146,13 +159,45 @@ def apply_defaults(args, tiny: bool) -> None:
             setattr(args, key, value)
 
 
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(bench_options="bench" in argv).parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, FileNotFoundError) as error:  # bad input: a message, not a traceback
-        parser.exit(2, f"wanmesh: error: {error}\n")
+    except KeyboardInterrupt:
+        return _fail(args, EXIT_INTERRUPTED, "interrupted")
+    except ValueError as error:  # bad input (checks in config.py / validation.py): one line
+        return _fail(args, EXIT_BAD_INPUT, str(error))
+    except Exception as error:  # noqa: BLE001 - worker errors, OS errors: one line, traceback with --debug
+        return _fail(args, EXIT_FAILED, one_line(error))
+
+
+def one_line(error: BaseException) -> str:
+    """The cause in one line: a worker error's rank, type and message (its traceback stays out), an OS error's
+    text with the file it concerns."""
+    from ..errors import WorkerError
+
+    if isinstance(error, WorkerError):
+        where = f"rank {error.rank}" if error.rank is not None else "worker pool"
+        return f"{where}: {error.error_type}: {error.message.strip().splitlines()[0] if error.message else ''}"
+    if isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return f"{type(error).__name__}: {error.strerror}{where}"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _fail(args, code: int, message: str) -> int:
+    generate_module = sys.modules.get(f"{__name__}.generate")
+    if generate_module is not None:
+        generate_module.end_progress_line()
+    if getattr(args, "debug", False):
+        traceback.print_exc()
+    print(f"wanmesh: error: {message}" if code != EXIT_INTERRUPTED else message, file=sys.stderr, flush=True)
+    return code
 
 
 def _run(args) -> int:

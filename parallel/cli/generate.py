@@ -1,7 +1,10 @@
 """`wanmesh generate`: text to video (and VACE video editing) through the worker pool, writing an MP4 and
 optionally latents, frames and the VACE context.
 
-Runs in the CLI (driver) process; all model work happens in the pool's workers.
+Runs in the CLI (driver) process; all model work happens in the pool's workers. Order of work, so that
+nothing is lost and mistakes fail early: every input is validated (``validation.py``: sizes, numbers, file
+headers, head split, output folders) before the pool starts; the VAE is loaded before sampling (a wrong
+--vae fails first); the latents are written (atomically) before decoding; the MP4 is written atomically.
 """
 
 from __future__ import annotations
@@ -11,63 +14,95 @@ import time
 from dataclasses import replace
 
 import torch
-from safetensors.torch import save_file
 
-from ..config import ParallelConfig, check_experts, check_step_range, check_tiles, latent_shape
+from ..config import ParallelConfig, check_experts, check_step_range, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
+from ..tensor_files import save_tensors_atomic
+from ..validation import GenerateInputs, check_model_file, validate_generate
+from ..video_io import CONTAINERS, check_fps
 from .vace_inputs import VaceInputs, VaceSources
 from .video_file import write_mp4
+
+SAFETENSORS = (".safetensors",)
 
 
 def pool_config(args) -> ParallelConfig:
     """The worker pool the command line asked for (checked before any process starts)."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
+        raise ValueError("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
     return ParallelConfig(
         world=args.world, tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel,
-        vae_patch=args.vae_patch, devices=args.device or "auto",
+        vae_patch=args.vae_patch, devices=args.device or "auto", memory_budget_gb=args.memory_budget_gb,
     )
+
+
+def generate_inputs(args, files: dict[str, str | None]) -> GenerateInputs:
+    outputs = {"--out": (args.out, tuple(CONTAINERS)), "--save-latents": (args.save_latents, SAFETENSORS),
+               "--save-frames": (args.save_frames, SAFETENSORS), "--save-vace": (getattr(args, "save_vace", None), SAFETENSORS)}
+    return GenerateInputs(
+        width=args.width, height=args.height, frames=args.frames, steps=args.steps, shift=args.shift,
+        guidance_scale=args.guidance_scale, seed=args.seed, sampler=args.sampler, prompts=(args.prompt, args.negative),
+        model=files["model"], vae=files["vae"], text_encoder=files["text_encoder"], vace_module=files["vace_module"],
+        outputs=outputs, tile_px=args.vae_tile, overlap_px=args.vae_overlap,
+    )
+
+
+def check_generate(args, files: dict[str, str | None]) -> ParallelConfig:
+    """The validation pass: raises a one-line ValueError, prints warnings; no process started, no model read."""
+    config = pool_config(args)
+    check_fps(args.fps)
+    experts = _expert_fields(args)  # bad boundaries and step ranges fail before the pool starts
+    check_experts(boundary=experts["boundary"], guidance_scale_low=experts["guidance_scale_low"])
+    check_step_range(experts["start_step"], experts["end_step"], args.steps)
+    if files.get("model_low"):
+        check_model_file(files["model_low"], "model", "--model-low", config)
+    for warning in validate_generate(generate_inputs(args, files), config):
+        print(f"wanmesh: warning: {warning}", file=sys.stderr, flush=True)
+    return config
+
+
+_progress_line = {"open": False}  # a "step k/n" line without its newline yet
 
 
 def _progress(step: int, total: int) -> None:
     print(f"\r  step {step}/{total}", end="\n" if step == total else "", file=sys.stderr, flush=True)
+    _progress_line["open"] = step != total
+
+
+def end_progress_line() -> None:
+    """Finish an open progress line, so that an error or "interrupted" starts on its own line."""
+    if _progress_line["open"]:
+        print(file=sys.stderr, flush=True)
+        _progress_line["open"] = False
 
 
 def generate(args, files: dict[str, str | None], vace: VaceSources | None = None) -> None:
-    """Sample, decode and write; every input (VACE ones included) is checked before the pool starts."""
+    """Validate, sample, save the latents, decode and write; every input is checked before the pool starts."""
     inputs = vace.build(args.width, args.height, args.frames) if vace is not None else None
-    shape = latent_shape(args.width, args.height, args.frames)  # rejects bad sizes before loading anything
-    config = pool_config(args)
-    check_tiles(args.vae_tile, args.vae_overlap)
-    experts = _expert_fields(args)  # bad boundaries and step ranges fail before the pool starts
-    check_experts(boundary=experts["boundary"], guidance_scale_low=experts["guidance_scale_low"])
-    check_step_range(experts["start_step"], experts["end_step"], args.steps)
+    config = check_generate(args, files)
+    shape = latent_shape(args.width, args.height, args.frames)
     started = time.perf_counter()
     with WorkerPool(config) as pool:
-        frames, latents = _run(PoolRunner(pool), args, files, shape, inputs)
+        frames = _run(PoolRunner(pool), args, files, shape, inputs)
     write_mp4(frames, args.out, fps=args.fps)
-    if args.save_latents:
-        save_file({"latents": latents.float().contiguous()}, str(args.save_latents))
     if args.save_frames:
-        save_file({"frames": frames.float().contiguous()}, str(args.save_frames))
+        save_tensors_atomic({"frames": frames.float()}, args.save_frames)
     seconds = time.perf_counter() - started
     print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
 
 
-def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Text encoding, (VACE encoding,) sampling and decoding; the latents come back with reference frames trimmed.
-
-    Without VACE each model is unloaded once its part is done; with VACE the VAE encodes before sampling and
-    stays loaded for the decode."""
+def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None) -> torch.Tensor:
+    """Text encoding, VAE load (before sampling, so a bad VAE fails first), (VACE encoding,) sampling, saving
+    the latents (before decoding, so a failed decode never loses them) and decoding."""
     prompts = _encode_prompts(runner, args, files)
-    vae = runner.load_vae(files["vae"], dtype=args.dtype) if vace is not None else None
+    vae = runner.load_vae(files["vae"], dtype=args.dtype)
     encoded = vace.encode(runner, vae, args) if vace is not None else None
     latents = _sample(runner, args, files, shape, prompts, vace, encoded)
-    vae = vae or runner.load_vae(files["vae"], dtype=args.dtype)
-    frames = runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
-    return frames, latents
+    if args.save_latents:
+        save_tensors_atomic({"latents": latents.float()}, args.save_latents)
+    return runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
 
 
 def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | None, encoded) -> torch.Tensor:

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..config import check_vace_contexts, latent_shape
 from ..models.checkpoint import resolve_model_location
 from ..models.detect import KIND_DESCRIPTIONS, safetensors_kind
 from ..protocol import EncodeVace, VaceEncoded
+from ..tensor_files import save_tensors_atomic
 from ..vace import builders
 from ..vace.encode import check_encode_inputs
 from .media import read_frames, read_image, read_mask
@@ -235,4 +235,4 @@ class VaceInputs:
     def save(self, encoded: VaceEncoded) -> None:
         if self.save_path is not None:
             tensors = {"vace_frames": encoded.frames.float().contiguous(), "vace_mask": encoded.mask.float().contiguous()}
-            save_file(tensors, str(self.save_path))
+            save_tensors_atomic(tensors, self.save_path)

@@ -1,0 +1,263 @@
+"""One validation pass before any work: everything checkable without a GPU, model weights or a worker; runs
+in the driver (the CLI process, or ComfyUI's for the nodes).
+
+It reads file headers only (safetensors JSON headers, the zip signature of PyTorch checkpoints) and the
+tokenizer bytes of a umT5 file, never model weights. The numeric checks themselves live in ``config.py``
+(one place for each check); this module applies them to a whole request and adds the file, output-path,
+prompt-length and rank checks. Errors are one-line ``ValueError``s naming the value and what is valid;
+warnings come back as strings for the caller to print or log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import (
+    ParallelConfig,
+    check_head_split,
+    check_seed,
+    check_steps,
+    check_sampling,
+    check_tiles,
+    check_video_size,
+    ranks_over_cores_warning,
+)
+from .models.checkpoint import PICKLE_SUFFIXES, ModelFileError, read_safetensors_header
+from .models.detect import KIND_DESCRIPTIONS, detect_kind, infer_transformer_config
+
+TEXT_TOKENS = 512  # Wan's text length: umT5 tokens beyond it (EOS included) are dropped
+TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
+
+TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "diffusers_transformer")
+VAE_KINDS = ("wan_vae", "diffusers_vae")
+TEXT_ENCODER_KINDS = ("umt5",)
+VACE_MODULE_KINDS = ("vace_module", "wan_vace")
+
+
+# -- model files ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelFileInfo:
+    """What the header of a model file (or a diffusers folder's config) says."""
+
+    path: Path
+    kind: str
+    header: dict = field(default_factory=dict)  # safetensors header (empty for folders and pickles)
+
+
+def _refuse_pickle(path: Path, flag: str) -> None:
+    """Legacy (pre-1.6, non-zip) PyTorch pickles cannot be loaded weights-only or memory-mapped: refuse them
+    here with the fix, instead of the loader's mmap error. Zip-format checkpoints pass (loaded weights-only)."""
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{flag} {path} is a legacy PyTorch pickle (not the zip format of torch >= 1.6); it cannot "
+                         "be loaded safely: convert it to .safetensors")
+
+
+def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -> ModelFileInfo:
+    """The file or folder exists and its header says it is one of the ``expected`` kinds (``detect.py`` names)."""
+    location = Path(path)
+    if location.is_dir():
+        return _inspect_folder(location, flag)
+    if not location.is_file():
+        raise ValueError(f"{flag} {location} does not exist; give a model file (.safetensors) or a diffusers folder")
+    if location.suffix.lower() in PICKLE_SUFFIXES:
+        _refuse_pickle(location, flag)
+        return ModelFileInfo(location, "pickle")
+    try:
+        header = read_safetensors_header(location)
+    except ModelFileError as error:
+        raise ValueError(f"{flag} {error}") from None
+    except OSError as error:
+        raise ValueError(f"{flag} {location} cannot be read ({error.strerror})") from None
+    kind = detect_kind(key for key in header if key != "__metadata__")
+    if kind not in expected:
+        wanted = " or ".join(KIND_DESCRIPTIONS[k] for k in expected)
+        raise ValueError(f"{flag} {location} looks like {KIND_DESCRIPTIONS[kind]}; expected {wanted}")
+    return ModelFileInfo(location, kind, header)
+
+
+def _inspect_folder(folder: Path, flag: str) -> ModelFileInfo:
+    if not ((folder / "config.json").is_file() or (folder / "model_index.json").is_file()):
+        raise ValueError(f"{flag} {folder} is a folder without config.json or model_index.json; give a model file "
+                         "or a diffusers model folder")
+    return ModelFileInfo(folder, "folder")
+
+
+def transformer_shape(info: ModelFileInfo) -> tuple[int, int] | None:
+    """(attention heads, FFN width) from the header or the folder's config.json; None when neither tells."""
+    if info.header:
+        shapes = {k: tuple(v["shape"]) for k, v in info.header.items() if k != "__metadata__"}
+        try:
+            config = infer_transformer_config(shapes, info.header.get("__metadata__"))
+        except ModelFileError as error:
+            raise ValueError(f"{info.path}: {error}") from None
+        return config["num_attention_heads"], config["ffn_dim"]
+    config_file = info.path / "transformer" / "config.json"
+    config_file = config_file if config_file.is_file() else info.path / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        if "num_attention_heads" in config and "ffn_dim" in config:
+            return int(config["num_attention_heads"]), int(config["ffn_dim"])
+    return None
+
+
+def check_model_split(info: ModelFileInfo, config: ParallelConfig) -> None:
+    """tp and ulysses against the model's head count (and tp against its FFN width), read from the header."""
+    shape = transformer_shape(info)
+    if shape is not None:
+        heads, ffn_dim = shape
+        check_head_split(heads, tp=config.tp, ulysses=config.ulysses, ffn_dim=ffn_dim)
+
+
+MODEL_KINDS = {"model": TRANSFORMER_KINDS, "vae": VAE_KINDS, "text_encoder": TEXT_ENCODER_KINDS,
+               "vace_module": VACE_MODULE_KINDS}
+
+
+def check_model_file(path: str | Path, role: str, name: str, config: ParallelConfig | None = None) -> None:
+    """One model file for a loader (``role``: a key of ``MODEL_KINDS``; ``name`` is what the user picked),
+    headers only; a transformer's head split is checked against ``config`` when given."""
+    info = inspect_model_file(path, name, MODEL_KINDS[role])
+    if role == "model" and config is not None:
+        check_model_split(info, config)
+
+
+# -- output paths --------------------------------------------------------------------------------------------
+
+
+def check_output_path(path: str | Path, flag: str, suffixes: tuple[str, ...] | None = None) -> Path:
+    """A path a file can be written to: missing parent folders are created, and a probe file is written and
+    removed in the folder (the only reliable test: permissions, read-only mounts and ACLs all show)."""
+    target = Path(path)
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {target} has the suffix {target.suffix or '(none)'!r}; valid: {', '.join(suffixes)}")
+    if target.is_dir():
+        raise ValueError(f"{flag} {target} is a folder; give a file name")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = target.parent / f".{target.name}.{secrets.token_hex(4)}.probe"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"{flag} {target} cannot be written ({error.strerror}: {error.filename or target.parent}); "
+                         "give a path in a folder you can write to") from None
+    return target
+
+
+# -- prompt length -------------------------------------------------------------------------------------------
+
+
+def _tokenizer(text_encoder: str | Path):
+    """umT5's SentencePiece model read from the file's `spiece_model` tensor (a few MB, no weights) or the
+    folder's spiece.model; None when neither is there."""
+    import sentencepiece
+
+    location = Path(text_encoder)
+    if location.is_dir():
+        for candidate in (location / "spiece.model", location.parent / "tokenizer" / "spiece.model"):
+            if candidate.is_file():
+                return sentencepiece.SentencePieceProcessor(model_file=str(candidate))
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(location), framework="pt") as handle:
+        if "spiece_model" not in handle.keys():
+            return None
+        model_proto = handle.get_tensor("spiece_model").numpy().tobytes()
+    return sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+
+
+def count_prompt_tokens(prompt: str, text_encoder: str | Path | None) -> tuple[int, bool]:
+    """(tokens including EOS, exact?): counted with the encoder's own tokenizer when it can be read cheaply,
+    else estimated from the word count (``TOKENS_PER_WORD_ESTIMATE``). Whitespace is collapsed as the
+    encoder's prompt cleaning does; its ftfy/HTML fixes rarely change the count."""
+    text = re.sub(r"\s+", " ", prompt).strip()
+    tokenizer = None
+    if text_encoder is not None:
+        try:
+            tokenizer = _tokenizer(text_encoder)
+        except Exception:  # noqa: BLE001 - an unreadable tokenizer only makes this an estimate
+            tokenizer = None
+    if tokenizer is not None:
+        return len(tokenizer.encode(text)) + 1, True
+    return int(len(text.split()) * TOKENS_PER_WORD_ESTIMATE) + 1, False
+
+
+def prompt_length_warning(prompt: str, text_encoder: str | Path | None, what: str = "prompt") -> str | None:
+    tokens, exact = count_prompt_tokens(prompt, text_encoder)
+    if tokens <= TEXT_TOKENS:
+        return None
+    about = "" if exact else "about "
+    return (f"the {what} is {about}{tokens} tokens; Wan reads the first {TEXT_TOKENS}, so {about}{tokens - TEXT_TOKENS} "
+            "tokens at its end are dropped")
+
+
+# -- ranks ---------------------------------------------------------------------------------------------------
+
+
+def check_ranks(config: ParallelConfig) -> list[str]:
+    """Every rank has a device (a bad device list fails here, before any existing pool is touched); a warning
+    when CPU ranks outnumber the cores."""
+    warning = ranks_over_cores_warning(config, os.cpu_count() or 1)
+    return [warning] if warning else []
+
+
+# -- a whole generate request --------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerateInputs:
+    """What one text-to-video run asks for, as plain values (the CLI's flags, or a node graph's inputs)."""
+
+    width: int
+    height: int
+    frames: int
+    steps: int
+    shift: float
+    guidance_scale: float
+    seed: int
+    sampler: str = "unipc"
+    denoise: float = 1.0
+    prompts: tuple[str, ...] = ()
+    model: str | None = None
+    vae: str | None = None
+    text_encoder: str | None = None
+    vace_module: str | None = None
+    outputs: dict[str, tuple[str, tuple[str, ...] | None]] = field(default_factory=dict)  # flag -> (path, suffixes)
+    tile_px: int | None = None
+    overlap_px: int | None = None
+
+
+def validate_generate(request: GenerateInputs, config: ParallelConfig) -> list[str]:
+    """Every check of one run, cheapest first; raises the first problem as a one-line ValueError and returns
+    the warnings (prompt tokens dropped, ranks over cores)."""
+    check_video_size(request.width, request.height, request.frames)
+    check_steps(request.steps)
+    check_sampling(sampler=request.sampler, steps=request.steps, shift=request.shift, denoise=request.denoise,
+                   guidance_scale=request.guidance_scale)
+    check_seed(request.seed)
+    check_tiles(request.tile_px, request.overlap_px)
+    for flag, (path, suffixes) in request.outputs.items():
+        if path is not None:
+            check_output_path(path, flag, suffixes)
+    if request.model is not None:
+        model = inspect_model_file(request.model, "--model", TRANSFORMER_KINDS)
+        check_model_split(model, config)
+    if request.vace_module is not None:
+        inspect_model_file(request.vace_module, "--vace-module", VACE_MODULE_KINDS)
+    if request.vae is not None:
+        inspect_model_file(request.vae, "--vae", VAE_KINDS)
+    if request.text_encoder is not None:
+        inspect_model_file(request.text_encoder, "--text-encoder", TEXT_ENCODER_KINDS)
+    warnings = check_ranks(config)
+    for what, prompt in zip(("prompt", "negative prompt"), request.prompts):
+        warning = prompt_length_warning(prompt, request.text_encoder, what)
+        if warning:
+            warnings.append(warning)
+    return warnings
