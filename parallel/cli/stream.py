@@ -8,19 +8,20 @@ whole video goes to ``--out``. Every option is checked before the pool starts.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..config import check_sampling, check_stream_layout, check_stream_options, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.stream_chunks import StreamChunk
 from ..protocol import StreamSample, parse_stream_timesteps
+from ..tensor_files import save_tensors_atomic
+from ..validation import check_model_file, check_output_path
+from ..video_io import CONTAINERS, check_fps
 from .generate import pool_config
 from .video_file import write_mp4
 
@@ -54,6 +55,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the cache is split by heads)")
     par.add_argument("--ulysses", type=int, default=1, help="sequence-parallel degree (one all-to-all per layer)")
+    par.add_argument("--memory-budget-gb", type=float, default=0.0,
+                     help="resident models per rank in GB (0: what the device holds)")
     par.set_defaults(ring=1, cfg_parallel=False, vae_patch=1, vace_module=None)
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file of the whole video")
@@ -69,8 +72,7 @@ def check_stream_arguments(args) -> tuple[int, ...]:
                    guidance_scale=args.guidance_scale)
     check_stream_options(shape[2], args.chunk, args.kv_window, args.sink)
     args.timesteps = parse_stream_timesteps(args.timesteps) if isinstance(args.timesteps, str) else args.timesteps
-    if not math.isfinite(args.fps) or args.fps <= 0:
-        raise ValueError(f"fps must be a positive number, got {args.fps}")
+    check_fps(args.fps)
     pool_config(args)  # the layout (world, tp, ulysses) and the device
     check_stream_layout(ring=args.ring, cfg_parallel=args.cfg_parallel)
     return shape
@@ -96,10 +98,20 @@ class ChunkWriter:
         self.last = now
 
 
+def check_stream_files(args, files: dict[str, str | None], config) -> None:
+    """The validation pass's file checks (headers only) and output paths, before any pool starts."""
+    for role, flag in (("model", "--model"), ("vae", "--vae"), ("text_encoder", "--text-encoder")):
+        check_model_file(files[role], role, flag, config if role == "model" else None)
+    check_output_path(args.out, "--out", tuple(CONTAINERS))
+    if args.save_latents:
+        check_output_path(args.save_latents, "--save-latents", (".safetensors",))
+
+
 def stream(args, files: dict[str, str | None]) -> None:
     """Check, start the pool, stream the chunks into --chunk-dir, write --out (and --save-latents)."""
     shape = check_stream_arguments(args)
     config = pool_config(args)
+    check_stream_files(args, files, config)
     args.chunk_dir.mkdir(parents=True, exist_ok=True)
     with WorkerPool(config) as pool:
         runner = PoolRunner(pool)
@@ -116,7 +128,7 @@ def stream(args, files: dict[str, str | None]) -> None:
         writer = ChunkWriter(args.chunk_dir, args.fps, started)
         result = runner.stream(request, on_chunk=writer)
     if args.save_latents:  # latents before the video, so a failed write still leaves them
-        save_file({"latents": result.latents.float().contiguous()}, str(args.save_latents))
+        save_tensors_atomic({"latents": result.latents.float()}, args.save_latents)
     write_mp4(result.frames, args.out, fps=args.fps)
     seconds = time.perf_counter() - started
     print(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "

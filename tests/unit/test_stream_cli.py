@@ -65,9 +65,8 @@ def test_bad_options_exit_2_with_one_line_before_any_work(extra, message, tmp_pa
 
     monkeypatch.setattr(stream_module, "WorkerPool", no_work)
     monkeypatch.setattr("wanmesh.parallel.cli.resolve_model_files", no_work)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["stream", "--prompt", "x", "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "c"), *extra])
-    assert exit_info.value.code == 2
+    code = main(["stream", "--prompt", "x", "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "c"), *extra])
+    assert code == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.startswith("wanmesh: error:")
     assert message in error
