@@ -47,6 +47,8 @@ def _add_generate(sub) -> None:
     par.add_argument("--cfg-parallel", action="store_true",
                      help="run the conditional and unconditional passes on two halves of the pool")
     par.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
+    par.add_argument("--worker-timeout", type=float, default=60.0,
+                     help="seconds a worker may stop answering before the pool names it and stops (default 60)")
     par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
     par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
