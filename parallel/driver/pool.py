@@ -61,6 +61,14 @@ class _Transaction:
             status = self.last_status.setdefault(rank, {})
             status.update({k: message[k] for k in ("phase", "step", "total") if message.get(k) is not None})
 
+    def status_of(self, rank: int) -> dict[str, Any] | None:
+        """The rank's last heartbeat fields; its step falls back to the pool's last progress step (rank 0's),
+        when the rank went silent before its own heartbeat carried one."""
+        own, pool_wide = self.last_status.get(rank) or {}, self.last_status.get(0) or {}
+        if own.get("step") is None and pool_wide.get("step") is not None:
+            return {**own, "step": pool_wide["step"], "total": pool_wide.get("total")}
+        return own or None
+
     def silent_for(self, rank: int, now: float) -> float:
         return now - self.last_beat[rank]
 
@@ -264,7 +272,7 @@ class WorkerPool:
         self._discard_workers()
         rank = silent[0]
         raise WorkerError(rank, "WorkerStuck", f"rank {rank} stopped answering for {txn.silent_for(rank, now):.0f} s "
-                          f"during {_where(txn.last_status.get(rank), request)}; the pool was stopped and restarts on "
+                          f"during {_where(txn.status_of(rank), request)}; the pool was stopped and restarts on "
                           f"next use; raise worker_timeout (now {self.config.worker_timeout:g} s) if the model is "
                           "just slow")
 
