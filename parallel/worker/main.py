@@ -31,6 +31,7 @@ from .runtime import THREADS_ENV, StepReporter, WorkerRuntime
 
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
+ORPHAN_SETTLE_S = 2.0
 MAX_HEARTBEAT_S = 1.0
 
 # -- the local-backend process -------------------------------------------------------------------------
@@ -57,8 +58,12 @@ def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | N
 
     def take_sigterm() -> None:
         signal.sigwait({signal.SIGTERM})
-        # Also sent when the driver's launcher thread ends while the driver lives: then only this rank goes.
-        _leave(cleanup if os.getppid() != parent_pid else (lambda: None))
+        # The parent-death signal comes when the driver's launcher *thread* ends, which in a dying driver
+        # is before the process is gone and this worker re-parented: give it a moment to show.
+        deadline = time.monotonic() + ORPHAN_SETTLE_S
+        while os.getppid() == parent_pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _leave(cleanup if os.getppid() != parent_pid else (lambda: None))  # a live driver cleans up itself
 
     threading.Thread(target=watch, name="wanmesh-parent-watch", daemon=True).start()
     threading.Thread(target=take_sigterm, name="wanmesh-sigterm", daemon=True).start()
