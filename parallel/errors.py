@@ -14,7 +14,8 @@ class ProtocolError(ValueError):
 
 
 class Cancelled(RuntimeError):
-    """The caller cancelled: the workers stopped at a step boundary and the pool is still usable."""
+    """The caller cancelled: the workers stopped at a step boundary and the pool is still usable, or (a load,
+    or a rank that stopped answering) the pool was stopped and starts afresh on next use."""
 
 
 class RankDied(Exception):
