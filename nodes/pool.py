@@ -5,8 +5,25 @@ from __future__ import annotations
 import logging
 
 from ..parallel import BACKENDS, ParallelConfig, PoolRunner, check_ranks
+from ..parallel.config import DEFAULT_WORKER_TIMEOUT_S, MIN_WORKER_TIMEOUT_S
+from .runtime import raise_if_interrupted
 
 DEGREE = {"default": 1, "min": 1, "max": 64}
+
+
+
+def _comfy_interrupt() -> bool:
+    """ComfyUI's Cancel, raised as its own exception; nothing outside ComfyUI (tests that import the nodes)."""
+    try:
+        import comfy.model_management  # noqa: F401
+    except ImportError:
+        return False
+    raise_if_interrupted()
+    return False
+
+
+# ComfyUI's Cancel also stops pool start and model loading (calls that have no cancel callback of their own).
+PoolRunner.set_interrupt_check(_comfy_interrupt)
 
 
 class WanMeshPool:
@@ -23,7 +40,14 @@ class WanMeshPool:
                 "vae_patch": ("INT", {**DEGREE, "tooltip": "ranks that share VAE tiles"}),
                 "backend": (list(BACKENDS), {"tooltip": "local: processes on this machine; ray: actors on a Ray cluster"}),
                 "ray_address": ("STRING", {"default": "", "tooltip": "Ray cluster address (ray backend; empty: auto)"}),
-            }
+            },
+            "optional": {  # after the required inputs, so saved workflows keep their widget order
+                "worker_timeout": ("FLOAT", {
+                    "default": DEFAULT_WORKER_TIMEOUT_S, "min": MIN_WORKER_TIMEOUT_S, "max": 86400.0, "step": 1.0,
+                    "tooltip": "seconds a worker may stop answering (or wait in a collective) before the pool names "
+                               "it, stops and restarts on next use; raise it for very slow models",
+                }),
+            },
         }
 
     RETURN_TYPES = ("WANMESH_POOL",)
@@ -31,10 +55,11 @@ class WanMeshPool:
     CATEGORY = "WanMesh/pool"
     DESCRIPTION = "Starts (or reuses) the background worker pool; connect it to the loaders."
 
-    def make(self, devices, world, tp, ulysses, ring, cfg_parallel, vae_patch, backend, ray_address):
+    def make(self, devices, world, tp, ulysses, ring, cfg_parallel, vae_patch, backend, ray_address,
+             worker_timeout=DEFAULT_WORKER_TIMEOUT_S):
         config = ParallelConfig(
             world=world, tp=tp, ulysses=ulysses, ring=ring, cfg_parallel=cfg_parallel, vae_patch=vae_patch,
-            devices=devices, backend=backend, ray_address=ray_address or None,
+            devices=devices, backend=backend, ray_address=ray_address or None, worker_timeout=float(worker_timeout),
         )
         for warning in check_ranks(config):  # a bad device list fails here, before the live pool is replaced
             logging.getLogger("wanmesh").warning("WanMesh Pool: %s", warning)

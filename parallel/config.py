@@ -28,6 +28,8 @@ SPATIAL_STRIDE = 16  # VAE 8x times the transformer's 2x2 patches
 VAE_SPATIAL_FACTOR = 8
 TEMPORAL_STRIDE = 4  # frames are 4k + 1
 LATENT_CHANNELS = 16
+DEFAULT_WORKER_TIMEOUT_S = 60.0
+MIN_WORKER_TIMEOUT_S = 1.0  # heartbeats come every second: a shorter timeout would flag healthy ranks
 
 
 def _as_device_tuple(devices: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -66,6 +68,7 @@ class ParallelConfig:
     backend: str = "local"
     ray_address: str | None = None
     memory_budget_gb: float = 0.0  # resident models per rank; 0 = what the device can hold (residency.py)
+    worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S  # seconds a rank may go silent (no heartbeat) or block in a collective
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", _as_device_tuple(self.devices))
@@ -74,6 +77,7 @@ class ParallelConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is unknown; valid backends: {', '.join(BACKENDS)}")
         check_memory_budget(self.memory_budget_gb)
+        check_worker_timeout(self.worker_timeout)
 
     # -- derived degrees ----------------------------------------------------------------------------------
 
@@ -194,6 +198,14 @@ def rank_coordinates(config: ParallelConfig, rank: int) -> dict[str, int]:
 
 
 # -- head split ------------------------------------------------------------------------------------------
+
+
+def check_worker_timeout(seconds) -> None:
+    """The heartbeat / collective timeout: a finite number of seconds, at least MIN_WORKER_TIMEOUT_S."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) \
+            or seconds < MIN_WORKER_TIMEOUT_S:
+        raise ValueError(f"worker_timeout must be a finite number of seconds >= {MIN_WORKER_TIMEOUT_S:g}, "
+                         f"got {seconds!r} (default {DEFAULT_WORKER_TIMEOUT_S:g})")
 
 
 def _divisors(value: int) -> str:

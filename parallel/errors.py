@@ -14,7 +14,8 @@ class ProtocolError(ValueError):
 
 
 class Cancelled(RuntimeError):
-    """The caller cancelled: the workers stopped at a step boundary and the pool is still usable."""
+    """The caller cancelled: the workers stopped at a step boundary and the pool is still usable, or (a load,
+    or a rank that stopped answering) the pool was stopped and starts afresh on next use."""
 
 
 class RankDied(Exception):
@@ -38,7 +39,9 @@ class WorkerError(RuntimeError):
 
     def __str__(self) -> str:
         where = f"rank {self.rank}" if self.rank is not None else "worker pool"
-        text = f"{where}: {self.error_type}: {self.message}"
+        text = f"{self.error_type}: {self.message}"
+        if not self.message.startswith(f"{where} "):  # the message may already name the rank
+            text = f"{where}: {text}"
         if self.traceback:
             text += f"\n--- traceback on {where} ---\n{self.traceback.rstrip()}"
         return text

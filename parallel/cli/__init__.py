@@ -62,6 +62,8 @@ def _add_generate(sub) -> None:
     par.add_argument("--cfg-parallel", action="store_true",
                      help="run the conditional and unconditional passes on two halves of the pool")
     par.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
+    par.add_argument("--worker-timeout", type=float, default=60.0,
+                     help="seconds a worker may stop answering before the pool names it and stops (default 60)")
     par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
     par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")
     par.add_argument("--memory-budget-gb", type=float, default=0.0,
@@ -131,7 +133,7 @@ def resolve_model_files(args) -> dict[str, str | None]:
         missing = [f"--{k.replace('_', '-')}" for k, v in single.items() if not v]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}: --model, --vae and --text-encoder go together")
-        return {**single, "vace_module": args.vace_module, "model_low": args.model_low}
+        return {**single, "vace_module": args.vace_module, "model_low": getattr(args, "model_low", None)}
     root = args.models if args.models is not None else ensure_tiny_models(tiny_cache_dir())
     tiny_model = "vace" if wants_vace(args) and args.vace_module is None else "model"
     paths = {key: str(root / TINY_FILES[name]) for key, name in
@@ -139,7 +141,7 @@ def resolve_model_files(args) -> dict[str, str | None]:
     for key, path in paths.items():
         if not Path(path).is_file():
             raise ValueError(f"{path} does not exist: --models expects a tree written by `wanmesh make-tiny DIR`")
-    return {**paths, "vace_module": args.vace_module, "model_low": args.model_low}
+    return {**paths, "vace_module": args.vace_module, "model_low": getattr(args, "model_low", None)}
 
 
 def read_loras(lora_args: list[str], files: dict) -> list[tuple[str, float]]:

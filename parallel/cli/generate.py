@@ -35,6 +35,7 @@ def pool_config(args) -> ParallelConfig:
     return ParallelConfig(
         world=args.world, tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel,
         vae_patch=args.vae_patch, devices=args.device or "auto", memory_budget_gb=args.memory_budget_gb,
+        worker_timeout=getattr(args, "worker_timeout", 60.0),
     )
 
 

@@ -57,6 +57,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     par.add_argument("--ulysses", type=int, default=1, help="sequence-parallel degree (one all-to-all per layer)")
     par.add_argument("--memory-budget-gb", type=float, default=0.0,
                      help="resident models per rank in GB (0: what the device holds)")
+    par.add_argument("--worker-timeout", type=float, default=60.0,
+                     help="seconds a rank may stop answering before it is named and the pool stopped")
     par.set_defaults(ring=1, cfg_parallel=False, vae_patch=1, vace_module=None)
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file of the whole video")

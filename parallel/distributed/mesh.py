@@ -74,9 +74,13 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_distributed(
-    config: ParallelConfig, rank: int, device: torch.device, store: dist.Store, timeout_s: float
+    config: ParallelConfig, rank: int, device: torch.device, store: dist.Store, timeout_s: float,
+    collective_timeout_s: float | None = None,
 ) -> ParallelContext:
-    """Join the default process group through ``store`` and build the mesh; every rank must call this."""
+    """Join the default process group through ``store`` and build the mesh; every rank must call this.
+
+    ``timeout_s`` bounds joining (ranks may start seconds apart); ``collective_timeout_s`` (default: the same)
+    then bounds every collective of every group, so a rank waiting on a stuck peer fails instead of hanging."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -88,7 +92,17 @@ def init_distributed(
         device_id=device if device.type == "cuda" else None,
     )
     mesh = init_device_mesh(device.type, config.mesh_shape, mesh_dim_names=MESH_DIMS)
+    if collective_timeout_s is not None:
+        set_collective_timeout(mesh, collective_timeout_s)
     return ParallelContext(config=config, rank=rank, device=device, mesh=mesh, coords=rank_coordinates(config, rank))
+
+
+def set_collective_timeout(mesh: DeviceMesh, seconds: float) -> None:
+    """Give the default group and every mesh group the same collective timeout."""
+    timeout = datetime.timedelta(seconds=seconds)
+    dist.distributed_c10d._set_pg_timeout(timeout)  # torch's only setter for an existing group (private name)
+    for dim in MESH_DIMS:
+        dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
 
 
 def single_rank_context(config: ParallelConfig, device: torch.device) -> ParallelContext:

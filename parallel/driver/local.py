@@ -27,8 +27,8 @@ from typing import Any
 
 from .. import protocol as P
 from ..config import ParallelConfig
-from ..errors import RankDied
-from ..transport import SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names
+from ..errors import Cancelled, RankDied
+from ..transport import SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
 BOOTSTRAP = (
@@ -41,6 +41,48 @@ BOOTSTRAP = (
 )
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
 SHUTDOWN_GRACE_S = 5.0
+POOL_DIR_PREFIX = "wanmesh-pool-"
+OWNER_FILE = "owner.pid"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _owner_pid(pool_dir: str) -> int | None:
+    try:
+        with open(os.path.join(pool_dir, OWNER_FILE)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def sweep_stale_pool_files() -> list[str]:
+    """Remove pool temp folders and shared-memory segments whose driver process is gone (a driver killed
+    before it or its workers could clean up). Returns what was removed."""
+    removed = []
+    temp = tempfile.gettempdir()
+    for name in os.listdir(temp):
+        path = os.path.join(temp, name)
+        owner = _owner_pid(path) if name.startswith(POOL_DIR_PREFIX) else None
+        if owner is not None and not _pid_alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+        owner = name.split("_")[1] if name.startswith("wanmesh_") and name.count("_") >= 2 else ""
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _exit_detail(code: int | None) -> str:
@@ -62,7 +104,10 @@ class LocalWorkers:
         self.shm_prefix = new_segment_prefix()
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
-        self._tmpdir = tempfile.mkdtemp(prefix="wanmesh-pool-")
+        sweep_stale_pool_files()
+        self._tmpdir = tempfile.mkdtemp(prefix=POOL_DIR_PREFIX)
+        with open(os.path.join(self._tmpdir, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
         self._writer = ShmWriter(self.shm_prefix + "_d")
         self._reader = ShmReader()
         self._janitor = SegmentJanitor(self.shm_prefix)
@@ -72,14 +117,14 @@ class LocalWorkers:
 
     # -- start -----------------------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float) -> None:
+    def start(self, timeout_s: float, should_cancel=None) -> None:
         # Linux delivers the parent-death signal when the *thread* that forked a child ends, so the workers
         # are forked from a thread that lives exactly as long as this pool generation.
         threading.Thread(target=self._spawn_and_hold, name="wanmesh-pool-launcher", daemon=True).start()
         self._spawned.wait()
         if self._spawn_error is not None:
             raise self._spawn_error
-        self._await_hello(timeout_s)
+        self._await_hello(timeout_s, should_cancel)
 
     def _spawn_and_hold(self) -> None:
         try:
@@ -97,6 +142,7 @@ class LocalWorkers:
             "rank": rank, "fd": theirs.fileno(), "parent_pid": os.getpid(), "config": self.config.to_dict(),
             "device": self.devices[rank], "store": os.path.join(self._tmpdir, "store"),
             "pg_timeout_s": self.pg_timeout_s, "diagnostics": self.diagnostics, "shm_prefix": self.shm_prefix,
+            "pool_dir": self._tmpdir, "collective_timeout_s": self.config.worker_timeout,
         }
         env = {**os.environ, **LOOPBACK_ENV}
         try:
@@ -110,10 +156,12 @@ class LocalWorkers:
         self.procs.append(proc)
         self.conns.append(Connection(ours.detach()))
 
-    def _await_hello(self, timeout_s: float) -> None:
+    def _await_hello(self, timeout_s: float, should_cancel=None) -> None:
         deadline = time.monotonic() + timeout_s
         waiting = set(range(self.config.world))
         while waiting:
+            if should_cancel is not None and should_cancel():  # it may also raise the host's interrupt
+                raise Cancelled("starting the worker pool was cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise P.WorkerError(min(waiting), "StartTimeout", f"ranks {sorted(waiting)} did not start within "

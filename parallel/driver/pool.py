@@ -3,9 +3,12 @@ progress and cancel, survive faults.
 
 ``WorkerPool.call`` sends one typed request to every rank and waits for all of them, turning what comes back
 into a typed reply (rank 0's), a :class:`WorkerError`, or :class:`Cancelled`. A rank that dies, raises
-while the others wait on it, or sends nothing for ``timeout_s`` seconds stops the whole pool (a broken
-collective cannot be repaired); the next call starts a fresh one and reloads the models the caller had
-loaded, so handles stay valid across restarts. Errors that every rank reports leave the pool running.
+while the others wait on it, stops its heartbeat for ``config.worker_timeout`` seconds (it is named), or
+sends nothing for ``timeout_s`` seconds stops the whole pool (a broken collective cannot be repaired); the
+next call starts a fresh one and reloads the models the caller had loaded, so handles stay valid across
+restarts. Errors that every rank reports leave the pool running. The driver never blocks on a worker for
+longer than one short poll, so a cancel (or the host's interrupt) is seen within a fraction of a second: at
+a step boundary when the ranks can stop there, else by stopping the pool.
 
 Backends (``local.LocalWorkers``, ``ray_backend.RayWorkers``) start the workers and move messages;
 the request discipline above is shared by both.
@@ -27,6 +30,10 @@ __all__ = ["WorkerPool", "WorkerError", "Cancelled", "get_pool", "close_cached_p
 
 ERROR_GRACE_S = 3.0  # after one rank fails, how long the others get to report before the pool is stopped
 POLL_S = 0.05
+CANCEL_GRACE_S = 2.0  # a cancelled request that cannot stop at a step boundary (a load) gets this long, then the pool stops
+STALE_BEATS = 3  # a rank that missed this many heartbeats is the suspect when its peers fail waiting on it
+EXIT_LOCK_S = 1.0  # at interpreter exit, how long to wait for a running call before killing the workers anyway
+COOPERATIVE = (P.SampleRequest, P.Diagnostic)  # requests whose ranks check for a cancel at step boundaries
 
 Progress = Callable[..., None]  # (step, total), or (step, total, preview) when the request asked for previews
 
@@ -36,6 +43,10 @@ class _Transaction:
 
     def __init__(self, world: int, request_id: int):
         self.request_id = request_id
+        self.started = time.monotonic()
+        self.last_beat = {rank: self.started for rank in range(world)}  # any message from the rank counts
+        self.last_status: dict[int, dict[str, Any]] = {}  # each rank's latest heartbeat fields
+        self.cancel_sent_at: float | None = None
         self.pending = set(range(world))
         self.outcomes: dict[int, dict[str, Any]] = {}
         self.errors: list[WorkerError] = []  # in arrival order: the first is usually the cause
@@ -43,6 +54,23 @@ class _Transaction:
         self.last_activity = time.monotonic()
         self.cancel_sent = False
         self.caller_exception: BaseException | None = None
+
+    def beat(self, rank: int, message: dict[str, Any]) -> None:
+        self.last_beat[rank] = time.monotonic()
+        if message["kind"] in ("heartbeat", "progress"):
+            status = self.last_status.setdefault(rank, {})
+            status.update({k: message[k] for k in ("phase", "step", "total") if message.get(k) is not None})
+
+    def status_of(self, rank: int) -> dict[str, Any] | None:
+        """The rank's last heartbeat fields; its step falls back to the pool's last progress step (rank 0's),
+        when the rank went silent before its own heartbeat carried one."""
+        own, pool_wide = self.last_status.get(rank) or {}, self.last_status.get(0) or {}
+        if own.get("step") is None and pool_wide.get("step") is not None:
+            return {**own, "step": pool_wide["step"], "total": pool_wide.get("total")}
+        return own or None
+
+    def silent_for(self, rank: int, now: float) -> float:
+        return now - self.last_beat[rank]
 
     def record(self, rank: int, message: dict[str, Any]) -> None:
         self.last_activity = time.monotonic()
@@ -84,7 +112,7 @@ class WorkerPool:
         self._loads: dict[str, P.Request] = {}  # handle -> the load request that made it
         self._resident: set[str] = set()  # handles loaded in the current workers
         self._closed = False
-        self._start()
+        self._start(_interrupt_check)
 
     # -- life cycle -----------------------------------------------------------------------------------------
 
@@ -97,10 +125,10 @@ class WorkerPool:
 
         return LocalWorkers(self.config, self.pg_timeout_s, self.diagnostics)
 
-    def _start(self) -> None:
+    def _start(self, should_cancel: Callable[[], bool] | None = None) -> None:
         backend = self._make_backend()
         try:
-            backend.start(self.start_timeout_s)
+            backend.start(self.start_timeout_s, should_cancel)
         except BaseException:
             backend.kill()
             raise
@@ -121,6 +149,13 @@ class WorkerPool:
             if self._backend is not None:
                 backend, self._backend = self._backend, None
                 backend.shutdown(next(self._ids))
+
+    def kill_now(self) -> None:
+        """End the workers at once without waiting for a running call (interpreter exit, signals)."""
+        self._closed = True
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.kill()
 
     def __enter__(self) -> "WorkerPool":
         return self
@@ -154,21 +189,22 @@ class WorkerPool:
             raise TypeError(f"call() takes a protocol request ({', '.join(P.REQUESTS)}), got {type(request).__name__}")
         if isinstance(request, P.Shutdown):
             raise ValueError("stop the pool with close(), not a Shutdown request")
+        should_cancel = should_cancel or _interrupt_check
         with self._lock:
             if self._closed:
                 raise RuntimeError("this WorkerPool was closed; get a new one (get_pool starts one)")
             if self._backend is None:
-                self._start()
-            self._reload_if_needed(request)
+                self._start(should_cancel)
+            self._reload_if_needed(request, should_cancel)
             reply = self._call_started(request, progress, should_cancel, timeout_s or self.timeout_s)
             self._note_residency(request, reply)
             return reply
 
-    def _reload_if_needed(self, request: P.Request) -> None:
+    def _reload_if_needed(self, request: P.Request, should_cancel=None) -> None:
         """After a restart, reload the model a request refers to, as the caller loaded it before."""
         handle = getattr(request, "handle", None)
         if handle and handle in self._loads and handle not in self._resident and not isinstance(request, P.Unload):
-            self._call_started(self._loads[handle], None, None, self.timeout_s)
+            self._call_started(self._loads[handle], None, should_cancel, self.timeout_s)
             self._resident.add(handle)
 
     def _note_residency(self, request: P.Request, reply: P.Reply) -> None:
@@ -203,22 +239,58 @@ class WorkerPool:
         for rank, message in backend.poll(POLL_S):
             if message.get("id") != txn.request_id:
                 continue  # late news from an earlier, abandoned request
+            txn.beat(rank, message)
+            if message["kind"] == "heartbeat":
+                continue
             if message["kind"] == "progress":
                 txn.last_activity = time.monotonic()
                 self._report_progress(backend, txn, progress, message)
             else:
                 txn.record(rank, message)
         now = time.monotonic()
-        if txn.pending and txn.first_error_at is not None and now - txn.first_error_at > ERROR_GRACE_S:
+        if not txn.pending:
+            return
+        self._check_stuck(txn, request, now, self.config.worker_timeout)
+        if txn.first_error_at is not None and now - txn.first_error_at > ERROR_GRACE_S:
+            self._check_stuck(txn, request, now, STALE_BEATS * heartbeat_interval(self.config.worker_timeout))
             self._discard_workers()
             first = txn.errors[0]
             raise WorkerError(first.rank, first.error_type, first.message + f" (ranks {sorted(txn.pending)} were left "
                               "waiting on it; the pool was stopped)", first.traceback)
-        if txn.pending and now - txn.last_activity > timeout_s:
+        self._check_cancel_overdue(txn, request, now)
+        if now - txn.last_activity > timeout_s:
             self._discard_workers()
             raise WorkerError(min(txn.pending), "Timeout", f"ranks {sorted(txn.pending)} sent nothing for {timeout_s:g} s "
                               f"during {request.kind} (timeout_s={timeout_s:g}); the pool was stopped and the next "
                               "request starts a fresh one")
+
+    def _check_stuck(self, txn: _Transaction, request, now: float, silent_limit: float) -> None:
+        """Stop the pool and name the first pending rank whose heartbeat has been silent past ``silent_limit``."""
+        silent = [r for r in sorted(txn.pending) if txn.silent_for(r, now) > silent_limit]
+        if not silent:
+            return
+        self._discard_workers()
+        rank = silent[0]
+        raise WorkerError(rank, "WorkerStuck", f"rank {rank} stopped answering for {txn.silent_for(rank, now):.0f} s "
+                          f"during {_where(txn.status_of(rank), request)}; the pool was stopped and restarts on "
+                          f"next use; raise worker_timeout (now {self.config.worker_timeout:g} s) if the model is "
+                          "just slow")
+
+    def _check_cancel_overdue(self, txn: _Transaction, request, now: float) -> None:
+        """A cancel the ranks cannot honour soon (a load, or a rank stuck) stops the pool instead."""
+        if txn.cancel_sent_at is None:
+            return
+        waited = now - txn.cancel_sent_at
+        stale = STALE_BEATS * heartbeat_interval(self.config.worker_timeout)
+        cooperative = isinstance(request, COOPERATIVE)
+        stuck = [r for r in sorted(txn.pending) if txn.silent_for(r, now) > stale]
+        if (cooperative and not stuck and waited < self.config.worker_timeout) or waited < CANCEL_GRACE_S:
+            return
+        self._discard_workers()
+        if txn.caller_exception is not None:
+            raise txn.caller_exception
+        why = f"rank {stuck[0]} is not answering" if stuck else f"{request.kind} cannot stop part-way"
+        raise Cancelled(f"{request.kind} was cancelled; {why}, so the pool was stopped and restarts on next use")
 
     def _maybe_cancel(self, backend, txn: _Transaction, should_cancel) -> None:
         if txn.cancel_sent or should_cancel is None:
@@ -229,7 +301,7 @@ class WorkerPool:
             txn.caller_exception, wanted = exc, True
         if wanted:
             backend.send_cancel(txn.request_id)
-            txn.cancel_sent = True
+            txn.cancel_sent, txn.cancel_sent_at = True, time.monotonic()
 
     def _report_progress(self, backend, txn: _Transaction, progress, message) -> None:
         if progress is None or txn.caller_exception is not None:
@@ -245,7 +317,7 @@ class WorkerPool:
             txn.caller_exception = exc
             if not txn.cancel_sent:
                 backend.send_cancel(txn.request_id)
-                txn.cancel_sent = True
+                txn.cancel_sent, txn.cancel_sent_at = True, time.monotonic()
 
     def _conclude(self, backend, txn: _Transaction, request: P.Request) -> P.Reply:
         if txn.caller_exception is not None:
@@ -261,6 +333,32 @@ class WorkerPool:
         if not isinstance(reply, expected):
             raise P.ProtocolError(f"{request.kind} was answered with {reply.kind}, expected {expected.kind}")
         return reply
+
+
+def heartbeat_interval(worker_timeout: float) -> float:
+    """How often a busy worker beats (the worker's own rule, repeated here so the driver stays light)."""
+    return min(1.0, worker_timeout / 4)
+
+
+def _where(status: dict[str, Any] | None, request: P.Request) -> str:
+    """'sample step 3/8' from a rank's last heartbeat, or the request's kind when it reported no step."""
+    status = status or {}
+    phase = status.get("phase") or request.kind
+    if status.get("step") is not None and status.get("total") is not None:
+        return f"{phase} step {status['step']}/{status['total']}"
+    return f"{phase} (no step reported yet)" if isinstance(request, COOPERATIVE) else phase
+
+
+# -- the host's interrupt ---------------------------------------------------------------------------------
+
+_interrupt_check: Callable[[], bool] | None = None
+
+
+def set_interrupt_check(check: Callable[[], bool] | None) -> None:
+    """The host's interrupt (ComfyUI's), polled by every call that was given no ``should_cancel``: pool
+    start, model loading and the other requests. It returns True or raises the host's own exception."""
+    global _interrupt_check
+    _interrupt_check = check
 
 
 # -- one pool per process ---------------------------------------------------------------------------------
@@ -300,4 +398,25 @@ def close_cached_pool() -> None:
         close_cached_pool_locked()
 
 
-atexit.register(close_cached_pool)
+def close_cached_pool_at_exit() -> None:
+    """Interpreter exit (Ctrl-C in ComfyUI): close the pool, but never wait long on a call that is still
+    running in another thread (it holds the pool's lock until sampling ends): kill its workers instead."""
+    if not _cache_lock.acquire(timeout=EXIT_LOCK_S):
+        pool = _cached_pool
+    else:
+        try:
+            pool = _cached_pool
+        finally:
+            _cache_lock.release()
+    if pool is None or pool._closed:
+        return
+    if pool._lock.acquire(timeout=EXIT_LOCK_S):
+        try:
+            pool.close()
+        finally:
+            pool._lock.release()
+    else:
+        pool.kill_now()
+
+
+atexit.register(close_cached_pool_at_exit)

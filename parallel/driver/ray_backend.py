@@ -1,7 +1,10 @@
 """The Ray backend: the same workers as Ray actors on an existing cluster, one per GPU (or CPU slot).
 
 The driver connects with ``ray.init(address=config.ray_address or "auto")`` unless Ray is already initialised
-(tests start a local Ray themselves). Rank 0's actor hosts the process-group store; the ranks join with NCCL
+(tests start a local Ray themselves). The address is used exactly as given; a ``host:port`` address is first
+probed with a plain TCP connect, and ``ray.init`` (which has no timeout of its own) runs in a thread that is
+abandoned after ``RAY_CONNECT_TIMEOUT_S``, so an address that does not answer is an error naming it, not a hang.
+Each actor also sends a heartbeat through the progress queue while it runs a request. Rank 0's actor hosts the process-group store; the ranks join with NCCL
 on GPUs and gloo on CPUs. Requests go out once through the object store and every actor runs them; rank 0's
 actor answers and reports progress through a Ray queue; a cancel is a concurrent actor call (actors run two
 threads). Tensors travel as raw-byte numpy arrays, which Ray keeps in shared memory on each node.
@@ -14,7 +17,9 @@ under any module name, while on the actors it is registered as ``wanmesh`` from 
 from __future__ import annotations
 
 import os
-from typing import Any
+import socket
+import threading
+from typing import Any, Callable
 
 from .. import protocol as P
 from ..config import ParallelConfig
@@ -22,6 +27,58 @@ from ..errors import RankDied
 from .local import PACK_DIR
 from ..transport import pack_for_ray, unpack_from_ray
 
+
+
+RAY_CONNECT_TIMEOUT_S = 30.0
+
+
+def _unreachable(address: str, why: str) -> P.WorkerError:
+    return P.WorkerError(None, "RayUnreachable", f"the Ray cluster at {address!r} {why}; check the address "
+                         "(host:port of the head node's GCS, e.g. 10.0.0.5:6379) and that the cluster is up")
+
+
+def probe_address(address: str | None, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """TCP-connect to a ``host:port`` (or ``ray://host:port``) address as given; 'auto' and empty are not probed."""
+    if not address or address in ("auto", "local"):
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"ray_address {address!r} is not valid; use host:port, ray://host:port or leave it empty (auto)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except socket.timeout:
+        raise _unreachable(address, f"did not answer within {timeout_s:g} s") from None
+    except OSError as exc:
+        raise _unreachable(address, f"cannot be reached ({exc.strerror or exc})") from None
+
+
+def run_abandonable(fn: Callable[[], Any], timeout_s: float, address: str) -> Any:
+    """Run ``fn`` (``ray.init``, which has no timeout argument) in a daemon thread; give up after ``timeout_s``."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="wanmesh-ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _unreachable(address, f"did not accept a connection within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def connect_ray(ray, address: str | None, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """``ray.init`` on ``address`` as given (None: 'auto'), bounded by ``timeout_s``."""
+    if ray.is_initialized():
+        return
+    given = address or "auto"
+    probe_address(given, timeout_s)
+    run_abandonable(lambda: ray.init(address=given), timeout_s, given)
 
 
 def _require_ray():
@@ -85,9 +142,21 @@ def _actor_class(ray):
                 torch.set_num_threads(int(threads))
             store = dist.TCPStore(host, port, config.world, is_master=self.rank == 0,
                                   timeout=datetime.timedelta(seconds=self.settings["pg_timeout_s"]))
-            parallel = mesh.init_distributed(config, self.rank, device, store, self.settings["pg_timeout_s"])
+            parallel = mesh.init_distributed(config, self.rank, device, store, self.settings["pg_timeout_s"],
+                                             collective_timeout_s=self.settings["worker_timeout"])
             self.runtime = worker.WorkerRuntime(parallel, self.settings.get("diagnostics"))
+            threading.Thread(target=self._beat_forever, daemon=True).start()
             return self.runtime.health()
+
+        def _beat_forever(self) -> None:
+            import time
+
+            interval = min(1.0, self.settings["worker_timeout"] / 4)
+            while True:
+                time.sleep(interval)
+                current = self.runtime.status.snapshot()
+                if current is not None:
+                    self.queue.put_nowait({"kind": "heartbeat", "rank": self.rank, **current})
 
         def execute(self, request_id: int, body: dict) -> dict:
             transport = __import__("wanmesh.parallel.transport", fromlist=["pack_for_ray"])
@@ -95,7 +164,7 @@ def _actor_class(ray):
 
             runtime_module = __import__("wanmesh.parallel.worker.runtime", fromlist=["StepReporter"])
             send = (lambda fields: self.queue.put_nowait({"kind": "progress", "id": request_id, **fields}))
-            progress = runtime_module.StepReporter(send if self.rank == 0 else None)
+            progress = runtime_module.StepReporter(send if self.rank == 0 else None, self.runtime.status)
 
             def pack_reply(reply):
                 return protocol.encode_message(reply, transport.pack_for_ray)
@@ -136,16 +205,15 @@ class RayWorkers:
             raise ValueError(f"world={self.config.world} ranks need {self.config.world} GPUs, the Ray cluster has {gpus:g}")
         return wanted == "cuda" or (wanted == "auto" and gpus >= self.config.world)
 
-    def start(self, timeout_s: float) -> None:
+    def start(self, timeout_s: float, should_cancel=None) -> None:
         ray = self.ray
-        if not ray.is_initialized():
-            ray.init(address=self.config.ray_address or "auto")
+        connect_ray(ray, self.config.ray_address)
         from ray.util.queue import Queue
 
         gpu = self._use_gpus()
         self.queue = Queue()
         settings = {"config": self.config.to_dict(), "gpu": gpu, "pg_timeout_s": self.pg_timeout_s,
-                    "diagnostics": self.diagnostics}
+                    "diagnostics": self.diagnostics, "worker_timeout": self.config.worker_timeout}
         actor = _actor_class(ray).options(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
         self.actors = [actor.remote(PACK_DIR, rank, settings, self.queue) for rank in range(self.config.world)]
         host, port = self._get(self.actors[0].rendezvous_address.remote(), timeout_s, "starting")
@@ -175,7 +243,8 @@ class RayWorkers:
             actor.cancel.remote(request_id)
 
     def poll(self, timeout_s: float) -> list[tuple[int, dict]]:
-        messages = [(0, m) for m in self.queue.get_nowait_batch(self.queue.qsize())] if self.queue.qsize() else []
+        queued = self.queue.get_nowait_batch(self.queue.qsize()) if self.queue.qsize() else []
+        messages = [(m.get("rank", 0), m) for m in queued]  # progress comes from rank 0, heartbeats from every rank
         if not self._pending:
             return messages
         ready, _ = self.ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0 if messages else timeout_s)

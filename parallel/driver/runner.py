@@ -11,7 +11,7 @@ import torch
 from .. import protocol as P
 from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_stream_layout, check_tiles, check_video_size
 from ..vace.encode import check_encode_inputs
-from .pool import WorkerPool, current_pool, get_pool
+from .pool import WorkerPool, current_pool, get_pool, set_interrupt_check
 
 
 class PoolRunner:
@@ -30,6 +30,12 @@ class PoolRunner:
         """The live pool if there is one (so unconnected loaders join it), else a one-rank pool."""
         pool = current_pool()
         return cls(pool) if pool is not None else cls.for_config(ParallelConfig(world=1, devices="auto"))
+
+    @staticmethod
+    def set_interrupt_check(check) -> None:
+        """Register the host's interrupt (returns True or raises its own exception); every pool call that is
+        given no cancel callback polls it, so pool start and model loading stop on it too."""
+        set_interrupt_check(check)
 
     @property
     def config(self) -> ParallelConfig:

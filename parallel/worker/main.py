@@ -12,49 +12,85 @@ import ctypes
 import json
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .. import protocol as P
 from ..config import ParallelConfig
 from ..distributed.mesh import init_distributed
-from ..transport import ShmReader, ShmWriter
+from ..transport import ShmReader, ShmWriter, remove_segments
 from .runtime import THREADS_ENV, StepReporter, WorkerRuntime
 
 PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
+ORPHAN_SETTLE_S = 2.0
+MAX_HEARTBEAT_S = 1.0
 
 # -- the local-backend process -------------------------------------------------------------------------
 
 
-def guard_against_orphaning(parent_pid: int) -> None:
-    """Die with the driver: a parent-death signal (Linux) plus a thread that watches the parent pid."""
+def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | None = None) -> None:
+    """Die with the driver: a parent-death signal (Linux) plus a thread that watches the parent pid.
+
+    The parent-death signal is SIGTERM, taken by a thread blocked in ``sigwait`` rather than by a Python
+    handler (those run only when the main thread runs Python code, and it may sit inside a collective).
+    Whichever notices first runs ``on_orphaned`` (removing what the dead driver left behind) and exits."""
+    cleanup = on_orphaned or (lambda: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit the mask
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the driver died before the signal was armed
-        os._exit(1)
+        _leave(cleanup)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
+            time.sleep(PARENT_POLL_S)
+        _leave(cleanup)
+
+    def take_sigterm() -> None:
+        signal.sigwait({signal.SIGTERM})
+        # The parent-death signal comes when the driver's launcher *thread* ends, which in a dying driver
+        # is before the process is gone and this worker re-parented: give it a moment to show.
+        deadline = time.monotonic() + ORPHAN_SETTLE_S
+        while os.getppid() == parent_pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _leave(cleanup if os.getppid() != parent_pid else (lambda: None))  # a live driver cleans up itself
 
     threading.Thread(target=watch, name="wanmesh-parent-watch", daemon=True).start()
+    threading.Thread(target=take_sigterm, name="wanmesh-sigterm", daemon=True).start()
+
+
+def _leave(cleanup: Callable[[], None], code: int = 1) -> None:
+    try:
+        cleanup()
+    finally:
+        os._exit(code)
+
+
+def remove_pool_leftovers(shm_prefix: str, pool_dir: str | None) -> None:
+    """What a dead driver can no longer remove: the pool's shared-memory segments and its temp folder."""
+    remove_segments(shm_prefix)
+    if pool_dir:
+        shutil.rmtree(pool_dir, ignore_errors=True)
 
 
 class LocalWorker:
     """Serves one rank of a local pool over its connection to the driver."""
 
-    def __init__(self, runtime: WorkerRuntime, conn: Connection, shm_prefix: str):
+    def __init__(self, runtime: WorkerRuntime, conn: Connection, shm_prefix: str,
+                 on_driver_gone: Callable[[], None] | None = None):
         self.runtime = runtime
         self.conn = conn
+        self.on_driver_gone = on_driver_gone or (lambda: None)
         self.reader = ShmReader(copy_on_write=True)
         self.writer = ShmWriter(f"{shm_prefix}_r{runtime.rank}", tracked=False) if runtime.rank == 0 else None
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -80,10 +116,25 @@ class LocalWorker:
         """The driver is gone: leave at once, even from inside a collective that would never finish."""
         if self.writer is not None:
             self.writer.close()
-        os._exit(code)
+        _leave(self.on_driver_gone, code)
 
-    def serve(self) -> None:
+    def beat_forever(self, interval_s: float) -> None:
+        """Heartbeat thread: while a request runs, tell the driver every ``interval_s`` that this rank lives
+        and which step it is at. It runs while the main thread waits in a collective or a long operation; a
+        stopped or wedged process falls silent, which is how the driver tells the stuck rank from its peers."""
+        while True:
+            time.sleep(interval_s)
+            current = self.runtime.status.snapshot()
+            if current is None:
+                continue
+            try:
+                self.send({"kind": "heartbeat", "rank": self.runtime.rank, **current})
+            except (OSError, ValueError):
+                self.exit_now()
+
+    def serve(self, heartbeat_s: float = MAX_HEARTBEAT_S) -> None:
         threading.Thread(target=self.receive_forever, name="wanmesh-receiver", daemon=True).start()
+        threading.Thread(target=self.beat_forever, args=(heartbeat_s,), name="wanmesh-heartbeat", daemon=True).start()
         while True:
             message = self.inbox.get()
             request_id = message["id"]
@@ -106,8 +157,13 @@ class LocalWorker:
 
     def _progress_sender(self, request_id: int) -> StepReporter:
         if self.runtime.rank != 0:
-            return StepReporter(None)
-        return StepReporter(lambda fields: self.send({"kind": "progress", "id": request_id, **fields}))
+            return StepReporter(None, self.runtime.status)
+        return StepReporter(lambda fields: self.send({"kind": "progress", "id": request_id, **fields}), self.runtime.status)
+
+
+def heartbeat_interval(worker_timeout: float) -> float:
+    """A beat every second, or four per timeout when the timeout is shorter (a late beat is not a stuck rank)."""
+    return min(MAX_HEARTBEAT_S, worker_timeout / 4)
 
 
 def _configure_threads(device: torch.device, world: int) -> None:
@@ -120,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of a local worker process: ``argv[0]`` is the JSON settings written by the pool (``--rank N``
     follows it so that ``ps`` shows which rank a process is)."""
     settings = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    guard_against_orphaning(settings["parent_pid"])
+    leftovers = lambda: remove_pool_leftovers(settings["shm_prefix"], settings.get("pool_dir"))  # noqa: E731
+    guard_against_orphaning(settings["parent_pid"], leftovers)
     conn = Connection(settings["fd"])
     rank = settings["rank"]
     try:
@@ -128,14 +185,15 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device(settings["device"])
         _configure_threads(device, config.world)
         store = torch.distributed.FileStore(settings["store"], config.world)
-        parallel = init_distributed(config, rank, device, store, settings["pg_timeout_s"])
+        parallel = init_distributed(config, rank, device, store, settings["pg_timeout_s"],
+                                    collective_timeout_s=settings.get("collective_timeout_s"))
         runtime = WorkerRuntime(parallel, settings.get("diagnostics"))
     except Exception as exc:
         conn.send({"kind": "error", **P.WorkerError(rank, type(exc).__name__, str(exc), traceback.format_exc()).to_wire()})
         os._exit(1)
-    worker = LocalWorker(runtime, conn, settings["shm_prefix"])
+    worker = LocalWorker(runtime, conn, settings["shm_prefix"], leftovers)
     worker.send({"kind": "hello", **runtime.health()})
-    worker.serve()
+    worker.serve(heartbeat_interval(config.worker_timeout))
     if worker.writer is not None:
         worker.writer.close()
     torch.distributed.destroy_process_group()

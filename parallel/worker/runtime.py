@@ -101,10 +101,11 @@ class StepReporter:
     ``send`` takes the message's fields (``step``, ``total``, optional ``preview``); other ranks get ``None``
     and report nothing. Previews are small uint8 arrays (latent resolution), so they travel with the message."""
 
-    def __init__(self, send: Callable[[dict[str, Any]], None] | None):
+    def __init__(self, send: Callable[[dict[str, Any]], None] | None, status: "WorkStatus | None" = None):
         self._send = send
         self._preview = None
         self._last = (0, 0)
+        self._status = status  # every rank records its step here, for its heartbeat
 
     def attach_preview(self, image) -> None:
         self._preview = image
@@ -117,12 +118,40 @@ class StepReporter:
 
     def __call__(self, step: int, total: int) -> None:
         self._last = (int(step), int(total))
+        if self._status is not None:
+            self._status.step(step, total)
         if self._send is None:
             return
         fields: dict[str, Any] = {"step": int(step), "total": int(total)}
         if self._preview is not None:
             fields["preview"], self._preview = self._preview, None
         self._send(fields)
+
+
+class WorkStatus:
+    """What this rank is doing now (request id and kind, last step), read by its heartbeat thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._current: dict[str, Any] | None = None
+
+    def begin(self, request_id: int, kind: str) -> None:
+        with self._lock:
+            self._current = {"id": request_id, "phase": kind, "step": None, "total": None}
+
+    def step(self, step: int, total: int) -> None:
+        with self._lock:
+            if self._current is not None:
+                self._current.update(step=int(step), total=int(total))
+
+    def end(self) -> None:
+        with self._lock:
+            self._current = None
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """A copy of the current request's fields, or None between requests."""
+        with self._lock:
+            return dict(self._current) if self._current is not None else None
 
 
 class StopFlags:
@@ -171,6 +200,7 @@ class WorkerRuntime:
         self.rank = parallel.rank
         self.device = parallel.device
         self.stops = StopFlags()
+        self.status = WorkStatus()
         self._executor = None
         self._diagnostics = load_diagnostics(diagnostics)
 
@@ -194,6 +224,7 @@ class WorkerRuntime:
         """Run one request; the outcome as plain data: reply (rank 0's carries the result), cancelled or error."""
         should_stop = StopCheck(self, request_id)
         ctx = RequestContext(self, progress, should_stop)
+        self.status.begin(request_id, request.kind)
         try:
             reply = self._dispatch(ctx, request)
         except Exception as exc:  # every failure goes back to the caller with its traceback
@@ -203,6 +234,7 @@ class WorkerRuntime:
             return error.to_wire()
         finally:
             self.stops.forget(request_id)
+            self.status.end()
         return {"kind": "reply", "rank": self.rank, "body": reply}
 
     def execute_wire(
