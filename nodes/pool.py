@@ -21,7 +21,13 @@ class WanMeshPool:
                 "vae_patch": ("INT", {**DEGREE, "tooltip": "ranks that share VAE tiles"}),
                 "backend": (list(BACKENDS), {"tooltip": "local: processes on this machine; ray: actors on a Ray cluster"}),
                 "ray_address": ("STRING", {"default": "", "tooltip": "Ray cluster address (ray backend; empty: auto)"}),
-            }
+            },
+            # Optional so that API prompts written before this input existed still run (previews on).
+            "optional": {
+                "previews": ("BOOLEAN", {"default": True,
+                                         "tooltip": "show a small preview of the video being made at every sampler "
+                                                    "step (cheap, no VAE); off sends no preview images"}),
+            },
         }
 
     RETURN_TYPES = ("WANMESH_POOL",)
@@ -29,9 +35,9 @@ class WanMeshPool:
     CATEGORY = "WanMesh/pool"
     DESCRIPTION = "Starts (or reuses) the background worker pool; connect it to the loaders."
 
-    def make(self, devices, world, tp, ulysses, ring, cfg_parallel, vae_patch, backend, ray_address):
+    def make(self, devices, world, tp, ulysses, ring, cfg_parallel, vae_patch, backend, ray_address, previews=True):
         config = ParallelConfig(
             world=world, tp=tp, ulysses=ulysses, ring=ring, cfg_parallel=cfg_parallel, vae_patch=vae_patch,
             devices=devices, backend=backend, ray_address=ray_address or None,
         )
-        return (PoolRunner.for_config(config),)
+        return (PoolRunner.for_config(config, previews=previews),)

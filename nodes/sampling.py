@@ -90,7 +90,7 @@ class WanMeshSampler:
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
             sampler=sampler_name, denoise=denoise, vace_frames=conditional.vace_frames,
-            vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(),
+            vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(model.runner),
         )
         try:
             samples = model.runner.sample(request, progress=progress_reporter(steps), should_stop=interrupted)
