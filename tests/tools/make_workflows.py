@@ -65,13 +65,14 @@ def wanmesh_vae(w: WorkflowBuilder, pool_id: int) -> int:
                   {"pool": (pool_id, 0)})
 
 
-def sampler(w: WorkflowBuilder, column: int, model: int, conditioning: tuple[int, int, int, int], seed: int,
-            steps: int) -> int:
-    """The sampler; ``conditioning``: (positive node, slot, negative node, slot) with the latent from a node too."""
-    positive, negative, latent, latent_slot = conditioning
+Output = tuple[int, int]  # (node id, output slot)
+
+
+def sampler(w: WorkflowBuilder, column: int, model: int, positive: Output, negative: Output, latent: Output,
+            seed: int, steps: int) -> int:
     return w.node("WanMeshSampler", [COLUMNS[column], 40],
                   {"seed": seed, "steps": steps, "cfg": 5.0, "shift": 3.0, "sampler_name": "unipc", "denoise": 1.0},
-                  {"model": (model, 0), "positive": positive, "negative": negative, "latent_image": (latent, latent_slot)})
+                  {"model": (model, 0), "positive": positive, "negative": negative, "latent_image": latent})
 
 
 def save_video(w: WorkflowBuilder, column: int, images: int, name: str) -> int:
@@ -87,7 +88,7 @@ def t2v_graph(w: WorkflowBuilder, name: str, tile: tuple[int, int], also_png: bo
     vae = wanmesh_vae(w, pool_id)
     latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 420], {"width": 64, "height": 64, "length": 5,
                                                                "batch_size": 1})
-    sampled = sampler(w, 3, model, ((positive, 0), (negative, 0), latent, 0), seed=42, steps=4)
+    sampled = sampler(w, 3, model, (positive, 0), (negative, 0), (latent, 0), seed=42, steps=4)
     decode = w.node("WanMeshVAEDecode", [COLUMNS[4], 40], {"tile_px": tile[0], "overlap_px": tile[1]},
                     {"vae": (vae, 0), "samples": (sampled, 0)})
     save_video(w, 5, decode, name)
@@ -111,13 +112,13 @@ def t2v_tp2(info: dict[str, Any]) -> WorkflowBuilder:
 # ---- VACE --------------------------------------------------------------------------------------------------
 
 def vace_tail(w: WorkflowBuilder, texts: tuple[int, int, int], vae: int, name: str, size: tuple[int, int],
-              length: int, vace_links: dict[str, tuple[int, int]], seed: int, tile: tuple[int, int] = (0, 64)) -> None:
+              length: int, vace_links: dict[str, Output], seed: int, tile: tuple[int, int] = (0, 64)) -> None:
     """WanMesh VACE encode -> sampler -> trim -> decode -> save video."""
     positive, negative, model = texts
     encode = w.node("WanMeshVaceEncode", [COLUMNS[4], 40],
                     {"width": size[0], "height": size[1], "length": length, "batch_size": 1, "strength": 1.0},
                     {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0), **vace_links})
-    sampled = sampler(w, 5, model, ((encode, 0), (encode, 1), encode, 2), seed=seed, steps=3)
+    sampled = sampler(w, 5, model, (encode, 0), (encode, 1), (encode, 2), seed=seed, steps=3)
     trim = w.node("WanMeshTrimLatent", [COLUMNS[6], 40], {}, {"samples": (sampled, 0), "trim_amount": (encode, 3)})
     decode = w.node("WanMeshVAEDecode", [COLUMNS[6], 200], {"tile_px": tile[0], "overlap_px": tile[1]},
                     {"vae": (vae, 0), "samples": (trim, 0)})
@@ -158,7 +159,7 @@ def vace_v2v_control(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
-def mask_links(mask: int) -> dict[str, tuple[int, int]]:
+def mask_links(mask: int) -> dict[str, Output]:
     return {"control_video": (mask, 0), "control_masks": (mask, 1)}
 
 
@@ -194,7 +195,7 @@ def vace_extend(info: dict[str, Any]) -> WorkflowBuilder:
 
 # ---- native twins (recent ComfyUI only) --------------------------------------------------------------------
 
-def twin_inputs(w: WorkflowBuilder) -> dict[str, tuple[int, int]]:
+def twin_inputs(w: WorkflowBuilder) -> dict[str, Output]:
     """A reference image plus a moving-box mask over the source video, the same for both twins."""
     reference = load_image(w, "ref_circle.png", 420)
     video = load_image(w, "source_video.png", 780)
@@ -211,7 +212,7 @@ def vace_native(info: dict[str, Any]) -> WorkflowBuilder:
     encode = w.node("WanVaceToVideo", [COLUMNS[4], 40],
                     {"width": WIDTH, "height": HEIGHT, "length": 9, "batch_size": 1, "strength": 1.0},
                     {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0), **links})
-    sampled = sampler(w, 5, model, ((encode, 0), (encode, 1), encode, 2), seed=NATIVE_SEED, steps=3)
+    sampled = sampler(w, 5, model, (encode, 0), (encode, 1), (encode, 2), seed=NATIVE_SEED, steps=3)
     trim = w.node("TrimVideoLatent", [COLUMNS[6], 40], {}, {"samples": (sampled, 0), "trim_amount": (encode, 3)})
     decode = w.node("VAEDecode", [COLUMNS[6], 200], {}, {"samples": (trim, 0), "vae": (vae, 0)})
     save_video(w, 7, decode, "vace_native")
