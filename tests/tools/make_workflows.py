@@ -86,14 +86,14 @@ def t2v_graph(w: WorkflowBuilder, name: str, tile: tuple[int, int], also_png: bo
     pool_id = pool(w, **modes)
     positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
     vae = wanmesh_vae(w, pool_id)
-    latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 420], {"width": 64, "height": 64, "length": 5,
+    latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 5,
                                                                "batch_size": 1})
     sampled = sampler(w, 3, model, (positive, 0), (negative, 0), (latent, 0), seed=42, steps=4)
     decode = w.node("WanMeshVAEDecode", [COLUMNS[4], 40], {"tile_px": tile[0], "overlap_px": tile[1]},
                     {"vae": (vae, 0), "samples": (sampled, 0)})
     save_video(w, 5, decode, name)
     if also_png:
-        w.node("SaveImage", [COLUMNS[5], 400], {"filename_prefix": f"wanmesh_{name}"}, {"images": (decode, 0)},
+        w.node("SaveImage", [COLUMNS[5], 560], {"filename_prefix": f"wanmesh_{name}"}, {"images": (decode, 0)},
                size=[360, 320])
 
 
