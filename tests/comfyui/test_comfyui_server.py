@@ -26,7 +26,9 @@ CORE_NODE_IDS = ("WanMeshPool", "WanMeshModelLoader", "WanMeshVAELoader", "WanMe
 PROMPT_TIMEOUT_S = 420.0
 # Latents of a parallel run agree with one rank's within 1e-4; after the VAE and 8-bit rounding that is a step or two.
 PIXEL_TOLERANCE = 2
-VIDEO_MEAN_ERROR = 12.0  # mean |MP4 - PNG| per frame, in 1/255: H.264 (crf 19, 4:2:0 chroma) on a tiny noisy video
+# Mean |MP4 - PNG| per frame, in 1/255. The tiny models make 64x64 colour noise, H.264's worst case (crf 19,
+# 4:2:0 chroma): measured 12-17, while two different frames of the same video differ by 45-60.
+VIDEO_MEAN_ERROR = 24.0
 SINGLE_RANK_POOL = {"devices": "cpu", "world": 1, "tp": 1, "ulysses": 1, "ring": 1, "cfg_parallel": False,
                     "vae_patch": 1}
 API_WORKFLOWS = sorted(path.name for path in (WORKFLOWS_DIR / "api").glob("*.json"))
@@ -187,10 +189,12 @@ def test_t2v_workflow_writes_an_mp4_and_one_png_per_frame(comfyui_server: ComfyU
 
 def assert_video_shows_frames(video: np.ndarray, frames: np.ndarray) -> None:
     """The MP4's frames are the PNG frames in order, up to H.264's loss: each decoded frame is closer to its own
-    PNG than to any other frame (so order and content are checked, not only size)."""
+    PNG than half its distance to any other frame (so order and content are checked, not only size)."""
     error = np.abs(video[:, None].astype(np.int16) - frames[None].astype(np.int16)).mean(axis=(2, 3, 4))
-    assert (error.argmin(axis=1) == np.arange(len(frames))).all(), f"MP4 frame vs PNG frame mean errors:\n{error}"
-    assert error.diagonal().max() < VIDEO_MEAN_ERROR, f"the MP4 strays from the frames by {error.diagonal()}/255"
+    own = error.diagonal()
+    others = np.where(np.eye(len(frames), dtype=bool), np.inf, error).min(axis=1)
+    assert (own < others / 2).all(), f"MP4 frame (row) vs PNG frame (column) mean errors:\n{error}"
+    assert own.max() < VIDEO_MEAN_ERROR, f"the MP4 strays from the frames by {own}/255"
 
 
 def test_bad_width_fails_clearly_and_server_keeps_serving(comfyui_server: ComfyUIServer,
