@@ -42,11 +42,10 @@ def progress_reporter(total: int):
     return report
 
 
-def previews_enabled() -> bool:
-    """Sampler previews are on unless WANMESH_PREVIEWS=0 is set for the ComfyUI process."""
-    import os
-
-    return os.environ.get("WANMESH_PREVIEWS", "1").strip().lower() not in ("0", "false", "no", "off")
+def previews_enabled(runner: PoolRunner) -> bool:
+    """Whether the sampler asks for per-step previews: the ``previews`` input of the WanMesh Pool node that made
+    ``runner`` (on for loaders with no pool connected)."""
+    return bool(getattr(runner, "previews", True))
 
 
 def interrupted() -> bool:

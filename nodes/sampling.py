@@ -118,7 +118,7 @@ class WanMeshSampler:
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
             sampler=sampler_name, denoise=denoise, vace_frames=conditional.vace_frames,
-            vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(),
+            vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(model.runner),
             model_loras={expert.handle: list(expert.loras) for expert in (model, model_low_noise) if expert is not None},
             handle_low=None if model_low_noise is None else model_low_noise.handle, boundary=boundary,
             guidance_scale_low=None if cfg_low_noise < 0 else cfg_low_noise, start_step=start_step, end_step=end,

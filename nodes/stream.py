@@ -15,7 +15,7 @@ import torch
 
 from ..parallel import Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
 from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
-from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, raise_if_interrupted
+from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, previews_enabled, raise_if_interrupted
 from .sampling import MAX_SEED
 
 CHUNK_EVENT = "wanmesh.chunk"
@@ -122,7 +122,7 @@ class WanMeshStreamSampler:
             handle=model.handle, latent=samples, positive=read_conditioning(positive, "positive").embeddings,
             negative=[] if negative is None else read_conditioning(negative, "negative").embeddings, seed=seed,
             steps=steps, shift=shift, timesteps=parse_stream_timesteps(timesteps), guidance_scale=cfg, chunk=chunk,
-            kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle, preview=True)
+            kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle, preview=previews_enabled(model.runner))
         request.validate()  # before any file name is taken
         bar = comfy.utils.ProgressBar(1)
         saver = ChunkSaver(filename_prefix, samples.shape[-1] * 8, samples.shape[-2] * 8, fps, bar, unique_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..parallel import H264_ENCODERS, video_encoder, write_video
+from ..parallel import write_video
 
 
 class WanMeshSaveVideo:
@@ -41,6 +41,7 @@ class WanMeshSaveVideo:
             filename_prefix, folder_paths.get_output_directory(), width, height)
         filename = f"{name}_{counter:05}_.mp4"
         write_video(images, os.path.join(folder, filename), fps)
-        codec = "h264" if video_encoder() in H264_ENCODERS else "mpeg4"
-        saved = {"filename": filename, "subfolder": subfolder, "type": "output", "format": f"video/{codec}-mp4"}
+        # Exactly what ComfyUI's own SaveVideo / SaveWEBM send (ui.PreviewVideo of one SavedResult): the
+        # frontend plays an "animated" result whose file is a video in a <video> element on the node.
+        saved = {"filename": filename, "subfolder": subfolder, "type": "output"}
         return {"ui": {"images": [saved], "animated": (True,)}}

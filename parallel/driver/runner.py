@@ -17,13 +17,16 @@ from .pool import WorkerPool, current_pool, get_pool, set_interrupt_check
 class PoolRunner:
     """The pool's operations as methods: load, encode text, sample, decode, encode."""
 
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pool: WorkerPool, previews: bool = True):
         self.pool = pool
+        # Whether samplers using this runner ask rank 0 for per-step preview images (not part of the pool's
+        # config: turning previews off or on keeps the running pool).
+        self.previews = previews
 
     @classmethod
-    def for_config(cls, config: ParallelConfig) -> "PoolRunner":
+    def for_config(cls, config: ParallelConfig, previews: bool = True) -> "PoolRunner":
         """The process-wide pool for this config (started, or restarted when the config changed)."""
-        return cls(get_pool(config))
+        return cls(get_pool(config), previews=previews)
 
     @classmethod
     def current_or_single(cls) -> "PoolRunner":

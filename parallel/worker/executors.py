@@ -99,7 +99,8 @@ class RankExecutor(ResidentModels):
         if dp == 1:
             return range(batch)
         index = self.parallel.coord("dp")
-        return range(index * batch // dp, (index + 1) * batch // dp)
+        # Rounded up, so that rank 0 (the rank that reports progress and previews) has a row even when batch < dp.
+        return range(-(-index * batch // dp), -(-(index + 1) * batch // dp))
 
     def _gather_batch(self, latents: torch.Tensor, batch: int) -> torch.Tensor:
         """Reassemble the whole batch from the data-parallel replicas (every replica gets it)."""
@@ -112,7 +113,7 @@ class RankExecutor(ResidentModels):
         padded[: latents.shape[0]] = latents
         pieces = [torch.empty_like(padded) for _ in range(dp)]
         dist.all_gather(pieces, padded.to(self.device).contiguous(), group=self.parallel.dp_group)
-        shares = [(i * batch // dp, (i + 1) * batch // dp) for i in range(dp)]
+        shares = [(-(-i * batch // dp), -(-(i + 1) * batch // dp)) for i in range(dp)]  # as in _batch_rows
         return torch.cat([piece[: stop - start].cpu() for piece, (start, stop) in zip(pieces, shares)])
 
     def _tiling(self, tile_px: int | None):

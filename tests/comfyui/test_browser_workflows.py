@@ -4,8 +4,10 @@ Runs in the test process: a system Chromium (driven by playwright) opens the
 page of the server that the ``comfyui_server`` fixture starts, loads each
 workflow as a dropped file is loaded, compares the API prompt the frontend
 builds with the workflow's twin in ``workflows/api/``, presses the Queue button
-and follows the run to the files it writes and to the results the page shows.
-Screenshots of the loaded graph and of the finished run go to
+and follows the run to the files it writes and to the results the page shows
+(today's frontend must play each saved MP4 in a <video> on its node). Every test runs
+against both servers: the 2024 ComfyUI with its built-in frontend and ComfyUI 0.3.75
+with today's. Screenshots of the loaded graph and of the finished run go to
 ``build/test-output/screenshots/``. A broken workflow (unknown node type,
 absent model file) must be reported, so the checks are known to be able to fail.
 
@@ -26,17 +28,24 @@ import pytest
 from browser import BrowserUnavailable, ComfyPage, LoadReport, launch_browser
 from comfyui_server import ComfyUIServer
 from PIL import Image
-from workflow_graph import WORKFLOWS_DIR, is_link, load_workflow
+from workflow_graph import UPLOAD_WIDGET_NAME, WORKFLOWS_DIR, is_link, load_workflow
+
+from wanmesh.parallel import read_video
 
 WORKFLOW_NAMES = sorted(path.stem for path in WORKFLOWS_DIR.glob("*.json"))
-# Each server fixture named here runs every workflow. "recent_comfyui_server" (ComfyUI 0.3.75 with today's
-# frontend) passes these tests too; it is left out only to keep CI short.
-SERVER_FIXTURES = ("comfyui_server",)
+# Each server fixture named here runs every workflow: the 2024 ComfyUI with its built-in frontend, and ComfyUI
+# 0.3.75 with today's frontend (comfyui-frontend-package).
+SERVER_FIXTURES = ("comfyui_server", "recent_comfyui_server")
+# The 2024 frontend puts LoadImage's upload button value into the prompt (the API twins have it); today's does not.
+FRONTENDS_WITHOUT_UPLOAD_IN_PROMPT = ("recent_comfyui_server",)
+# Today's frontend plays video outputs in a <video> on the node; the 2024 one only lists the file.
+FRONTENDS_THAT_PLAY_VIDEOS = ("recent_comfyui_server",)
 SCREENSHOT_DIR = Path(__file__).resolve().parents[2] / "build" / "test-output" / "screenshots"
 PROMPT_TIMEOUT_S = 420.0
 UI_OUTPUT_TIMEOUT_S = 30.0
 CHANGES_WHEN_QUEUED = "<seed that changes when queued>"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIXES = (".mp4",)
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,20 @@ class ServerUnderTest:
         """``<workflow>_<stage>.png`` for the first server, ``<workflow>_<fixture>_<stage>.png`` for others."""
         suffix = "" if self.fixture_name == SERVER_FIXTURES[0] else f"_{self.fixture_name}"
         return SCREENSHOT_DIR / f"{workflow_name}{suffix}_{stage}.png"
+
+    def expected_prompt(self, name: str) -> dict[str, Any]:
+        """``workflows/api/<name>.json`` as this server's frontend builds it: without LoadImage's ``upload`` input
+        where the frontend leaves it out (the only difference between the two frontends' prompts)."""
+        prompt = load_workflow(f"api/{name}.json")
+        if self.fixture_name in FRONTENDS_WITHOUT_UPLOAD_IN_PROMPT:
+            for node in prompt.values():
+                if node["class_type"] == "LoadImage":
+                    node["inputs"].pop(UPLOAD_WIDGET_NAME, None)
+        return prompt
+
+    @property
+    def plays_videos(self) -> bool:
+        return self.fixture_name in FRONTENDS_THAT_PLAY_VIDEOS
 
 
 def running_in_ci() -> bool:
@@ -168,8 +191,10 @@ def files_listed_in_history(outputs: dict[str, Any]) -> dict[str, list[dict[str,
     return listed
 
 
-def assert_outputs_written_and_shown(comfy: ComfyPage, server: ComfyUIServer, outputs: dict[str, Any]) -> None:
-    """Every file ``/history`` lists is in the output folder (images readable) and shown on its node in the page."""
+def assert_outputs_written_and_shown(comfy: ComfyPage, under_test: ServerUnderTest, outputs: dict[str, Any]) -> None:
+    """Every file ``/history`` lists is in the output folder (images readable, videos decodable) and shown on its
+    node in the page; where the frontend plays videos, each MP4 plays in a <video> on its node."""
+    server = under_test.server
     listed = files_listed_in_history(outputs)
     assert listed, f"/history lists no output files: {outputs}"
     for node_id, files in listed.items():
@@ -181,9 +206,25 @@ def assert_outputs_written_and_shown(comfy: ComfyPage, server: ComfyUIServer, ou
         for path in (path for path in paths if path.suffix.lower() in IMAGE_SUFFIXES):
             with Image.open(path) as image:
                 image.verify()
+        videos = [path for path in paths if path.suffix.lower() in VIDEO_SUFFIXES]
+        for path in videos:
+            assert len(read_video(path)) > 0, f"{path.name} holds no frame"
         shown = comfy.wait_for_ui_output_files(node_id, UI_OUTPUT_TIMEOUT_S)
         assert shown == [item["filename"] for item in files], f"node {node_id} shows {shown}, /history lists {files}"
-        comfy.wait_for_output_images_drawn(node_id, UI_OUTPUT_TIMEOUT_S)
+        if not videos:
+            comfy.wait_for_output_images_drawn(node_id, UI_OUTPUT_TIMEOUT_S)
+        elif under_test.plays_videos:
+            assert_video_plays(comfy, node_id, videos)
+
+
+def assert_video_plays(comfy: ComfyPage, node_id: str, videos: list[Path]) -> None:
+    """The node shows a <video> of its (one) MP4, decoded by the browser at the file's frame size."""
+    assert len(videos) == 1, f"node {node_id} saved {len(videos)} videos: {videos}"
+    frames = read_video(videos[0])
+    shown = comfy.wait_for_video_shown(node_id, UI_OUTPUT_TIMEOUT_S)
+    expected = {"filename": videos[0].name, "width": frames.shape[2], "height": frames.shape[1]}
+    assert shown is not None and shown["ready_state"] >= 2, f"node {node_id} shows no playable video: {shown}"
+    assert {key: shown[key] for key in expected} == expected, f"node {node_id} shows {shown}, expected {expected}"
 
 
 def renumber_nodes(prompt: dict[str, Any], offset: int) -> dict[str, Any]:
@@ -267,7 +308,7 @@ def test_browser_reports_missing_nodes_bad_widget_values_and_changing_seeds(
         with pytest.raises(AssertionError):
             assert_loaded_cleanly(report, workflow)
         with pytest.raises(AssertionError):
-            assert_same_graph(comfy.graph_to_prompt(), load_workflow(f"api/{WORKFLOW_NAMES[0]}.json"),
+            assert_same_graph(comfy.graph_to_prompt(), server_under_test.expected_prompt(WORKFLOW_NAMES[0]),
                               set(report.changing_seeds), "the broken workflow")
 
 
@@ -282,7 +323,7 @@ def test_workflow_loads_in_the_browser_as_its_api_twin(chromium: Any, server_und
         comfy.screenshot(server_under_test.screenshot_path(name, "loaded"))
         assert_loaded_cleanly(report, workflow)
         prompt = comfy.graph_to_prompt()
-        assert_same_graph(prompt, load_workflow(f"api/{name}.json"), set(report.changing_seeds),
+        assert_same_graph(prompt, server_under_test.expected_prompt(name), set(report.changing_seeds),
                           f"the frontend's graphToPrompt output for workflows/{name}.json")
         assert not comfy.errors, f"the page reported errors: {comfy.errors}"
 
@@ -304,14 +345,14 @@ def test_workflow_queued_from_the_browser_runs_and_saves_its_outputs(chromium: A
         assert queued.http_status == 200, f"POST /prompt answered {queued.http_status}: {queued.answer}"
         assert not queued.answer.get("node_errors"), f"node errors: {queued.answer['node_errors']}"
         assert_same_graph(queued.prompt, before_queue, changing_seeds, "the prompt the Queue button posted")
-        assert_same_graph(queued.prompt, load_workflow(f"api/{name}.json"), changing_seeds,
+        assert_same_graph(queued.prompt, server_under_test.expected_prompt(name), changing_seeds,
                           "the prompt the Queue button posted (against the API twin)")
 
         result = server.wait_for(queued.prompt_id, PROMPT_TIMEOUT_S)
         try:
             assert result.status == "success", (f"prompt failed:\n{result.error_text()}\n"
                                                 f"--- server log ---\n{server.log()}")
-            assert_outputs_written_and_shown(comfy, server, result.outputs)
+            assert_outputs_written_and_shown(comfy, server_under_test, result.outputs)
         finally:  # the finished run, or the error the page shows
             comfy.screenshot(server_under_test.screenshot_path(name, "done"))
         assert not comfy.errors, f"the page reported errors: {comfy.errors}"

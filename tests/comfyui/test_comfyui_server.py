@@ -12,20 +12,28 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
 from PIL import Image
 from prepare_comfyui import PACK_FOLDER_NAME
 from workflow_graph import (WORKFLOWS_DIR, api_widget_names, is_link, load_workflow, node_of_type,
                             widget_names_from_object_info, with_fresh_seed, with_inputs)
 
+from wanmesh.parallel import read_video
+
 CORE_NODE_IDS = ("WanMeshPool", "WanMeshModelLoader", "WanMeshVAELoader", "WanMeshTextEncoderLoader",
                  "WanMeshTextEncode", "WanMeshEmptyLatent", "WanMeshSampler", "WanMeshVAEDecode", "WanMeshVAEEncode")
 PROMPT_TIMEOUT_S = 420.0
 # Latents of a parallel run agree with one rank's within 1e-4; after the VAE and 8-bit rounding that is a step or two.
 PIXEL_TOLERANCE = 2
+# Mean |MP4 - PNG| per frame, in 1/255. The tiny models make 64x64 colour noise, H.264's worst case (crf 19,
+# 4:2:0 chroma): measured 12-17, while two different frames of the same video differ by 45-60.
+VIDEO_MEAN_ERROR = 24.0
 SINGLE_RANK_POOL = {"devices": "cpu", "world": 1, "tp": 1, "ulysses": 1, "ring": 1, "cfg_parallel": False,
                     "vae_patch": 1}
 API_WORKFLOWS = sorted(path.name for path in (WORKFLOWS_DIR / "api").glob("*.json"))
+VIDEO_NODE = "WanMeshSaveVideo"
+ADDED_SAVE_IMAGE_ID = "901"  # a SaveImage a test adds next to a workflow's video output, for exact pixels
 
 
 def expected_node_ids() -> set[str]:
@@ -54,15 +62,57 @@ def save_node_id_of(prompt: dict[str, Any]) -> str:
     return next(node_id for node_id, node in prompt.items() if node["class_type"] == "SaveImage")
 
 
-def run_to_frames(server: ComfyUIServer, prompt: dict[str, Any], filename_prefix: str) -> np.ndarray:
-    """Run a prompt and read back the PNG frames its SaveImage node wrote, as ``[frames, H, W, 3]`` uint8."""
-    prompt = with_inputs(prompt, "SaveImage", filename_prefix=filename_prefix)
-    result = run_successfully(server, prompt)
+def video_node_id_of(prompt: dict[str, Any]) -> str:
+    (node_id,) = [node_id for node_id, node in prompt.items() if node["class_type"] == VIDEO_NODE]
+    return node_id
+
+
+def with_png_frames(prompt: dict[str, Any], filename_prefix: str) -> dict[str, Any]:
+    """The prompt with a SaveImage (prefix ``filename_prefix``) on the frames its video output saves: its own
+    SaveImage when it has one, else one added as node ``ADDED_SAVE_IMAGE_ID``. PNG frames are exact; the MP4 is
+    lossy, so pixel comparisons read the PNG frames."""
+    if any(node["class_type"] == "SaveImage" for node in prompt.values()):
+        return with_inputs(prompt, "SaveImage", filename_prefix=filename_prefix)
+    frames = prompt[video_node_id_of(prompt)]["inputs"]["images"]
+    return {**prompt, ADDED_SAVE_IMAGE_ID: {"class_type": "SaveImage",
+                                            "inputs": {"images": frames, "filename_prefix": filename_prefix}}}
+
+
+def read_png_frames(paths: list[Path]) -> np.ndarray:
+    """PNG files as one ``[frames, H, W, 3]`` uint8 stack."""
     frames = []
-    for path in saved_images(server, result, save_node_id_of(prompt)):
+    for path in paths:
         with Image.open(path) as image:
             frames.append(np.asarray(image.convert("RGB")))
     return np.stack(frames)
+
+
+def run_to_frames(server: ComfyUIServer, prompt: dict[str, Any], filename_prefix: str) -> np.ndarray:
+    """Run a prompt and read back its frames as PNG images (``with_png_frames``), ``[frames, H, W, 3]`` uint8."""
+    prompt = with_png_frames(prompt, filename_prefix)
+    result = run_successfully(server, prompt)
+    return read_png_frames(saved_images(server, result, save_node_id_of(prompt)))
+
+
+def saved_video(server: ComfyUIServer, result: PromptResult, prompt: dict[str, Any]) -> Path:
+    """The one MP4 the prompt's WanMesh Save Video node reported in ``/history``, checked to exist."""
+    node_id = video_node_id_of(prompt)
+    (video,) = result.outputs[node_id]["images"]
+    prefix = prompt[node_id]["inputs"]["filename_prefix"]
+    path = server.output_dir / video["subfolder"] / video["filename"]
+    assert path.is_file(), f"/history lists a video that was not written: {path}"
+    assert path.name.startswith(prefix) and path.suffix == ".mp4", path.name
+    return path
+
+
+def assert_video(path: Path, frames: int, width: int, height: int) -> np.ndarray:
+    """Reopen an MP4 with PyAV: ``frames`` frames of ``width`` x ``height``, not one flat colour; its pixels as
+    ``[frames, H, W, 3]`` uint8."""
+    pixels = (read_video(path) * 255).round().to(torch.uint8).numpy()
+    assert pixels.shape == (frames, height, width, 3), (
+        f"{path.name}: {pixels.shape}, expected {frames} frames of {width}x{height}")
+    assert pixels.reshape(-1, 3).std(axis=0).max() > 0, f"{path.name} is a single colour"
+    return pixels
 
 
 def largest_pixel_difference(first: np.ndarray, second: np.ndarray) -> int:
@@ -109,7 +159,9 @@ def test_api_workflow_matches_node_definitions(comfyui_server: ComfyUIServer, na
         assert not unknown, f"node {node_id} ({node['class_type']}) has undeclared inputs {unknown}"
 
 
-def test_t2v_workflow_writes_one_png_per_frame(comfyui_server: ComfyUIServer, t2v_prompt: dict[str, Any]) -> None:
+def test_t2v_workflow_writes_an_mp4_and_one_png_per_frame(comfyui_server: ComfyUIServer,
+                                                          t2v_prompt: dict[str, Any]) -> None:
+    """The one example that keeps PNG frames: the MP4 holds the same frames, up to H.264's loss."""
     latent = node_of_type(t2v_prompt, "WanMeshEmptyLatent")["inputs"]
     pool = node_of_type(t2v_prompt, "WanMeshPool")["inputs"]
     assert (pool["devices"], pool["world"]) == ("cpu:2", 2), f"the example should run on two CPU ranks: {pool}"
@@ -130,6 +182,19 @@ def test_t2v_workflow_writes_one_png_per_frame(comfyui_server: ComfyUIServer, t2
             assert image.size == (latent["width"], latent["height"]), path
             pixels = np.asarray(image.convert("RGB"))
         assert pixels.reshape(-1, 3).std(axis=0).max() > 0, f"{path.name} is a single colour"
+    video = assert_video(saved_video(comfyui_server, result, t2v_prompt), len(paths), latent["width"],
+                         latent["height"])
+    assert_video_shows_frames(video, read_png_frames(paths))
+
+
+def assert_video_shows_frames(video: np.ndarray, frames: np.ndarray) -> None:
+    """The MP4's frames are the PNG frames in order, up to H.264's loss: each decoded frame is closer to its own
+    PNG than half its distance to any other frame (so order and content are checked, not only size)."""
+    error = np.abs(video[:, None].astype(np.int16) - frames[None].astype(np.int16)).mean(axis=(2, 3, 4))
+    own = error.diagonal()
+    others = np.where(np.eye(len(frames), dtype=bool), np.inf, error).min(axis=1)
+    assert (own < others / 2).all(), f"MP4 frame (row) vs PNG frame (column) mean errors:\n{error}"
+    assert own.max() < VIDEO_MEAN_ERROR, f"the MP4 strays from the frames by {own}/255"
 
 
 def test_bad_width_fails_clearly_and_server_keeps_serving(comfyui_server: ComfyUIServer,

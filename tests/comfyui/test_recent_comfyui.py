@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 from comfyui_server import ComfyUIServer, PromptResult
-from PIL import Image
 from safetensors.torch import load_file
-from test_comfyui_server import (PIXEL_TOLERANCE, assert_pack_imported_cleanly, largest_pixel_difference,
-                                 run_successfully, saved_images)
+from test_comfyui_server import (PIXEL_TOLERANCE, assert_pack_imported_cleanly, assert_video,
+                                 assert_video_shows_frames, largest_pixel_difference, read_png_frames,
+                                 run_successfully, save_node_id_of, saved_images, saved_video, with_png_frames)
 from workflow_graph import (MAX_SEED, UPLOAD_WIDGET_NAME, api_widget_names, is_link, load_workflow, node_of_type,
                             widget_names_from_object_info, with_inputs)
 
@@ -49,15 +49,6 @@ def wanmesh_node_ids() -> set[str]:
 def node_id_of(prompt: dict[str, Any], class_type: str) -> str:
     (node_id,) = [node_id for node_id, node in prompt.items() if node["class_type"] == class_type]
     return node_id
-
-
-def read_frames(paths: list[Path]) -> np.ndarray:
-    """PNG files as one ``[frames, H, W, 3]`` uint8 stack."""
-    frames = []
-    for path in paths:
-        with Image.open(path) as image:
-            frames.append(np.asarray(image.convert("RGB")))
-    return np.stack(frames)
 
 
 def with_native_decode(prompt: dict[str, Any]) -> dict[str, Any]:
@@ -101,8 +92,8 @@ def test_frontend_is_the_pinned_pip_package(recent_comfyui_server: ComfyUIServer
         assert "<html" in response.read().decode("utf-8", errors="replace").lower()
 
 
-def test_t2v_workflow_writes_one_png_per_frame(recent_comfyui_server: ComfyUIServer,
-                                               t2v_prompt: dict[str, Any]) -> None:
+def test_t2v_workflow_writes_an_mp4_and_one_png_per_frame(recent_comfyui_server: ComfyUIServer,
+                                                          t2v_prompt: dict[str, Any]) -> None:
     latent = node_of_type(t2v_prompt, "WanMeshEmptyLatent")["inputs"]
     save_node_id = node_id_of(t2v_prompt, "SaveImage")
     prefix = t2v_prompt[save_node_id]["inputs"]["filename_prefix"]
@@ -112,9 +103,12 @@ def test_t2v_workflow_writes_one_png_per_frame(recent_comfyui_server: ComfyUISer
     paths = saved_images(recent_comfyui_server, result, save_node_id)
     assert len(paths) == latent["length"] * latent["batch_size"]
     assert all(path.name.startswith(prefix) and path.suffix == ".png" for path in paths), paths
-    frames = read_frames(paths)
+    frames = read_png_frames(paths)
     assert frames.shape[1:3] == (latent["height"], latent["width"]), frames.shape
     assert frames.reshape(-1, 3).std(axis=0).max() > 0, "the frames are a single colour"
+    video = assert_video(saved_video(recent_comfyui_server, result, t2v_prompt), len(paths), latent["width"],
+                         latent["height"])
+    assert_video_shows_frames(video, frames)
 
 
 def test_native_vae_decodes_wanmesh_latent_like_wanmesh(recent_comfyui_server: ComfyUIServer,
@@ -130,8 +124,8 @@ def test_native_vae_decodes_wanmesh_latent_like_wanmesh(recent_comfyui_server: C
 
     result = run_successfully(recent_comfyui_server, prompt)
 
-    native = read_frames(saved_images(recent_comfyui_server, result, NATIVE_SAVE_ID))
-    wanmesh = read_frames(saved_images(recent_comfyui_server, result, wanmesh_save_id))
+    native = read_png_frames(saved_images(recent_comfyui_server, result, NATIVE_SAVE_ID))
+    wanmesh = read_png_frames(saved_images(recent_comfyui_server, result, wanmesh_save_id))
     assert native.shape == (latent["length"] * latent["batch_size"], latent["height"], latent["width"], 3)
     # The comparison means something only if the frames are far from flat: spread well beyond the tolerance.
     spread = int(native.max()) - int(native.min())
@@ -141,12 +135,12 @@ def test_native_vae_decodes_wanmesh_latent_like_wanmesh(recent_comfyui_server: C
 
 
 def with_saved_latent(prompt: dict[str, Any], seed: int, prefix: str) -> dict[str, Any]:
-    """The prompt with ``seed`` and a ``SaveLatent`` of the latent its (one) VAE decode takes: the trimmed latent."""
-    changed = with_inputs(prompt, "WanMeshSampler", seed=seed)
+    """The prompt with ``seed``, a ``SaveLatent`` of the latent its (one) VAE decode takes (the trimmed latent) and
+    a SaveImage of its frames (``with_png_frames``)."""
+    changed = with_png_frames(with_inputs(prompt, "WanMeshSampler", seed=seed), prefix.replace("/", "_"))
     (decode,) = [node for node in changed.values() if node["class_type"] in ("VAEDecode", "WanMeshVAEDecode")]
     changed[SAVE_LATENT_ID] = {"class_type": "SaveLatent",
                                "inputs": {"samples": decode["inputs"]["samples"], "filename_prefix": prefix}}
-    node_of_type(changed, "SaveImage")["inputs"]["filename_prefix"] = prefix.replace("/", "_")
     return changed
 
 
@@ -160,8 +154,7 @@ def saved_latent(server: ComfyUIServer, result: PromptResult) -> torch.Tensor:
 def run_twin(server: ComfyUIServer, prompt: dict[str, Any]) -> tuple[torch.Tensor, np.ndarray]:
     """Run a twin; return its trimmed latent and its decoded frames."""
     result = run_successfully(server, prompt)
-    save_id = node_id_of(prompt, "SaveImage")
-    return saved_latent(server, result), read_frames(saved_images(server, result, save_id))
+    return saved_latent(server, result), read_png_frames(saved_images(server, result, save_node_id_of(prompt)))
 
 
 def test_native_vace_workflows_match_node_definitions(recent_comfyui_server: ComfyUIServer) -> None:

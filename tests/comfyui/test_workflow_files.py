@@ -58,3 +58,35 @@ def _assert_links_agree_with_slots(ui: dict) -> None:
         assert link_id in output["links"], f"link {link_id} missing from node {source} output {source_slot}"
         assert target_input["link"] == link_id, f"link {link_id} missing from node {target} input {target_slot}"
         assert output["type"] == target_input["type"] == link_type, json.dumps([output, target_input])
+
+
+ALL_API_WORKFLOWS = sorted(str(path.relative_to(WORKFLOWS_DIR)) for path in WORKFLOWS_DIR.rglob("*.json")
+                           if path.parent.name == "api")
+VIDEO_NODE = "WanMeshSaveVideo"
+VIDEO_FPS = 16
+WORKFLOWS_WITH_PNG_FRAMES = ["api/t2v.json"]  # the one example that also saves its frames as images
+
+
+def test_workflow_lists_find_the_examples() -> None:
+    assert "api/t2v.json" in ALL_API_WORKFLOWS and "native/api/vace_native.json" in ALL_API_WORKFLOWS
+
+
+@pytest.mark.parametrize("name", ALL_API_WORKFLOWS)
+def test_workflow_ends_in_one_mp4_at_16_fps(name: str) -> None:
+    """Each example saves the frames its decode makes as one MP4 at Wan's 16 fps."""
+    prompt = load_workflow(name)
+    videos = [node["inputs"] for node in prompt.values() if node["class_type"] == VIDEO_NODE]
+    assert len(videos) == 1, f"{name} has {len(videos)} {VIDEO_NODE} nodes"
+    assert videos[0]["fps"] == VIDEO_FPS, videos[0]
+    source = prompt[videos[0]["images"][0]]["class_type"]
+    assert source.endswith("VAEDecode"), f"{name}: the video saves the output of {source}, not a VAE decode"
+
+
+def test_only_t2v_also_saves_png_frames() -> None:
+    with_png = [name for name in ALL_API_WORKFLOWS
+                if any(node["class_type"] == "SaveImage" for node in load_workflow(name).values())]
+    assert with_png == WORKFLOWS_WITH_PNG_FRAMES
+    t2v = load_workflow("api/t2v.json")
+    (png,) = [node for node in t2v.values() if node["class_type"] == "SaveImage"]
+    (video,) = [node for node in t2v.values() if node["class_type"] == VIDEO_NODE]
+    assert png["inputs"]["images"] == video["inputs"]["images"], "t2v's PNG and MP4 outputs save different frames"

@@ -204,6 +204,16 @@ _UI_OUTPUT_FILES_JS = """(nodeId) => {
     return (output?.images ?? []).map((image) => image.filename);
 }"""
 
+# Today's frontend shows an "animated" video output in a <video> in the node's videoContainer (a DOM widget),
+# added once the browser has decoded the file's first frame.
+_VIDEO_SHOWN_JS = """(nodeId) => {
+    const node = app.graph.getNodeById(Number(nodeId)) ?? app.graph.getNodeById(nodeId);
+    const video = node?.videoContainer?.querySelector("video");
+    if (!video || !video.isConnected) return null;
+    return {filename: new URL(video.src, location.href).searchParams.get("filename"), ready_state: video.readyState,
+            width: video.videoWidth, height: video.videoHeight};
+}"""
+
 _OUTPUT_IMAGES_DRAWN_JS = """(nodeId) => {
     const node = app.graph.getNodeById(Number(nodeId)) ?? app.graph.getNodeById(nodeId);
     const images = node?.imgs ?? [];
@@ -287,6 +297,18 @@ class ComfyPage:
         except Exception:  # playwright's TimeoutError: the caller's assertion reports what is there
             pass
         return self.ui_output_files(node_id)
+
+    def wait_for_video_shown(self, node_id: str, timeout_s: float) -> dict[str, Any] | None:
+        """The <video> a node shows for its video output once its frames are decoded (``filename``,
+        ``ready_state``, ``width``, ``height``), or None if none appeared within ``timeout_s``."""
+        try:
+            self.page.wait_for_function(f"() => ({_VIDEO_SHOWN_JS})({node_id!r})?.ready_state >= 2",
+                                        timeout=timeout_s * 1000)
+        except Exception:  # playwright's TimeoutError: the caller's assertion reports what is there
+            pass
+        shown = self.page.evaluate(_VIDEO_SHOWN_JS, node_id)
+        self.page.evaluate(_NEXT_FRAMES_JS)
+        return shown
 
     def wait_for_output_images_drawn(self, node_id: str, timeout_s: float) -> bool:
         """Whether the node's preview images finished loading within ``timeout_s`` (for the screenshot)."""

@@ -308,7 +308,9 @@ class EventListener:
     """A ``/ws?clientId=...`` websocket client collecting the server's JSON events in a background thread.
 
     This ComfyUI sends ``progress`` and ``executing`` only to the socket whose client id submitted the
-    prompt, and ``execution_interrupted`` to every socket. Binary messages (preview images) are skipped.
+    prompt, and ``execution_interrupted`` to every socket. A binary message is recorded as a ``binary`` event
+    whose data holds ``event_type`` (ComfyUI's ``BinaryEventTypes``; 1 = a preview image) and ``payload``
+    (the bytes after that header; for a preview image, a 4-byte format code then the image file).
     """
 
     def __init__(self, base_url: str) -> None:
@@ -377,6 +379,10 @@ class EventListener:
                 async for message in socket_:
                     if message.type == aiohttp.WSMsgType.TEXT:
                         self._record(json.loads(message.data))
+                    elif message.type == aiohttp.WSMsgType.BINARY:
+                        event_type = int.from_bytes(message.data[:4], "big")
+                        self._record({"type": "binary", "data": {"event_type": event_type,
+                                                                 "payload": message.data[4:]}})
 
     def _record(self, message: dict[str, Any]) -> None:
         with self._changed:

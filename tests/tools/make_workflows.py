@@ -1,0 +1,290 @@
+"""Regenerate every example workflow in ``workflows/`` (UI format and its ``api/`` twin) with one command.
+
+Runs in a maintainer's shell::
+
+    python tests/tools/make_workflows.py            # reads /object_info from live 2024 and recent ComfyUI servers
+    python tests/tools/make_workflows.py --object-info-2024 info_2024.json --object-info-recent info_recent.json
+
+Without snapshot flags it prepares the ComfyUI copies (``prepare_comfyui.py``), starts a server on each with
+``comfyui_server.py`` and reads ``GET /object_info``, so widget order and defaults are those of the nodes as
+they are now; ``--save-object-info DIR`` keeps those answers for a later run with the snapshot flags. Most
+examples are written against the 2024 ComfyUI (whose frontend puts LoadImage's upload button into the prompt);
+``workflows/native/`` uses nodes only recent ComfyUI versions have. Every example ends in WanMesh Save Video
+(an MP4 at 16 fps); ``t2v`` also saves its frames as PNG images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from workflow_builder import TEXT_NODE_SIZE, WorkflowBuilder  # noqa: E402
+from workflow_graph import WORKFLOWS_DIR  # noqa: E402
+
+WIDTH, HEIGHT = 64, 48
+FPS = 16.0  # Wan 2.1's frame rate
+T2V_PROMPT = "a red fox running through snow"
+VACE_PROMPT = "a yellow square sliding across a blue and green background"
+NEGATIVE = "blurry, low quality"
+COLUMNS = [-380, 0, 400, 800, 1200, 1600, 2000, 2400]  # x of each column of nodes, left to right
+TWO_CPU_RANKS = {"devices": "cpu:2", "world": 2, "tp": 1, "ulysses": 1, "ring": 1, "cfg_parallel": False,
+                 "vae_patch": 1, "backend": "local", "ray_address": "", "previews": True}
+BOX_MASK = {"mode": "box", "width": WIDTH, "height": HEIGHT, "length": 9, "box_x": 0, "box_y": 12, "box_w": 24,
+            "box_h": 24, "end_box_x": 40, "end_box_y": 12, "end_box_w": 24, "end_box_h": 24}
+NATIVE_SEED = 106
+
+
+# ---- pieces every example shares ---------------------------------------------------------------------------
+
+def pool(w: WorkflowBuilder, **modes: Any) -> int:
+    return w.node("WanMeshPool", [COLUMNS[0], 40], {**TWO_CPU_RANKS, **modes})
+
+
+def text_and_model(w: WorkflowBuilder, pool_id: int, positive: str, model: str,
+                   vace_module: str = "none") -> tuple[int, int, int]:
+    """Text encoder loader, positive and negative prompts, model loader: (positive, negative, model) ids."""
+    encoder = w.node("WanMeshTextEncoderLoader", [COLUMNS[1], 40],
+                     {"text_encoder_name": "umt5_tiny.safetensors", "dtype": "auto"}, {"pool": (pool_id, 0)})
+    positive_id = w.node("WanMeshTextEncode", [COLUMNS[2], 40], {"text": positive}, {"text_encoder": (encoder, 0)},
+                         title="Positive prompt", size=TEXT_NODE_SIZE)
+    negative_id = w.node("WanMeshTextEncode", [COLUMNS[2], 230], {"text": NEGATIVE}, {"text_encoder": (encoder, 0)},
+                         title="Negative prompt", size=TEXT_NODE_SIZE)
+    model_id = w.node("WanMeshModelLoader", [COLUMNS[1], 220],
+                      {"model_name": model, "dtype": "auto", "vace_module": vace_module}, {"pool": (pool_id, 0)})
+    return positive_id, negative_id, model_id
+
+
+def wanmesh_vae(w: WorkflowBuilder, pool_id: int) -> int:
+    return w.node("WanMeshVAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors", "dtype": "auto"},
+                  {"pool": (pool_id, 0)})
+
+
+Output = tuple[int, int]  # (node id, output slot)
+
+
+def sampler(w: WorkflowBuilder, column: int, model: int, positive: Output, negative: Output, latent: Output,
+            seed: int, steps: int) -> int:
+    return w.node("WanMeshSampler", [COLUMNS[column], 40],
+                  {"seed": seed, "steps": steps, "cfg": 5.0, "shift": 3.0, "sampler_name": "unipc", "denoise": 1.0},
+                  {"model": (model, 0), "positive": positive, "negative": negative, "latent_image": latent})
+
+
+def save_video(w: WorkflowBuilder, column: int, images: int, name: str) -> int:
+    return w.node("WanMeshSaveVideo", [COLUMNS[column], 40], {"fps": FPS, "filename_prefix": f"wanmesh_{name}"},
+                  {"images": (images, 0)}, size=[360, 320])
+
+
+# ---- text to video -----------------------------------------------------------------------------------------
+
+def t2v_graph(w: WorkflowBuilder, name: str, tile: tuple[int, int], also_png: bool, **modes: Any) -> None:
+    pool_id = pool(w, **modes)
+    positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
+    vae = wanmesh_vae(w, pool_id)
+    latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 5,
+                                                               "batch_size": 1})
+    sampled = sampler(w, 3, model, (positive, 0), (negative, 0), (latent, 0), seed=42, steps=4)
+    decode = w.node("WanMeshVAEDecode", [COLUMNS[4], 40], {"tile_px": tile[0], "overlap_px": tile[1]},
+                    {"vae": (vae, 0), "samples": (sampled, 0)})
+    save_video(w, 5, decode, name)
+    if also_png:
+        w.node("SaveImage", [COLUMNS[5], 560], {"filename_prefix": f"wanmesh_{name}"}, {"images": (decode, 0)},
+               size=[360, 320])
+
+
+def t2v(info: dict[str, Any]) -> WorkflowBuilder:
+    w = WorkflowBuilder(info)
+    t2v_graph(w, "t2v", tile=(0, 64), also_png=True)
+    return w
+
+
+def t2v_tp2(info: dict[str, Any]) -> WorkflowBuilder:
+    w = WorkflowBuilder(info)
+    t2v_graph(w, "t2v_tp2", tile=(32, 8), also_png=False, tp=2, vae_patch=2)
+    return w
+
+
+# ---- VACE --------------------------------------------------------------------------------------------------
+
+def vace_tail(w: WorkflowBuilder, texts: tuple[int, int, int], vae: int, name: str, size: tuple[int, int],
+              length: int, vace_links: dict[str, Output], seed: int, tile: tuple[int, int] = (0, 64)) -> None:
+    """WanMesh VACE encode -> sampler -> trim -> decode -> save video."""
+    positive, negative, model = texts
+    encode = w.node("WanMeshVaceEncode", [COLUMNS[4], 40],
+                    {"width": size[0], "height": size[1], "length": length, "batch_size": 1, "strength": 1.0},
+                    {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0), **vace_links})
+    sampled = sampler(w, 5, model, (encode, 0), (encode, 1), (encode, 2), seed=seed, steps=3)
+    trim = w.node("WanMeshTrimLatent", [COLUMNS[6], 40], {}, {"samples": (sampled, 0), "trim_amount": (encode, 3)})
+    decode = w.node("WanMeshVAEDecode", [COLUMNS[6], 200], {"tile_px": tile[0], "overlap_px": tile[1]},
+                    {"vae": (vae, 0), "samples": (trim, 0)})
+    save_video(w, 7, decode, name)
+
+
+def vace_start(info: dict[str, Any], positive: str = VACE_PROMPT, model: str = "wan_tiny_vace.safetensors",
+               vace_module: str = "none", **modes: Any) -> tuple[WorkflowBuilder, tuple[int, int, int], int]:
+    w = WorkflowBuilder(info)
+    pool_id = pool(w, **modes)
+    texts = text_and_model(w, pool_id, positive, model, vace_module)
+    return w, texts, wanmesh_vae(w, pool_id)
+
+
+def load_image(w: WorkflowBuilder, file_name: str, y: int) -> int:
+    return w.node("LoadImage", [COLUMNS[2], y], {"image": file_name})
+
+
+def vace_r2v(info: dict[str, Any]) -> WorkflowBuilder:
+    w, texts, vae = vace_start(info, positive="a red ball rolling over a green and white checkered floor",
+                               cfg_parallel=True)
+    circle, texture = load_image(w, "ref_circle.png", 420), load_image(w, "ref_texture.png", 780)
+    batch = w.node("ImageBatch", [COLUMNS[3], 420], {}, {"image1": (circle, 0), "image2": (texture, 0)})
+    references = w.node("WanMeshVaceReference", [COLUMNS[3], 540], {"width": WIDTH, "height": HEIGHT},
+                        {"images": (batch, 0)})
+    vace_tail(w, texts, vae, "vace_r2v", (WIDTH, HEIGHT), 5, {"reference_image": (references, 0)}, 101)
+    return w
+
+
+def vace_v2v_control(info: dict[str, Any]) -> WorkflowBuilder:
+    w, texts, vae = vace_start(info, ulysses=2, vae_patch=2)
+    video = load_image(w, "source_video.png", 420)
+    control = w.node("WanMeshVaceControl", [COLUMNS[3], 420],
+                     {"mode": "canny", "low_threshold": 100, "high_threshold": 200, "width": 0, "height": 0},
+                     {"video": (video, 0)})
+    vace_tail(w, texts, vae, "vace_v2v_control", (WIDTH, HEIGHT), 9, {"control_video": (control, 0)}, 102,
+              tile=(32, 8))
+    return w
+
+
+def mask_links(mask: int) -> dict[str, Output]:
+    return {"control_video": (mask, 0), "control_masks": (mask, 1)}
+
+
+def vace_inpaint(info: dict[str, Any]) -> WorkflowBuilder:
+    w, texts, vae = vace_start(info, positive="a white rabbit hopping across a blue and green background",
+                               tp=2, vae_patch=2)
+    video = load_image(w, "source_video.png", 420)
+    mask = w.node("WanMeshVaceMask", [COLUMNS[3], 420], BOX_MASK, {"video": (video, 0)})
+    vace_tail(w, texts, vae, "vace_inpaint", (WIDTH, HEIGHT), 9, mask_links(mask), 103, tile=(32, 8))
+    return w
+
+
+def vace_outpaint(info: dict[str, Any]) -> WorkflowBuilder:
+    w, texts, vae = vace_start(info, cfg_parallel=True)
+    video = load_image(w, "source_video.png", 420)
+    mask = w.node("WanMeshVaceMask", [COLUMNS[3], 420],
+                  {"mode": "outpaint", "width": WIDTH, "height": HEIGHT, "length": 9, "pad_left": 16, "pad_top": 8,
+                   "pad_right": 16, "pad_bottom": 8}, {"video": (video, 0)})
+    vace_tail(w, texts, vae, "vace_outpaint", (WIDTH + 32, HEIGHT + 16), 9, mask_links(mask), 104)
+    return w
+
+
+def vace_extend(info: dict[str, Any]) -> WorkflowBuilder:
+    w, texts, vae = vace_start(info, model="wan_tiny_t2v.safetensors",
+                               vace_module="wan_tiny_vace_module.safetensors", tp=2, vae_patch=2)
+    video = load_image(w, "source_video.png", 420)
+    mask = w.node("WanMeshVaceMask", [COLUMNS[3], 420],
+                  {"mode": "extend", "width": WIDTH, "height": HEIGHT, "length": 9, "keep_first": 3, "keep_last": 0},
+                  {"video": (video, 0)})
+    vace_tail(w, texts, vae, "vace_extend", (WIDTH, HEIGHT), 9, mask_links(mask), 105, tile=(32, 8))
+    return w
+
+
+# ---- native twins (recent ComfyUI only) --------------------------------------------------------------------
+
+def twin_inputs(w: WorkflowBuilder) -> dict[str, Output]:
+    """A reference image plus a moving-box mask over the source video, the same for both twins."""
+    reference = load_image(w, "ref_circle.png", 420)
+    video = load_image(w, "source_video.png", 780)
+    mask = w.node("WanMeshVaceMask", [COLUMNS[3], 600], BOX_MASK, {"video": (video, 0)})
+    return {**mask_links(mask), "reference_image": (reference, 0)}
+
+
+def vace_native(info: dict[str, Any]) -> WorkflowBuilder:
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w)
+    positive, negative, model = text_and_model(w, pool_id, VACE_PROMPT, "wan_tiny_vace.safetensors")
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    links = twin_inputs(w)
+    encode = w.node("WanVaceToVideo", [COLUMNS[4], 40],
+                    {"width": WIDTH, "height": HEIGHT, "length": 9, "batch_size": 1, "strength": 1.0},
+                    {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0), **links})
+    sampled = sampler(w, 5, model, (encode, 0), (encode, 1), (encode, 2), seed=NATIVE_SEED, steps=3)
+    trim = w.node("TrimVideoLatent", [COLUMNS[6], 40], {}, {"samples": (sampled, 0), "trim_amount": (encode, 3)})
+    decode = w.node("VAEDecode", [COLUMNS[6], 200], {}, {"samples": (trim, 0), "vae": (vae, 0)})
+    save_video(w, 7, decode, "vace_native")
+    return w
+
+
+def vace_wanmesh(info: dict[str, Any]) -> WorkflowBuilder:
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w)
+    texts = text_and_model(w, pool_id, VACE_PROMPT, "wan_tiny_vace.safetensors")
+    vae = wanmesh_vae(w, pool_id)
+    vace_tail(w, texts, vae, "vace_wanmesh", (WIDTH, HEIGHT), 9, twin_inputs(w), NATIVE_SEED)
+    return w
+
+
+# (sub-folder of workflows/, name, which /object_info, builder)
+EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
+    ("", "t2v", "2024", t2v),
+    ("", "t2v_tp2", "2024", t2v_tp2),
+    ("", "vace_r2v", "2024", vace_r2v),
+    ("", "vace_v2v_control", "2024", vace_v2v_control),
+    ("", "vace_inpaint", "2024", vace_inpaint),
+    ("", "vace_outpaint", "2024", vace_outpaint),
+    ("", "vace_extend", "2024", vace_extend),
+    ("native", "vace_native", "recent", vace_native),
+    ("native", "vace_wanmesh", "recent", vace_wanmesh),
+]
+
+
+def write_examples(object_info: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Write every example under ``out_dir``; ``object_info``: ``{"2024": ..., "recent": ...}``."""
+    written = []
+    for subfolder, name, which, build in EXAMPLES:
+        written += build(object_info[which]).write(out_dir / subfolder if subfolder else out_dir, name)
+    return written
+
+
+def live_object_info(which: str) -> dict[str, Any]:
+    """``GET /object_info`` of a server started on the prepared ``which`` ComfyUI copy (stopped afterwards)."""
+    from comfyui_server import ComfyUIServer, RecentComfyUIServer
+    from prepare_comfyui import REPO_ROOT, prepare
+
+    comfy_dir = prepare(REPO_ROOT / "build", which=which)
+    server_class = RecentComfyUIServer if which == "recent" else ComfyUIServer
+    with tempfile.TemporaryDirectory(prefix="wanmesh-object-info-") as work_dir:
+        server = server_class(comfy_dir, Path(work_dir))
+        try:
+            server.start()
+            return server.get_json("/object_info")
+        finally:
+            server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--object-info-2024", type=Path, help="a saved /object_info of the 2024 ComfyUI")
+    parser.add_argument("--object-info-recent", type=Path, help="a saved /object_info of the recent ComfyUI")
+    parser.add_argument("--save-object-info", type=Path, metavar="DIR",
+                        help="also write the /object_info answers used to DIR/info_2024.json, DIR/info_recent.json")
+    parser.add_argument("--out", type=Path, default=WORKFLOWS_DIR, help="where to write (default: workflows/)")
+    args = parser.parse_args(argv)
+    snapshots = {"2024": args.object_info_2024, "recent": args.object_info_recent}
+    object_info = {which: json.loads(path.read_text(encoding="utf-8")) if path else live_object_info(which)
+                   for which, path in snapshots.items()}
+    if args.save_object_info:
+        args.save_object_info.mkdir(parents=True, exist_ok=True)
+        for which, info in object_info.items():
+            (args.save_object_info / f"info_{which}.json").write_text(json.dumps(info), encoding="utf-8")
+    for path in write_examples(object_info, args.out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
