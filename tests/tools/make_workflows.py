@@ -69,9 +69,9 @@ Output = tuple[int, int]  # (node id, output slot)
 
 
 def sampler(w: WorkflowBuilder, column: int, model: int, positive: Output, negative: Output, latent: Output,
-            seed: int, steps: int) -> int:
-    return w.node("WanMeshSampler", [COLUMNS[column], 40],
-                  {"seed": seed, "steps": steps, "cfg": 5.0, "shift": 3.0, "sampler_name": "unipc", "denoise": 1.0},
+            seed: int, steps: int, y: int = 40, **widgets: Any) -> int:
+    values = {"seed": seed, "steps": steps, "cfg": 5.0, "shift": 3.0, "sampler_name": "unipc", "denoise": 1.0}
+    return w.node("WanMeshSampler", [COLUMNS[column], y], {**values, **widgets},
                   {"model": (model, 0), "positive": positive, "negative": negative, "latent_image": latent})
 
 
@@ -82,13 +82,17 @@ def save_video(w: WorkflowBuilder, column: int, images: int, name: str) -> int:
 
 # ---- text to video -----------------------------------------------------------------------------------------
 
-def t2v_graph(w: WorkflowBuilder, name: str, tile: tuple[int, int], also_png: bool, **modes: Any) -> None:
+def t2v_graph(w: WorkflowBuilder, name: str, tile: tuple[int, int], also_png: bool,
+              loras: tuple[tuple[str, float], ...] = (), seed: int = 42, **modes: Any) -> None:
     pool_id = pool(w, **modes)
     positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
     vae = wanmesh_vae(w, pool_id)
     latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 5,
                                                                "batch_size": 1})
-    sampled = sampler(w, 3, model, (positive, 0), (negative, 0), (latent, 0), seed=42, steps=4)
+    for index, (lora_name, strength) in enumerate(loras):  # chained LoRA loaders between model and sampler
+        model = w.node("WanMeshLoraLoader", [COLUMNS[1], 560 + 140 * index],
+                       {"lora_name": lora_name, "strength": strength}, {"model": (model, 0)})
+    sampled = sampler(w, 3, model, (positive, 0), (negative, 0), (latent, 0), seed=seed, steps=4)
     decode = w.node("WanMeshVAEDecode", [COLUMNS[4], 40], {"tile_px": tile[0], "overlap_px": tile[1]},
                     {"vae": (vae, 0), "samples": (sampled, 0)})
     save_video(w, 5, decode, name)
@@ -106,6 +110,59 @@ def t2v(info: dict[str, Any]) -> WorkflowBuilder:
 def t2v_tp2(info: dict[str, Any]) -> WorkflowBuilder:
     w = WorkflowBuilder(info)
     t2v_graph(w, "t2v_tp2", tile=(32, 8), also_png=False, tp=2, vae_patch=2)
+    return w
+
+
+def t2v_lora(info: dict[str, Any]) -> WorkflowBuilder:
+    w = WorkflowBuilder(info)
+    loras = (("wan_tiny_lora_comfy.safetensors", 0.8), ("wan_tiny_lora_kohya.safetensors", 0.5))
+    t2v_graph(w, "t2v_lora", tile=(0, 64), also_png=False, loras=loras, seed=7, tp=2)
+    return w
+
+
+def wan22_two_experts(info: dict[str, Any]) -> WorkflowBuilder:
+    """Two chained samplers as in native Wan 2.2 workflows: the high-noise expert runs steps 0-1 and keeps the
+    leftover noise, the low-noise expert runs steps 2-5 without adding noise."""
+    w = WorkflowBuilder(info)
+    pool_id = pool(w, tp=2)
+    positive, negative, high = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
+    vae = wanmesh_vae(w, pool_id)
+    low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
+                 {"model_name": "wan_tiny_t2v_low.safetensors", "dtype": "auto", "vace_module": "none"},
+                 {"pool": (pool_id, 0)}, title="Low-noise expert")
+    latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 5,
+                                                               "batch_size": 1})
+    texts = (positive, 0), (negative, 0)
+    first = sampler(w, 3, high, *texts, (latent, 0), seed=42, steps=6, sampler_name="euler", end_step=2)
+    second = sampler(w, 4, low, *texts, (first, 0), seed=42, steps=6, sampler_name="euler", cfg=4.0,
+                     start_step=2, add_noise=False)
+    decode = w.node("WanMeshVAEDecode", [COLUMNS[5], 40], {"tile_px": 0, "overlap_px": 64},
+                    {"vae": (vae, 0), "samples": (second, 0)})
+    save_video(w, 6, decode, "wan22_two_experts")
+    return w
+
+
+def stream_t2v(info: dict[str, Any]) -> WorkflowBuilder:
+    """Causal streaming on two Ulysses ranks: chunks of 2 latent frames, each decoded, saved and announced."""
+    w = WorkflowBuilder(info)
+    pool_id = pool(w, ulysses=2)
+    encoder = w.node("WanMeshTextEncoderLoader", [COLUMNS[1], 40],
+                     {"text_encoder_name": "umt5_tiny.safetensors", "dtype": "auto"}, {"pool": (pool_id, 0)})
+    positive = w.node("WanMeshTextEncode", [COLUMNS[2], 40], {"text": T2V_PROMPT}, {"text_encoder": (encoder, 0)},
+                      title="Positive prompt", size=TEXT_NODE_SIZE)
+    model = w.node("WanMeshModelLoader", [COLUMNS[1], 220],
+                   {"model_name": "wan_tiny_t2v.safetensors", "dtype": "auto", "vace_module": "none"},
+                   {"pool": (pool_id, 0)})
+    vae = wanmesh_vae(w, pool_id)
+    latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 17,
+                                                               "batch_size": 1})
+    streamed = w.node("WanMeshStreamSampler", [COLUMNS[3], 40],
+                      {"seed": 42, "steps": 4, "shift": 5.0, "cfg": 1.0, "chunk": 2, "kv_window": 0, "sink": 0,
+                       "filename_prefix": "wanmesh_stream", "fps": FPS, "timesteps": ""},
+                      {"model": (model, 0), "positive": (positive, 0), "latent": (latent, 0), "vae": (vae, 0)},
+                      size=[360, 420])
+    w.node("WanMeshSaveVideo", [COLUMNS[4], 40], {"fps": FPS, "filename_prefix": "wanmesh_stream_t2v"},
+           {"images": (streamed, 1)}, size=[360, 320])
     return w
 
 
@@ -232,6 +289,9 @@ def vace_wanmesh(info: dict[str, Any]) -> WorkflowBuilder:
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
     ("", "t2v_tp2", "2024", t2v_tp2),
+    ("", "t2v_lora", "2024", t2v_lora),
+    ("", "wan22_two_experts", "2024", wan22_two_experts),
+    ("", "stream_t2v", "2024", stream_t2v),
     ("", "vace_r2v", "2024", vace_r2v),
     ("", "vace_v2v_control", "2024", vace_v2v_control),
     ("", "vace_inpaint", "2024", vace_inpaint),
