@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .video_io import fsync_file, fsync_folder
+
 
 def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
     """Write ``tensors`` (CPU copies, contiguous) to ``path``; nothing appears under ``path`` unless all of it did."""
@@ -24,21 +26,14 @@ def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: str | Path) -> P
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         save_file(cpu, str(temporary))
-        _fsync(temporary)
+        fsync_file(temporary)
         _check_saved(temporary, {name: tuple(t.shape) for name, t in cpu.items()})
         os.replace(temporary, path)
+        fsync_folder(path.parent)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     return path
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _check_saved(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:

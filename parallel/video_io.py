@@ -66,13 +66,13 @@ def write_video(frames: torch.Tensor, path: str | Path, fps: float, *, crf: int 
     temporary = _create_temporary(path)
     try:
         _encode(pixels, temporary, rate, crf)
-        _fsync_file(temporary)
+        fsync_file(temporary)
         _check_written(temporary, pixels.shape[:3])
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
     return path
 
 
@@ -149,7 +149,7 @@ def _encode(pixels: np.ndarray, path: Path, rate: Fraction, crf: int) -> None:
         container.mux(stream.encode(None))
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     descriptor = os.open(path, os.O_RDWR)
     try:
         os.fsync(descriptor)
@@ -157,7 +157,7 @@ def _fsync_file(path: Path) -> None:
         os.close(descriptor)
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     """Makes the rename itself durable where the OS allows opening a folder (POSIX)."""
     if not hasattr(os, "O_DIRECTORY"):
         return

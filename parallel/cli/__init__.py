@@ -25,13 +25,20 @@ TINY_STREAM_DEFAULTS = {"width": 128, "height": 96, "frames": 17}  # `wanmesh st
 REAL_STREAM_DEFAULTS = {"width": 832, "height": 480, "frames": 81}
 
 
-def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="text to video (tiny built-in models when no model is given)")
-    files = p.add_argument_group("models (default: the tiny built-in models in a cache folder)")
+def add_model_file_arguments(parser: argparse.ArgumentParser, model_help: str):
+    """--models / --model / --vae / --text-encoder, shared by the commands that generate; returns the group."""
+    files = parser.add_argument_group("models (default: the tiny built-in models in a cache folder)")
     files.add_argument("--models", type=Path, help="a models tree written by `wanmesh make-tiny`")
-    files.add_argument("--model", help="Wan T2V or VACE transformer (.safetensors or .gguf single file, or diffusers folder)")
+    files.add_argument("--model", help=model_help)
     files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
     files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
+    return files
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="text to video (tiny built-in models when no model is given)")
+    files = add_model_file_arguments(
+        p, "Wan T2V or VACE transformer (.safetensors or .gguf single file, or diffusers folder)")
     files.add_argument("--vace-module", help="VACE module file merged onto --model")
     files.add_argument("--model-low", help="Wan 2.2 A14B: the low-noise expert (--model is then the high-noise one)")
     p.add_argument("--prompt", required=True)

@@ -22,16 +22,13 @@ from ..protocol import StreamSample, parse_stream_timesteps
 from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
 from ..video_io import CONTAINERS, check_fps
+from . import add_model_file_arguments
 from .generate import pool_config
 from .video_file import write_mp4
 
 def add_arguments(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("stream", help="causal streaming text to video: chunks written as they are made")
-    files = p.add_argument_group("models (default: the tiny built-in models in a cache folder)")
-    files.add_argument("--models", type=Path, help="a models tree written by `wanmesh make-tiny`")
-    files.add_argument("--model", help="causal Wan 2.1 transformer (Self-Forcing, CausVid, ...): file or folder")
-    files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
-    files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
+    add_model_file_arguments(p, "causal Wan 2.1 transformer (Self-Forcing, CausVid, ...): file or folder")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative", default="", help="negative prompt (used only with --cfg above 1)")
     p.add_argument("--width", type=int)
