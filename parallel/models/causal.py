@@ -31,7 +31,6 @@ count, so its cache holds only its heads.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch

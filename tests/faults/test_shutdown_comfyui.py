@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXITS_WITHIN_S = 20.0

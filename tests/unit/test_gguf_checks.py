@@ -11,7 +11,6 @@ import torch
 
 from wanmesh.parallel.models import gguf_file
 from wanmesh.parallel.models.detect import safetensors_kind
-from wanmesh.parallel.models.gguf_write import write_wan_gguf
 from wanmesh.parallel.models.sharded import load_transformer_shard
 from wanmesh.parallel.models.tiny import TINY_TRANSFORMER
 from wanmesh.parallel.models.wan import load_transformer

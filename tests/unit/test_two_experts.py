@@ -4,7 +4,6 @@ reduce to one-model runs, two chained samplers equal one two-expert run, and bad
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
