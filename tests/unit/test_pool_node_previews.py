@@ -17,6 +17,7 @@ from wanmesh.nodes.pool import WanMeshPool
 from wanmesh.nodes.runtime import ResidentModel
 from wanmesh.nodes.sampling import WanMeshSampler
 from wanmesh.parallel.config import latent_shape
+from wanmesh.parallel.protocol import Latents
 from wanmesh.parallel.driver import runner as runner_module
 from wanmesh.parallel.sampling.loop import pad_to_wan_text_length
 
@@ -33,7 +34,7 @@ class RecordingPool:
 
     def call(self, request, progress=None, should_cancel=None):
         self.requests.append(request)
-        return types.SimpleNamespace(latents=torch.zeros_like(request.latent))
+        return Latents(torch.zeros_like(request.latent))
 
 
 @pytest.fixture()
