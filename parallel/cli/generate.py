@@ -54,12 +54,13 @@ def check_generate(args, files: dict[str, str | None]) -> ParallelConfig:
     """The validation pass: raises a one-line ValueError, prints warnings; no process started, no model read."""
     config = pool_config(args)
     check_fps(args.fps)
+    warnings = validate_generate(generate_inputs(args, files), config)
     experts = _expert_fields(args)  # bad boundaries and step ranges fail before the pool starts
     check_experts(boundary=experts["boundary"], guidance_scale_low=experts["guidance_scale_low"])
     check_step_range(experts["start_step"], experts["end_step"], args.steps)
     if files.get("model_low"):
         check_model_file(files["model_low"], "model", "--model-low", config)
-    for warning in validate_generate(generate_inputs(args, files), config):
+    for warning in warnings:
         print(f"wanmesh: warning: {warning}", file=sys.stderr, flush=True)
     return config
 
