@@ -140,6 +140,7 @@ class WanMeshStreamSampler:
             empty = torch.zeros(0, samples.shape[-2] * 8, samples.shape[-1] * 8, 3)
             return {"ui": {}, "result": (latent, empty)}
         video = saver.save_whole(result.frames)
-        # chunk files by name (same subfolder as the video), plain strings so the frontend shows only the video
-        ui = {"images": [video], "animated": (True,), "chunk_files": list(saver.files)}
+        # File names as plain strings (one subfolder for all): the node itself shows the live chunk previews, and
+        # a video result here would make the recent frontend load those previews as media; Save Video plays it.
+        ui = {"video_file": [video["filename"]], "subfolder": [video["subfolder"]], "chunk_files": list(saver.files)}
         return {"ui": ui, "result": (latent, result.frames)}

@@ -64,7 +64,8 @@ def test_stream_workflow_announces_each_chunk_file_then_saves_the_video(comfyui_
     assert [v.shape[0] for v in chunk_videos] == [data["frames"] for _, data in chunk_events] == expected
     assert [data["first_frame"] for _, data in chunk_events] == [sum(expected[:i]) for i in range(len(expected))]
 
-    whole = result.outputs[sampler_id]["images"][0]
+    sampler_output = result.outputs[sampler_id]
+    whole = {"filename": sampler_output["video_file"][0], "subfolder": sampler_output["subfolder"][0]}
     saved = result.outputs[_node_id(stream_prompt, "WanMeshSaveVideo")]["images"][0]
     for info in (whole, saved):
         video = read_video(_file(comfyui_server, info))
