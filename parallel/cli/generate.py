@@ -69,8 +69,8 @@ _progress_line = {"open": False}  # a "step k/n" line without its newline yet
 
 
 def _progress(step: int, total: int) -> None:
+    _progress_line["open"] = step != total  # first: a Ctrl-C right after the print must still end the line
     print(f"\r  step {step}/{total}", end="\n" if step == total else "", file=sys.stderr, flush=True)
-    _progress_line["open"] = step != total
 
 
 def end_progress_line() -> None:
