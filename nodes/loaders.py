@@ -75,4 +75,4 @@ class WanMeshTextEncoderLoader:
         path = model_path("text_encoders", text_encoder_name)
         check_model_file(path, "text_encoder", f"text_encoder_name {text_encoder_name}:")
         runner = _runner(pool)
-        return (ResidentModel(runner, runner.load_text_encoder(path, dtype=dtype)),)
+        return (ResidentModel(runner, runner.load_text_encoder(path, dtype=dtype), path=path),)

@@ -19,6 +19,7 @@ class ResidentModel:
     runner: PoolRunner
     handle: str
     loras: tuple[tuple[str, float], ...] = ()  # (LoRA file, strength) in order, merged on the workers when sampling
+    path: str | None = None  # the file it was loaded from (read by checks that need only its header)
 
 
 PREVIEW_MAX_RESOLUTION = 512  # what ComfyUI's own latent previews are limited to

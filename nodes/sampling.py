@@ -7,6 +7,7 @@ import logging
 import torch
 
 from ..parallel import SAMPLERS, Cancelled, SampleRequest, latent_shape
+from ..parallel.validation import prompt_length_warning
 from .convert import (
     check_same_vace,
     embeddings_to_conditioning,
@@ -33,6 +34,9 @@ class WanMeshTextEncode:
     DESCRIPTION = "Encodes a prompt on the pool into ComfyUI's CONDITIONING (padded to Wan's 512 text tokens)."
 
     def encode(self, text_encoder, text):
+        warning = prompt_length_warning(text, text_encoder.path)
+        if warning:
+            logger.warning("WanMesh Text Encode: %s", warning)
         embeddings = text_encoder.runner.encode_text(text_encoder.handle, [text])
         return (embeddings_to_conditioning(embeddings),)
 

@@ -142,12 +142,14 @@ class ParallelConfig:
         check_head_split(num_heads, tp=self.tp, ulysses=self.ulysses)
 
     def rank_devices(self, cuda_count: int | None = None) -> list[str]:
-        """The device of each rank on this machine (local backend). ``cuda_count``: visible GPUs (default: ask torch)."""
+        """The device of each rank on this machine (local backend), ``cuda:N`` being the machine's N-th GPU.
+        ``cuda_count``: the machine's GPUs (default: ``gpus.machine_gpus``, which a host's narrowed
+        ``CUDA_VISIBLE_DEVICES`` does not hide)."""
         spec = self.devices
         if cuda_count is None and any(d != "cpu" for d in spec):
-            import torch
+            from .gpus import machine_gpus
 
-            cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            cuda_count = machine_gpus().count
         cuda_count = cuda_count or 0
         if spec == ("auto",):
             spec = ("cuda",) if cuda_count > 0 else ("cpu",)
@@ -161,7 +163,9 @@ class ParallelConfig:
         chosen = list(spec[: self.world])
         missing = [d for d in chosen if d.startswith("cuda:") and int(d.split(":")[1]) >= cuda_count]
         if missing:
-            raise ValueError(f"devices {', '.join(missing)} do not exist: {cuda_count} GPUs are visible (cuda:0..)")
+            raise ValueError(f"devices {', '.join(missing)} do not exist: this machine has {cuda_count} GPUs "
+                             f"(valid: cuda:0..cuda:{cuda_count - 1})" if cuda_count else
+                             f"devices {', '.join(missing)} do not exist: no GPU is visible; use devices='cpu'")
         return chosen
 
     # -- plain data (crosses process boundaries; the pack's classes never do) -----------------------------

@@ -28,6 +28,7 @@ from typing import Any
 from .. import protocol as P
 from ..config import ParallelConfig
 from ..errors import Cancelled, RankDied
+from ..gpus import worker_device_env
 from ..transport import SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
@@ -98,7 +99,10 @@ class LocalWorkers:
 
     def __init__(self, config: ParallelConfig, pg_timeout_s: float, diagnostics: str | None):
         self.config = config
-        self.devices = config.rank_devices()  # fails here, before any process starts, on missing GPUs
+        # Fails here, before any process starts, on missing GPUs. Each worker's GPU list is set explicitly (a
+        # host narrowed to one GPU, e.g. ComfyUI's --cuda-device, would otherwise narrow every worker too).
+        self.machine_devices = config.rank_devices()
+        self.device_env, self.devices = worker_device_env(self.machine_devices)
         self.pg_timeout_s = pg_timeout_s
         self.diagnostics = os.path.abspath(diagnostics) if diagnostics else None
         self.shm_prefix = new_segment_prefix()
@@ -144,7 +148,7 @@ class LocalWorkers:
             "pg_timeout_s": self.pg_timeout_s, "diagnostics": self.diagnostics, "shm_prefix": self.shm_prefix,
             "pool_dir": self._tmpdir, "collective_timeout_s": self.config.worker_timeout,
         }
-        env = {**os.environ, **LOOPBACK_ENV}
+        env = {**os.environ, **LOOPBACK_ENV, **self.device_env}
         try:
             proc = subprocess.Popen(
                 # "--rank N" is for people reading `ps`; the worker reads its rank from the settings.

@@ -373,6 +373,8 @@ def get_pool(config: ParallelConfig, **options: Any) -> WorkerPool:
     with _cache_lock:
         if _cached_pool is not None and not _cached_pool._closed and _cached_pool.config == config:
             return _cached_pool
+        if config.backend == "local":
+            config.rank_devices()  # a bad device list fails here, before the live pool is closed
         close_cached_pool_locked()
         _cached_pool = WorkerPool(config, **options)
         return _cached_pool

@@ -235,3 +235,19 @@ def test_tensor_parallel_workflow_matches_one_rank(comfyui_server: ComfyUIServer
     # The comparison means something only if another seed lands well outside the tolerance.
     seed_difference = largest_pixel_difference(single_rank, other_seed)
     assert seed_difference > 8 * PIXEL_TOLERANCE, f"a different seed changed the frames by only {seed_difference}/255"
+
+
+def test_a_prompt_longer_than_wan_reads_is_run_with_a_warning_that_counts_the_dropped_tokens(
+        comfyui_server: ComfyUIServer) -> None:
+    prompt = with_fresh_seed(with_inputs(with_inputs(load_workflow("api/t2v.json"), "WanMeshSampler", steps=1),
+                                         "WanMeshEmptyLatent", width=32, height=32, length=5))
+    for node in prompt.values():
+        if node["class_type"] == "WanMeshTextEncode":
+            node["inputs"]["text"] = " ".join(["a red fox runs through deep snow"] * 120)  # 840 words
+    warnings_before = comfyui_server.log().count("WanMesh Text Encode: the prompt is ")
+    run_successfully(comfyui_server, prompt)
+    found = re.findall(r"WanMesh Text Encode: the prompt is (\d+) tokens; Wan reads the first 512, so (\d+) tokens",
+                       comfyui_server.log())
+    assert len(found) > warnings_before, f"no prompt-length warning in the log:\n{comfyui_server.log()[-3000:]}"
+    tokens, dropped = map(int, found[-1])
+    assert tokens > 840 and dropped == tokens - 512, found[-1]

@@ -252,6 +252,20 @@ def test_get_pool_reuses_equal_configs_and_restarts_on_a_change():
         close_cached_pool()
 
 
+def test_a_bad_device_list_keeps_the_live_pool_and_workers_never_inherit_the_hosts_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # a host narrowed to one GPU (ComfyUI's --cuda-device 1)
+    try:
+        pool = get_pool(ParallelConfig(world=1, devices="cpu"))
+        pids = [p.pid for p in family(pool.pids())]
+        assert [psutil.Process(pid).environ().get("CUDA_VISIBLE_DEVICES") for pid in pool.pids()] == [""]
+        with pytest.raises(ValueError, match=r"devices cuda:7 do not exist"):
+            get_pool(ParallelConfig(world=1, devices="cuda:7"))
+        assert get_pool(ParallelConfig(world=1, devices="cpu")) is pool
+        assert pool.health().ranks[0]["pid"] in pids  # the same workers, still answering
+    finally:
+        close_cached_pool()
+
+
 def test_a_worker_that_fails_to_start_is_a_clear_error(tmp_path):
     broken = tmp_path / "broken_diagnostics.py"
     broken.write_text("raise RuntimeError('cannot set up this rank')\n")

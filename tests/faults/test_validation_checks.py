@@ -20,7 +20,7 @@ def test_more_cpu_ranks_than_cores_warns_with_the_numbers():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
 def test_a_device_list_naming_missing_gpus_is_refused_before_any_pool():
-    with pytest.raises(ValueError, match=r"devices cuda:0, cuda:1 do not exist: 0 GPUs are visible"):
+    with pytest.raises(ValueError, match=r"devices cuda:0, cuda:1 do not exist: no GPU is visible; use devices='cpu'"):
         check_ranks(ParallelConfig(world=2, devices="cuda:0,cuda:1"))
 
 

@@ -54,7 +54,7 @@ def test_rank_devices():
     assert ParallelConfig(world=2, devices="cuda:3,cuda:1,cuda:0").rank_devices(cuda_count=4) == ["cuda:3", "cuda:1"]
     with pytest.raises(ValueError, match="world=3 ranks need 3 GPUs but 2 are visible; lower world to at most 2"):
         ParallelConfig(world=3, devices="cuda").rank_devices(cuda_count=2)
-    with pytest.raises(ValueError, match=r"devices cuda:5 do not exist: 2 GPUs are visible"):
+    with pytest.raises(ValueError, match=r"devices cuda:5 do not exist: this machine has 2 GPUs \(valid: cuda:0..cuda:1\)"):
         ParallelConfig(world=1, devices=["cuda:5"]).rank_devices(cuda_count=2)
 
 
