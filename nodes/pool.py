@@ -31,7 +31,7 @@ class WanMeshPool:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "devices": ("STRING", {"default": "auto", "tooltip": "auto, cpu:N, or a list such as cuda:0,1,2,3"}),
+                "devices": ("STRING", {"default": "auto", "tooltip": "auto, cpu:N, or a list such as cuda:0,1,2,3 (the machine's GPU numbers, as nvidia-smi lists them)"}),
                 "world": ("INT", {**DEGREE, "tooltip": "number of ranks (worker processes)"}),
                 "tp": ("INT", {**DEGREE, "tooltip": "tensor-parallel degree"}),
                 "ulysses": ("INT", {**DEGREE, "tooltip": "Ulysses sequence-parallel degree"}),

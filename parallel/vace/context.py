@@ -15,7 +15,11 @@ from ..config import LATENT_CHANNELS, VACE_FRAME_CHANNELS, VACE_MASK_CHANNELS
 
 
 def normalise_latents(latents: torch.Tensor, latents_mean: torch.Tensor, latents_std: torch.Tensor) -> torch.Tensor:
-    """Raw Wan latents `[B, 16, T, h, w]` -> normalised `(x - mean) / std` per channel."""
+    """Raw Wan latents `[B, 16, T, h, w]` -> normalised `(x - mean) / std` per channel.
+
+    Not ``sampling.latents.normalize_latents``: that one multiplies by ``1 / std`` in float32 as diffusers'
+    WanPipeline does, this one divides in the latents' dtype as the VACE reference does; each gives
+    bit-identical results with its own reference, which the equality tests check."""
     shape = (1, LATENT_CHANNELS, 1, 1, 1)
     mean = latents_mean.to(device=latents.device, dtype=latents.dtype).view(shape)
     std = latents_std.to(device=latents.device, dtype=latents.dtype).view(shape)
