@@ -1,7 +1,7 @@
 """Reading videos, images and folders of frames for the command line; runs in the CLI (driver) process.
 
 Everything comes back in ComfyUI's conventions: IMAGE = float32 [F, H, W, C] RGB(A) in 0..1, MASK = float32
-[F, H, W] in 0..1. A path may be a video file (MP4 and the other containers OpenCV's FFmpeg reads), one image,
+[F, H, W] in 0..1. A path may be a video file (MP4 and the other containers FFmpeg reads, through PyAV), one image,
 or a folder of images (the frames, in sorted file-name order). Masks are the luminance of the frames (BT.601,
 OpenCV's RGB2GRAY), so white = 1. Errors are one line naming the flag and the path.
 """
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from ..video_io import read_video
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
@@ -58,24 +60,13 @@ def _image_rgb(path: Path, flag: str, keep_alpha: bool) -> np.ndarray:
 
 
 def _video_rgb(path: Path, flag: str) -> np.ndarray:
-    """Every frame of a video file -> [F, H, W, 3] float32 RGB in 0..1."""
-    cv2 = _cv2()
-    capture = cv2.VideoCapture(str(path))
-    frames = []
+    """Every frame of a video file -> [F, H, W, 3] float32 RGB in 0..1 (PyAV, the pack's one video reader)."""
+    import av
+
     try:
-        while True:
-            ok, frame = capture.read()
-            if not ok:
-                break
-            frames.append(frame)
-    finally:
-        capture.release()
-    if not frames:
-        raise ValueError(f"{flag} {path}: OpenCV could not read any frame from this video; give {FORMS}")
-    stacked = np.stack(frames)
-    count, height, width, _ = stacked.shape
-    rgb = cv2.cvtColor(stacked.reshape(count * height, width, 3), cv2.COLOR_BGR2RGB)  # one call for all frames
-    return _to_unit_float(rgb.reshape(count, height, width, 3), flag, path)
+        return read_video(path).numpy()
+    except (ValueError, av.FFmpegError) as error:
+        raise ValueError(f"{flag} {path} is not a readable video ({error}); give {FORMS}") from None
 
 
 def _folder_rgb(folder: Path, flag: str) -> np.ndarray:
