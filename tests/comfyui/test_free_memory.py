@@ -5,8 +5,8 @@ within the Pool node's memory budget.
 unload_models: the pool's models are unloaded (logged), the workers keep running, and the next prompt loads
 what it needs again. free_memory: the worker processes exit; the next prompt starts a fresh pool.
 
-Switching: three model files of 67 MiB, A, B, C, A, B, C. With the Pool node's memory budget at 1.5 files per
-rank the workers' RSS stays within one file each of its level after A, and the workers log each unload; the
+Switching: three model files of 67 MiB, A, B, C, A, B, C. With the Pool node's memory budget at about 1.5 files
+per rank the workers' RSS stays within one file each of its level after A, and the workers log each unload; the
 control (default budget, A, B, C) shows the RSS growing past that bound. The tests run in file order so the
 pools are shared: the control starts the module's first pool, and the prompts after free_memory already carry
 the budget, so the budget test needs no pool restart.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-
 from pathlib import Path
 from typing import Iterator
 
