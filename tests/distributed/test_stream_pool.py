@@ -107,6 +107,6 @@ def test_bad_requests_fail_in_the_driver(runner, reference):
     with pytest.raises(ValueError, match="kv_window=1 latent frames is smaller than a chunk of 2"):
         runner.stream(StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=reference["positive"],
                                    negative=[], seed=0, chunk=CHUNK, kv_window=1))
-    with pytest.raises(ValueError, match="timesteps must be a descending list"):
+    with pytest.raises(ValueError, match="timesteps must be a non-empty, strictly descending list"):
         runner.stream(StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=reference["positive"],
                                    negative=[], seed=0, timesteps=[250.0, 500.0]))
