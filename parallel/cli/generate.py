@@ -29,13 +29,14 @@ SAFETENSORS = (".safetensors",)
 
 
 def pool_config(args) -> ParallelConfig:
-    """The worker pool the command line asked for (checked before any process starts)."""
+    """The worker pool the command line asked for (flags of `cli.add_pool_arguments`), checked before any process
+    starts."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
     return ParallelConfig(
         world=args.world, tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel,
         vae_patch=args.vae_patch, devices=args.device or "auto", memory_budget_gb=args.memory_budget_gb,
-        worker_timeout=getattr(args, "worker_timeout", 60.0),
+        worker_timeout=args.worker_timeout,
     )
 
 
