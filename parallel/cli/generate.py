@@ -99,7 +99,7 @@ def generate(args, files: dict[str, str | None], vace: VaceSources | None = None
 def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None) -> torch.Tensor:
     """Text encoding, VAE load (before sampling, so a bad VAE fails first), (VACE encoding,) sampling, saving
     the latents (before decoding, so a failed decode never loses them) and decoding."""
-    prompts = _encode_prompts(runner, args, files)
+    prompts = encode_prompts(runner, args, files)
     vae = runner.load_vae(files["vae"], dtype=args.dtype)
     encoded = vace.encode(runner, vae, args) if vace is not None else None
     latents = _sample(runner, args, files, shape, prompts, vace, encoded)
@@ -138,7 +138,8 @@ def _expert_fields(args) -> dict:
             "guidance_scale_low": getattr(args, "guidance_scale_low", None), "end_step": getattr(args, "end_step", None)}
 
 
-def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """--prompt and --negative embedded by the pool's text encoder, which is unloaded afterwards."""
     text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
     positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
     runner.unload(text)

@@ -23,7 +23,7 @@ from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
 from ..video_io import CONTAINERS, check_fps
 from . import add_model_file_arguments, add_pool_arguments
-from .generate import pool_config
+from .generate import encode_prompts, pool_config
 from .video_file import write_mp4
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -108,7 +108,7 @@ def stream(args, files: dict[str, str | None]) -> None:
     args.chunk_dir.mkdir(parents=True, exist_ok=True)
     with WorkerPool(config) as pool:
         runner = PoolRunner(pool)
-        prompts = _encode_prompts(runner, args, files)
+        prompts = encode_prompts(runner, args, files)
         model = runner.load_model(files["model"], dtype=args.dtype)
         vae = runner.load_vae(files["vae"], dtype=args.dtype)
         request = StreamSample(
@@ -126,10 +126,3 @@ def stream(args, files: dict[str, str | None]) -> None:
     seconds = time.perf_counter() - started
     print(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "
           f"{config.describe()}) in {seconds:.1f} s", file=sys.stdout)
-
-
-def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
-    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
-    runner.unload(text)
-    return positive, negative
