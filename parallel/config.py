@@ -425,6 +425,30 @@ def check_stream_layout(*, ring: int, cfg_parallel: bool) -> None:
                          "every rank and run one after the other; turn cfg_parallel off")
 
 
+def check_stream_timesteps(timesteps) -> None:
+    """A streaming timestep list (Self-Forcing's ``denoising_step_list``): at least one value, each in (0, 1000],
+    strictly descending; None means the steps/shift schedule."""
+    if timesteps is None:
+        return
+    values = [float(t) for t in timesteps]
+    if not values or any(not 0.0 < t <= 1000.0 for t in values) or any(
+            later >= earlier for earlier, later in zip(values, values[1:])):
+        raise ValueError(f"timesteps must be a non-empty, strictly descending list of values in (0, 1000], "
+                         f"e.g. 1000,750,500,250; got {values}")
+
+
+def parse_stream_timesteps(text: str | None) -> list[float] | None:
+    """'1000, 750,500' -> [1000.0, 750.0, 500.0] (checked); None or blank -> None (the steps/shift schedule)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"timesteps must be a comma list of numbers, e.g. 1000,750,500,250; got {text!r}") from None
+    check_stream_timesteps(values)
+    return values
+
+
 # -- two experts and step ranges (Wan 2.2 A14B, chained samplers) ------------------------------------------
 
 EXPERT_CONFIG_KEYS = ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",

@@ -16,6 +16,7 @@ import torch
 
 from .config import (check_experts, check_latent, check_model_loras, check_sampling, check_step_range,
                      check_stream_options, check_vace_contexts)
+from .config import check_stream_timesteps, parse_stream_timesteps  # noqa: F401  (importers use these names here)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -201,29 +202,6 @@ class StreamSample(Request):
         if self.guidance_scale != 1.0 and not self.negative:
             raise ValueError(f"guidance scale {self.guidance_scale} needs negative conditioning; connect a negative "
                              "prompt or set cfg to 1")
-
-
-def check_stream_timesteps(timesteps) -> None:
-    """A streaming timestep list: at least one value, each in (0, 1000], strictly descending (or None)."""
-    if timesteps is None:
-        return
-    values = list(timesteps)
-    if not values or any(not (0.0 < float(t) <= 1000.0) for t in values) or any(
-            b >= a for a, b in zip(values, values[1:])):
-        raise ValueError(f"timesteps must be a descending list of values in (0, 1000], e.g. 1000,750,500,250; "
-                         f"got {values}")
-
-
-def parse_stream_timesteps(text: str | None) -> list[float] | None:
-    """'1000, 750,500' -> [1000.0, 750.0, 500.0] (checked); None or blank -> None (the steps/shift schedule)."""
-    if text is None or not text.strip():
-        return None
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"timesteps must be a comma list of numbers, e.g. 1000,750,500,250; got {text!r}") from None
-    check_stream_timesteps(values)
-    return values
 
 
 @dataclass(frozen=True)

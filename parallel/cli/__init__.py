@@ -35,6 +35,31 @@ def add_model_file_arguments(parser: argparse.ArgumentParser, model_help: str):
     return files
 
 
+def add_pool_arguments(parser: argparse.ArgumentParser, *, streaming: bool,
+                       tp_help: str = "tensor-parallel degree (must divide the head count)",
+                       ulysses_help: str = "Ulysses sequence-parallel degree (tp x ulysses must divide the head count)"):
+    """The worker pool's flags (what `cli.generate.pool_config` reads), shared by the commands that generate;
+    returns the group. ``streaming`` leaves out what a streaming run refuses (ring, CFG parallel) or does not use
+    (VAE patches) and sets their single-device values as defaults."""
+    pool = parser.add_argument_group("parallelism")
+    pool.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
+    pool.add_argument("--tp", type=int, default=1, help=tp_help)
+    pool.add_argument("--ulysses", type=int, default=1, help=ulysses_help)
+    if streaming:
+        pool.set_defaults(ring=1, cfg_parallel=False, vae_patch=1)
+    else:
+        pool.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
+        pool.add_argument("--cfg-parallel", action="store_true",
+                          help="run the conditional and unconditional passes on two halves of the pool")
+        pool.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
+    pool.add_argument("--worker-timeout", type=float, default=60.0,
+                      help="seconds a worker may stop answering before the pool names it and stops (default 60)")
+    pool.add_argument("--memory-budget-gb", type=float, default=0.0,
+                      help="resident models per rank in GB; loading past it unloads the least recently used "
+                           "(0: what the device holds)")
+    return pool
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="text to video (tiny built-in models when no model is given)")
     files = add_model_file_arguments(
@@ -60,21 +85,9 @@ def _add_generate(sub) -> None:
                          help="guidance scale of the low-noise expert's steps (default: --guidance-scale)")
     experts.add_argument("--start-step", type=int, default=0, help="first step to run (default 0)")
     experts.add_argument("--end-step", type=int, help="stop before this step, keeping the leftover noise (default: all)")
-    par = p.add_argument_group("parallelism")
-    par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (must divide the head count)")
-    par.add_argument("--ulysses", type=int, default=1,
-                     help="Ulysses sequence-parallel degree (tp x ulysses must divide the head count)")
-    par.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
-    par.add_argument("--cfg-parallel", action="store_true",
-                     help="run the conditional and unconditional passes on two halves of the pool")
-    par.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
-    par.add_argument("--worker-timeout", type=float, default=60.0,
-                     help="seconds a worker may stop answering before the pool names it and stops (default 60)")
+    par = add_pool_arguments(p, streaming=False)
     par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
     par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")
-    par.add_argument("--memory-budget-gb", type=float, default=0.0,
-                     help="resident models per rank in GB; loading past it unloads the least recently used (0: what the device holds)")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")

@@ -29,13 +29,14 @@ SAFETENSORS = (".safetensors",)
 
 
 def pool_config(args) -> ParallelConfig:
-    """The worker pool the command line asked for (checked before any process starts)."""
+    """The worker pool the command line asked for (flags of `cli.add_pool_arguments`), checked before any process
+    starts."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but this machine has no CUDA device; use --device cpu")
     return ParallelConfig(
         world=args.world, tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel,
         vae_patch=args.vae_patch, devices=args.device or "auto", memory_budget_gb=args.memory_budget_gb,
-        worker_timeout=getattr(args, "worker_timeout", 60.0),
+        worker_timeout=args.worker_timeout,
     )
 
 
@@ -98,7 +99,7 @@ def generate(args, files: dict[str, str | None], vace: VaceSources | None = None
 def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None) -> torch.Tensor:
     """Text encoding, VAE load (before sampling, so a bad VAE fails first), (VACE encoding,) sampling, saving
     the latents (before decoding, so a failed decode never loses them) and decoding."""
-    prompts = _encode_prompts(runner, args, files)
+    prompts = encode_prompts(runner, args, files)
     vae = runner.load_vae(files["vae"], dtype=args.dtype)
     encoded = vace.encode(runner, vae, args) if vace is not None else None
     latents = _sample(runner, args, files, shape, prompts, vace, encoded)
@@ -137,7 +138,8 @@ def _expert_fields(args) -> dict:
             "guidance_scale_low": getattr(args, "guidance_scale_low", None), "end_step": getattr(args, "end_step", None)}
 
 
-def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """--prompt and --negative embedded by the pool's text encoder, which is unloaded afterwards."""
     text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
     positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
     runner.unload(text)

@@ -22,8 +22,8 @@ from ..protocol import StreamSample, parse_stream_timesteps
 from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
 from ..video_io import CONTAINERS, check_fps
-from . import add_model_file_arguments
-from .generate import pool_config
+from . import add_model_file_arguments, add_pool_arguments
+from .generate import encode_prompts, pool_config
 from .video_file import write_mp4
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -48,15 +48,9 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
-    par = p.add_argument_group("parallelism")
-    par.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the cache is split by heads)")
-    par.add_argument("--ulysses", type=int, default=1, help="sequence-parallel degree (one all-to-all per layer)")
-    par.add_argument("--memory-budget-gb", type=float, default=0.0,
-                     help="resident models per rank in GB (0: what the device holds)")
-    par.add_argument("--worker-timeout", type=float, default=60.0,
-                     help="seconds a rank may stop answering before it is named and the pool stopped")
-    par.set_defaults(ring=1, cfg_parallel=False, vae_patch=1, vace_module=None)
+    add_pool_arguments(p, streaming=True, tp_help="tensor-parallel degree (the cache is split by heads)",
+                       ulysses_help="sequence-parallel degree (one all-to-all per layer)")
+    p.set_defaults(vace_module=None)
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--out", type=Path, required=True, help="the MP4 file of the whole video")
     p.add_argument("--chunk-dir", type=Path, required=True, help="folder for chunk_000.mp4, chunk_001.mp4, ...")
@@ -114,7 +108,7 @@ def stream(args, files: dict[str, str | None]) -> None:
     args.chunk_dir.mkdir(parents=True, exist_ok=True)
     with WorkerPool(config) as pool:
         runner = PoolRunner(pool)
-        prompts = _encode_prompts(runner, args, files)
+        prompts = encode_prompts(runner, args, files)
         model = runner.load_model(files["model"], dtype=args.dtype)
         vae = runner.load_vae(files["vae"], dtype=args.dtype)
         request = StreamSample(
@@ -132,10 +126,3 @@ def stream(args, files: dict[str, str | None]) -> None:
     seconds = time.perf_counter() - started
     print(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "
           f"{config.describe()}) in {seconds:.1f} s", file=sys.stdout)
-
-
-def _encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
-    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
-    runner.unload(text)
-    return positive, negative

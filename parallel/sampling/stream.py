@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from ..config import check_stream_layout, check_stream_options, stream_chunks
+from ..config import check_stream_layout, check_stream_options, check_stream_timesteps, stream_chunks
 from ..errors import Cancelled
 from ..models.causal import CacheWindow, CausalWan, LocalAttention
 from .guidance import combine_guidance
@@ -65,11 +65,8 @@ def stream_sigmas(steps: int, shift: float, timesteps: list[int] | None = None) 
             raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
         timesteps = [TRAIN_TIMESTEPS - int(i * TRAIN_TIMESTEPS / steps) for i in range(steps)]
     else:
+        check_stream_timesteps(timesteps)
         timesteps = [float(t) for t in timesteps]
-        if not timesteps or any(not 0 < t <= TRAIN_TIMESTEPS for t in timesteps) or any(
-                a <= b for a, b in zip(timesteps, timesteps[1:])):
-            raise ValueError(f"timesteps {timesteps} must be a non-empty, strictly decreasing list in (0, 1000], "
-                             "e.g. [1000, 750, 500, 250]")
     return [_shifted(t / TRAIN_TIMESTEPS, shift) for t in timesteps] + [0.0]
 
 

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import faulthandler
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from pool_helpers import (cpu_pool, one_thread_per_worker, random_prompt_request,  # noqa: F401
+                          tiny_model_paths, traceback_deadline)
 from wanmesh.parallel.cli import main
 from wanmesh.parallel.driver.runner import PoolRunner
-from wanmesh.parallel.config import ParallelConfig
 from wanmesh.parallel.worker.executors import RankExecutor
-from wanmesh.parallel.driver.pool import WorkerPool
 from wanmesh.parallel.protocol import SampleRequest
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, make_tiny
+from wanmesh.parallel.models.tiny import TINY_TRANSFORMER
 from vace_inputs import two_vace_contexts
 
 DEADLINE_S = 900  # the whole file; a hung rank dumps every thread's stack and ends the run
@@ -50,21 +49,16 @@ def _tokens(shape: tuple[int, ...]) -> int:
 
 def _request(shape: tuple[int, ...], vace: bool) -> SampleRequest:
     generator = torch.Generator().manual_seed(7)
-    text_dim = TINY_TRANSFORMER["text_dim"]
-    return SampleRequest(
-        handle="", latent=torch.zeros(shape), positive=[torch.randn(9, text_dim, generator=generator)],
-        negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, guidance_scale=5.0, shift=3.0,
-        sampler="unipc", **(two_vace_contexts(shape, generator) if vace else {}),
-    )
+    request = random_prompt_request(torch.zeros(shape), generator, seed=3, steps=4, guidance_scale=5.0, shift=3.0,
+                                    sampler="unipc")
+    return replace(request, **two_vace_contexts(shape, generator)) if vace else request
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-    root = tmp_path_factory.mktemp("cp_tiny")
-    paths = {name: str(path) for name, path in make_tiny(root).items()}
-    yield {**paths, "root": str(root)}
-    faulthandler.cancel_dump_traceback_later()
+    with traceback_deadline(DEADLINE_S):
+        root = tmp_path_factory.mktemp("cp_tiny")
+        yield {**tiny_model_paths(root), "root": str(root)}
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +76,6 @@ def reference(tiny):
     return latents
 
 
-@pytest.fixture(autouse=True)
-def one_thread_per_worker(monkeypatch):
-    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
-
-
 def test_the_uneven_cases_really_pad():
     assert _tokens(EVEN) % 3 and _tokens(UNEVEN_FOR_4) % 4
     assert _tokens(EVEN) % 4 == 0
@@ -95,7 +84,7 @@ def test_the_uneven_cases_really_pad():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_context_parallel_equals_one_device(name, tiny, reference):
     degrees, shapes = CONFIGS[name]
-    with WorkerPool(ParallelConfig(devices="cpu", **degrees), timeout_s=300) as pool:
+    with cpu_pool(**degrees) as pool:
         runner = PoolRunner(pool)
         for kind in ("t2v", "vace"):
             handle = runner.load_model(tiny[kind])

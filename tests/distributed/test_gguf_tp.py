@@ -9,10 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from wanmesh.parallel.config import ParallelConfig
-from wanmesh.parallel.driver.pool import WorkerPool
+from pool_helpers import cpu_pool, one_thread_per_worker, random_prompt_request, tiny_model_paths  # noqa: F401
 from wanmesh.parallel.driver.runner import PoolRunner
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, make_tiny
 from wanmesh.parallel.models.wan import load_transformer
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import sample
@@ -22,20 +20,12 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("gguf_tiny"))
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_worker(monkeypatch):
-    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    return tiny_model_paths(tmp_path_factory.mktemp("gguf_tiny"))
 
 
 def _request() -> SampleRequest:
-    generator = torch.Generator().manual_seed(7)
-    text_dim = TINY_TRANSFORMER["text_dim"]
-    return SampleRequest(
-        handle="", latent=torch.zeros(1, 16, 2, 8, 8), positive=[torch.randn(9, text_dim, generator=generator)],
-        negative=[torch.randn(4, text_dim, generator=generator)], seed=3, steps=4, guidance_scale=5.0, shift=3.0)
+    return random_prompt_request(torch.zeros(1, 16, 2, 8, 8), torch.Generator().manual_seed(7), seed=3, steps=4,
+                                 guidance_scale=5.0, shift=3.0)
 
 
 def _sample(runner: PoolRunner, path: str) -> torch.Tensor:
@@ -50,7 +40,7 @@ def test_tp2_on_the_q8_0_file_equals_one_rank(models):
     path = str(models["t2v_gguf_q8_0"])
     with torch.no_grad():  # one device: the ordinary loader and the same sampling loop, in this process
         single = sample(load_transformer(path), _request())
-    with WorkerPool(ParallelConfig(world=2, tp=2, devices="cpu"), timeout_s=300) as pool:
+    with cpu_pool(world=2, tp=2) as pool:
         runner = PoolRunner(pool)
         sharded = _sample(runner, path)
         with pytest.raises(Exception, match=r"ffn.2.weight of shape \(128, 256\) and type Q4_K .*\(tp=2\)"):

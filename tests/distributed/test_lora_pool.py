@@ -4,16 +4,15 @@ resident memory flat."""
 
 from __future__ import annotations
 
-import faulthandler
 from dataclasses import replace
 
 import psutil
 import pytest
 import torch
 
+from pool_helpers import cpu_pool, one_thread_per_worker, tiny_models_within  # noqa: F401
 from wanmesh.parallel import protocol as P
-from wanmesh.parallel.config import ParallelConfig, latent_shape
-from wanmesh.parallel.driver.pool import WorkerPool
+from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.worker.executors import RankExecutor
 
 DEADLINE_S = 600
@@ -22,16 +21,7 @@ ROUNDS = 20
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-    from wanmesh.parallel.models.tiny import make_tiny
-
-    yield {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
-    faulthandler.cancel_dump_traceback_later()
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_worker(monkeypatch):
-    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    yield from tiny_models_within(tmp_path_factory, DEADLINE_S)
 
 
 def _loras(tiny):
@@ -57,7 +47,7 @@ def one_device(tiny):
 
 @pytest.fixture(scope="module")
 def tp_pool(tiny):
-    with WorkerPool(ParallelConfig(world=2, tp=2, devices="cpu"), timeout_s=300) as pool:
+    with cpu_pool(world=2, tp=2) as pool:
         yield pool, pool.call(P.LoadModel(tiny["t2v"])).handle
 
 
@@ -68,7 +58,7 @@ def test_loras_merged_with_tp2_equal_one_device(tiny, one_device, tp_pool):
 
 
 def test_loras_merged_with_ulysses2_equal_one_device(tiny, one_device):
-    with WorkerPool(ParallelConfig(world=2, ulysses=2, devices="cpu"), timeout_s=300) as pool:
+    with cpu_pool(world=2, ulysses=2) as pool:
         handle = pool.call(P.LoadModel(tiny["t2v"])).handle
         latents = pool.call(_request(handle, _loras(tiny))).latents
     assert (latents - one_device).abs().max() <= 1e-4

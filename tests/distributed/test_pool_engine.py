@@ -4,17 +4,16 @@ models stay resident between requests, and a restarted pool reloads them under t
 from __future__ import annotations
 
 
-import faulthandler
 import os
 import signal
 
 import pytest
 import torch
 
+from pool_helpers import cpu_pool, embed_prompts, tiny_models_within
 from wanmesh.parallel import protocol as P
-from wanmesh.parallel.config import ParallelConfig
 from wanmesh.parallel.worker.executors import RankExecutor
-from wanmesh.parallel.driver.pool import WorkerError, WorkerPool
+from wanmesh.parallel.driver.pool import WorkerError
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.config import latent_shape
 
@@ -24,20 +23,14 @@ SAMPLE = dict(seed=7, steps=2, guidance_scale=4.0, shift=3.0, sampler="unipc")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-    from wanmesh.parallel.models.tiny import make_tiny
-
-    paths = {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
-    yield paths
-    faulthandler.cancel_dump_traceback_later()
+    yield from tiny_models_within(tmp_path_factory, DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny):
     """One Engine in this process, the same requests."""
     engine = RankExecutor("cpu")
-    text = engine.load_text_encoder(tiny["text_encoder"])
-    positive, negative = engine.encode_text(text, ["a cat"]), engine.encode_text(text, [""])
+    positive, negative = embed_prompts(engine, tiny["text_encoder"], "a cat", "")
     model = engine.load_model(tiny["t2v"])
     latent = torch.zeros(latent_shape(32, 32, 5))
     latents = engine.sample(SampleRequest(handle=model, latent=latent, positive=positive, negative=negative, **SAMPLE))
@@ -48,7 +41,7 @@ def reference(tiny):
 def test_world_two_serves_the_engine_like_one_engine(tiny, reference, monkeypatch):
     monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
     close = dict(rtol=1e-5, atol=1e-5)
-    with WorkerPool(ParallelConfig(world=2, devices="cpu"), timeout_s=300) as pool:
+    with cpu_pool(world=2) as pool:
         text = pool.call(P.LoadTextEncoder(tiny["text_encoder"])).handle
         positive = pool.call(P.EncodeText(text, ["a cat"])).embeddings
         negative = pool.call(P.EncodeText(text, [""])).embeddings

@@ -4,13 +4,11 @@ pool's result equals one device's, and a cancel between steps keeps the chunks a
 
 from __future__ import annotations
 
-import faulthandler
-
 import pytest
 import torch
 
-from wanmesh.parallel.config import ParallelConfig, latent_shape, stream_chunks
-from wanmesh.parallel.driver.pool import WorkerPool
+from pool_helpers import cpu_pool, embed_prompts, tiny_models_within
+from wanmesh.parallel.config import latent_shape, stream_chunks
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.errors import Cancelled
 from wanmesh.parallel.protocol import StreamSample
@@ -24,12 +22,7 @@ CLOSE = dict(rtol=1e-4, atol=1e-4)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-    from wanmesh.parallel.models.tiny import make_tiny
-
-    paths = {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
-    yield paths
-    faulthandler.cancel_dump_traceback_later()
+    yield from tiny_models_within(tmp_path_factory, DEADLINE_S)
 
 
 def _request(model: str, vae: str | None, positive, seed: int = 11) -> StreamSample:
@@ -41,7 +34,7 @@ def _request(model: str, vae: str | None, positive, seed: int = 11) -> StreamSam
 def reference(tiny):
     """One device in this process: the streamed result and a whole (non-streamed) decode of its latents."""
     engine = RankExecutor("cpu")
-    positive = engine.encode_text(engine.load_text_encoder(tiny["text_encoder"]), ["a cat"])
+    [positive] = embed_prompts(engine, tiny["text_encoder"], "a cat")
     model, vae = engine.load_model(tiny["t2v"]), engine.load_vae(tiny["vae"])
     latents, frames = engine.stream(_request(model, vae, positive))
     return {"positive": positive, "latents": latents, "frames": frames, "whole_decode": engine.decode(vae, latents)}
@@ -54,7 +47,7 @@ def test_one_device_streamed_frames_equal_the_whole_decode(reference):
 
 @pytest.fixture(scope="module")
 def runner(tiny, reference):
-    with WorkerPool(ParallelConfig(world=2, ulysses=2, devices="cpu"), timeout_s=300) as pool:
+    with cpu_pool(world=2, ulysses=2) as pool:
         runner = PoolRunner(pool)
         yield runner, runner.load_model(tiny["t2v"]), runner.load_vae(tiny["vae"])
 
@@ -107,6 +100,6 @@ def test_bad_requests_fail_in_the_driver(runner, reference):
     with pytest.raises(ValueError, match="kv_window=1 latent frames is smaller than a chunk of 2"):
         runner.stream(StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=reference["positive"],
                                    negative=[], seed=0, chunk=CHUNK, kv_window=1))
-    with pytest.raises(ValueError, match="timesteps must be a descending list"):
+    with pytest.raises(ValueError, match="timesteps must be a non-empty, strictly descending list"):
         runner.stream(StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=reference["positive"],
                                    negative=[], seed=0, timesteps=[250.0, 500.0]))

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from wanmesh.parallel.config import ParallelConfig, latent_shape
-from wanmesh.parallel.driver.pool import WorkerPool
+from pool_helpers import cpu_pool, one_thread_per_worker, random_prompt_request, tiny_model_paths  # noqa: F401
+from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.errors import WorkerError
-from wanmesh.parallel.models.tiny import make_tiny
 from wanmesh.parallel.protocol import Diagnostic, SampleRequest
 
 DIAGNOSTICS = str(Path(__file__).with_name("resident_memory_diagnostics.py"))
@@ -24,26 +23,18 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("experts_tiny"))
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_worker(monkeypatch):
-    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    return tiny_model_paths(tmp_path_factory.mktemp("experts_tiny"))
 
 
 def _request() -> SampleRequest:
-    generator = torch.Generator().manual_seed(4)
-    return SampleRequest(
-        handle="", latent=torch.zeros(latent_shape(64, 48, 5)), positive=[torch.randn(8, 64, generator=generator)],
-        negative=[torch.randn(5, 64, generator=generator)], seed=21, steps=STEPS, guidance_scale=4.0, shift=3.0,
-        sampler="unipc", boundary=0.875, guidance_scale_low=3.0,
-    )
+    return random_prompt_request(torch.zeros(latent_shape(64, 48, 5)), torch.Generator().manual_seed(4), (8, 5),
+                                 seed=21, steps=STEPS, guidance_scale=4.0, shift=3.0, sampler="unipc",
+                                 boundary=0.875, guidance_scale_low=3.0)
 
 
-def _run_pool(config: ParallelConfig, models) -> dict:
+def _run_pool(layout: dict, models) -> dict:
     """Load both experts, sample once, and collect replies and per-rank memory before and after the sample."""
-    with WorkerPool(config, timeout_s=300, diagnostics=DIAGNOSTICS) as pool:
+    with cpu_pool(diagnostics=DIAGNOSTICS, **layout) as pool:
         runner = PoolRunner(pool)
         high = runner.load_model(str(models["t2v"]))
         low = runner.load_model(str(models["t2v_low"]))
@@ -61,8 +52,8 @@ def _run_pool(config: ParallelConfig, models) -> dict:
 @pytest.fixture(scope="module")
 def runs(models):
     return {
-        "single": _run_pool(ParallelConfig(world=1, devices="cpu"), models),
-        "tp2": _run_pool(ParallelConfig(world=2, tp=2, devices="cpu"), models),
+        "single": _run_pool(dict(world=1), models),
+        "tp2": _run_pool(dict(world=2, tp=2), models),
     }
 
 

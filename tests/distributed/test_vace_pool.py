@@ -4,14 +4,12 @@ encode, and VACE sampling from that conditioning with CFG parallel equals one de
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 
 import pytest
 import torch
 
+from pool_helpers import cpu_pool, random_prompt_request, tiny_models_within
 from wanmesh.parallel import protocol as P
-from wanmesh.parallel.config import ParallelConfig
-from wanmesh.parallel.driver.pool import WorkerPool
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.worker.executors import RankExecutor
 
@@ -22,11 +20,7 @@ TILE = dict(tile_px=32, overlap_px=8)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-    from wanmesh.parallel.models.tiny import make_tiny
-
-    yield {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
-    faulthandler.cancel_dump_traceback_later()
+    yield from tiny_models_within(tmp_path_factory, DEADLINE_S)
 
 
 def _inputs() -> dict:
@@ -39,13 +33,11 @@ def _inputs() -> dict:
                 reference_images=references)
 
 
-def _sample_request(handle: str, encoded: P.VaceEncoded, text_dim: int) -> P.SampleRequest:
-    generator = torch.Generator().manual_seed(4)
-    latent = torch.zeros(1, 16, *encoded.frames.shape[2:])
-    return P.SampleRequest(handle=handle, latent=latent, positive=[torch.randn(5, text_dim, generator=generator)],
-                           negative=[torch.randn(3, text_dim, generator=generator)], seed=9, steps=3,
-                           guidance_scale=4.0, shift=3.0, vace_frames=[encoded.frames] * 2,
-                           vace_masks=[encoded.mask] * 2, vace_strengths=[1.0, 0.5])
+def _sample_request(handle: str, encoded: P.VaceEncoded) -> P.SampleRequest:
+    return random_prompt_request(torch.zeros(1, 16, *encoded.frames.shape[2:]), torch.Generator().manual_seed(4),
+                                 (5, 3), handle=handle, seed=9, steps=3, guidance_scale=4.0, shift=3.0,
+                                 vace_frames=[encoded.frames] * 2, vace_masks=[encoded.mask] * 2,
+                                 vace_strengths=[1.0, 0.5])
 
 
 def test_vace_encode_with_vae_patch_and_sampling_with_cfg_parallel_equal_one_device(tiny, monkeypatch):
@@ -54,15 +46,13 @@ def test_vace_encode_with_vae_patch_and_sampling_with_cfg_parallel_equal_one_dev
     vae, model = one.load_vae(tiny["vae"]), one.load_model(tiny["vace"])
     frames, mask, trim = one.encode_vace(P.EncodeVace(handle=vae, **_inputs(), **TILE))
     expected = P.VaceEncoded(frames, mask, trim)
-    text_dim = 64
-    expected_latents = one.sample(_sample_request(model, expected, text_dim))
+    expected_latents = one.sample(_sample_request(model, expected))
 
-    config = ParallelConfig(world=2, cfg_parallel=True, vae_patch=2, devices="cpu")
-    with WorkerPool(config, timeout_s=300) as pool:
+    with cpu_pool(world=2, cfg_parallel=True, vae_patch=2) as pool:
         runner = PoolRunner(pool)
         encoded = runner.encode_vace(P.EncodeVace(handle=runner.load_vae(tiny["vae"]), **_inputs(), **TILE))
         previews = []
-        request = dataclasses.replace(_sample_request(runner.load_model(tiny["vace"]), encoded, text_dim), preview=True)
+        request = dataclasses.replace(_sample_request(runner.load_model(tiny["vace"]), encoded), preview=True)
         latents = runner.sample(request, progress=lambda step, total, preview=None: previews.append((step, preview)))
     assert encoded.trim_latent == 2 and list(encoded.frames.shape) == [1, 32, 2 + 3, 6, 8]
     torch.testing.assert_close(encoded.frames, expected.frames, rtol=0, atol=1e-5)

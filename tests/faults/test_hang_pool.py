@@ -7,7 +7,6 @@ Time limits here are deadlines for the failure to be reported, not performance a
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import shutil
 import signal
@@ -19,8 +18,9 @@ import psutil
 import pytest
 import torch
 
+from pool_helpers import cpu_pool, embed_prompts, tiny_models_within, wait_gone
 from wanmesh.parallel import protocol as P
-from wanmesh.parallel.config import ParallelConfig, latent_shape
+from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.driver import pool as pool_module
 from wanmesh.parallel.driver.pool import Cancelled, WorkerError, WorkerPool
 
@@ -34,12 +34,8 @@ SAMPLE = dict(seed=11, guidance_scale=4.0, shift=3.0, sampler="unipc")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    faulthandler.dump_traceback_later(MODULE_DEADLINE_S, exit=True)
     os.environ["WANMESH_WORKER_THREADS"] = "1"
-    from wanmesh.parallel.models.tiny import make_tiny
-
-    yield {k: str(v) for k, v in make_tiny(tmp_path_factory.mktemp("tiny")).items()}
-    faulthandler.cancel_dump_traceback_later()
+    yield from tiny_models_within(tmp_path_factory, MODULE_DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +44,14 @@ def reference(tiny):
     from wanmesh.parallel.worker.executors import RankExecutor
 
     engine = RankExecutor("cpu")
-    text = engine.load_text_encoder(tiny["text_encoder"])
-    positive, negative = engine.encode_text(text, ["a fox"]), engine.encode_text(text, [""])
+    positive, negative = embed_prompts(engine, tiny["text_encoder"], "a fox", "")
     request = P.SampleRequest(engine.load_model(tiny["t2v"]), torch.zeros(latent_shape(32, 32, 5)), positive,
                               negative, steps=2, **SAMPLE)
     return {"positive": positive, "negative": negative, "latents": engine.sample(request)}
 
 
 def _pool(worker_timeout: float) -> WorkerPool:
-    return WorkerPool(ParallelConfig(world=2, tp=2, devices="cpu", worker_timeout=worker_timeout), timeout_s=300,
-                      diagnostics=DIAGNOSTICS)
+    return cpu_pool(world=2, tp=2, worker_timeout=worker_timeout, diagnostics=DIAGNOSTICS)
 
 
 @pytest.fixture(scope="module")
@@ -79,17 +73,8 @@ def _request(handle: str, reference, steps: int) -> P.SampleRequest:
 
 
 def _gone(pids: list[int], within_s: float = 15.0) -> None:
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=within_s)
-    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-    for proc in alive:
-        proc.kill()
-    assert not alive, f"workers outlived their stopped pool: {[p.pid for p in alive]}"
+    alive = wait_gone(pids, within_s)
+    assert not alive, f"workers outlived their stopped pool: {alive}"
 
 
 class _Stopper:

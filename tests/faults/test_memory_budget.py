@@ -4,13 +4,13 @@ samples, giving the same latents as before."""
 
 from __future__ import annotations
 
-import faulthandler
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from pool_helpers import embed_prompts, traceback_deadline
 from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import ParallelConfig, latent_shape
 from wanmesh.parallel.driver.pool import WorkerPool
@@ -32,13 +32,10 @@ def three_models(tiny_models, tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def embeddings(tiny_models):
-    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
     from wanmesh.parallel.worker.executors import RankExecutor
 
-    engine = RankExecutor("cpu")
-    text = engine.load_text_encoder(str(tiny_models["text_encoder"]))
-    yield engine.encode_text(text, ["a cat"]), engine.encode_text(text, [""])
-    faulthandler.cancel_dump_traceback_later()
+    with traceback_deadline(DEADLINE_S):
+        yield tuple(embed_prompts(RankExecutor("cpu"), str(tiny_models["text_encoder"]), "a cat", ""))
 
 
 

@@ -9,7 +9,6 @@ Time limits here are deadlines for the failure, not performance assertions.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import subprocess
@@ -18,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from pool_helpers import traceback_deadline, wait_gone
 from wanmesh.parallel.driver import local
 
 PACK_DIR = Path(__file__).resolve().parents[2]
@@ -51,24 +50,8 @@ time.sleep(600)
 
 @pytest.fixture(autouse=True)
 def deadline():
-    faulthandler.dump_traceback_later(TEST_DEADLINE_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
-
-
-def _wait_gone(pids: list[int], within_s: float) -> list[int]:
-    """Wait for the processes to end; kill and return those still running after ``within_s``."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=within_s)
-    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    for proc in alive:
-        proc.kill()
-    return [p.pid for p in alive]
+    with traceback_deadline(TEST_DEADLINE_S):
+        yield
 
 
 def _leftovers(tmp: Path, driver_pid: int) -> list[str]:
@@ -103,14 +86,14 @@ def test_a_signalled_driver_leaves_no_worker_folder_or_segment(sig, tmp_path):
         driver.send_signal(sig)
         driver.wait(timeout=DRIVER_EXITS_WITHIN_S)
         exited = time.monotonic() - sent
-        survivors = _wait_gone(workers, CLEAN_WITHIN_S)
+        survivors = wait_gone(workers, CLEAN_WITHIN_S)
         left = _wait_clean(pool_tmp, driver.pid, CLEAN_WITHIN_S)
         clean = time.monotonic() - sent
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-        _wait_gone(workers, 0)
+        wait_gone(workers, 0)
         driver.stdout.close()
         driver.stderr.close()
     print(f"{sig.name}: driver exited after {exited:.1f} s, workers and files gone after {clean:.1f} s")

@@ -79,5 +79,5 @@ def test_sample_stream_rejects_before_any_model_work(options, message):
 
 def test_bad_timestep_lists_are_refused():
     for timesteps in ([], [500, 750], [1200], [0]):
-        with pytest.raises(ValueError, match="strictly decreasing list in"):
+        with pytest.raises(ValueError, match="timesteps must be a non-empty, strictly descending list of values in"):
             stream_sigmas(4, 5.0, timesteps)

@@ -51,7 +51,7 @@ BAD = [
     (["--chunk", "3", "--kv-window", "2"], "kv_window=2 latent frames is smaller than a chunk of 3"),
     (["--chunk", "2", "--kv-window", "3", "--sink", "4"], "sink=4 is larger than kv_window=3"),
     (["--frames", "16"], "frame"),
-    (["--timesteps", "250,500"], "timesteps must be a descending list"),
+    (["--timesteps", "250,500"], "timesteps must be a non-empty, strictly descending list"),
     (["--timesteps", "1000,x"], "timesteps must be a comma list of numbers"),
     (["--world", "2", "--ulysses", "3"], "ulysses"),
     (["--cfg", "-1"], "guidance scale"),
