@@ -30,6 +30,13 @@ TEMPORAL_STRIDE = 4  # frames are 4k + 1
 LATENT_CHANNELS = 16
 DEFAULT_WORKER_TIMEOUT_S = 60.0
 MIN_WORKER_TIMEOUT_S = 1.0  # heartbeats come every second: a shorter timeout would flag healthy ranks
+MAX_HEARTBEAT_S = 1.0
+
+
+def heartbeat_interval(worker_timeout: float) -> float:
+    """How often a busy worker beats: every second, or four times per timeout when the timeout is shorter (so
+    one late beat is not a stuck rank). Read by the workers (local and Ray) and by the driver that watches them."""
+    return min(MAX_HEARTBEAT_S, worker_timeout / 4)
 
 
 def _as_device_tuple(devices: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:

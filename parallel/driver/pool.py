@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable
 
 from .. import protocol as P
-from ..config import ParallelConfig
+from ..config import ParallelConfig, heartbeat_interval
 from ..errors import Cancelled, RankDied, WorkerError
 
 __all__ = ["WorkerPool", "WorkerError", "Cancelled", "get_pool", "close_cached_pool"]
@@ -333,11 +333,6 @@ class WorkerPool:
         if not isinstance(reply, expected):
             raise P.ProtocolError(f"{request.kind} was answered with {reply.kind}, expected {expected.kind}")
         return reply
-
-
-def heartbeat_interval(worker_timeout: float) -> float:
-    """How often a busy worker beats (the worker's own rule, repeated here so the driver stays light)."""
-    return min(1.0, worker_timeout / 4)
 
 
 def _where(status: dict[str, Any] | None, request: P.Request) -> str:

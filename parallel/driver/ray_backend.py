@@ -149,9 +149,11 @@ def _actor_class(ray):
             return self.runtime.health()
 
         def _beat_forever(self) -> None:
+            import importlib
             import time
 
-            interval = min(1.0, self.settings["worker_timeout"] / 4)
+            config_mod = importlib.import_module("wanmesh.parallel.config")
+            interval = config_mod.heartbeat_interval(self.settings["worker_timeout"])
             while True:
                 time.sleep(interval)
                 current = self.runtime.status.snapshot()

@@ -36,3 +36,10 @@ def seeded_noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Noise drawn on the CPU from the seed, so every device and every rank starts from the same tensor."""
     generator = torch.Generator("cpu").manual_seed(int(seed))
     return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+
+def check_finite(latents: torch.Tensor, step: int, steps: int) -> None:
+    """Stop at the step that produced NaN or Inf (which would decode to black frames), naming it."""
+    if not torch.isfinite(latents).all():
+        raise FloatingPointError(f"the latents hold NaN or Inf after step {step} of {steps}; the model or its "
+                                 "weights produce non-finite values in this dtype (try fp32 or bf16, or another file)")

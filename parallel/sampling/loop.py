@@ -20,7 +20,7 @@ from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
 from .preview import denoised_estimate, preview_image
-from .latents import LATENTS_MEAN, LATENTS_STD, denormalize_latents, normalize_latents, seeded_noise
+from .latents import LATENTS_MEAN, LATENTS_STD, check_finite, denormalize_latents, normalize_latents, seeded_noise
 
 TEXT_CONTEXT_LENGTH = 512  # Wan pads every prompt embedding to 512 tokens with zeros
 
@@ -143,13 +143,6 @@ def sample(
         if progress is not None:
             progress(index + 1, run_steps)
     return denormalize_latents(latents).cpu()
-
-
-def check_finite(latents: torch.Tensor, step: int, steps: int) -> None:
-    """Stop at the step that produced NaN or Inf (which would decode to black frames), naming it."""
-    if not torch.isfinite(latents).all():
-        raise FloatingPointError(f"the latents hold NaN or Inf after step {step} of {steps}; the model or its "
-                                 "weights produce non-finite values in this dtype (try fp32 or bf16, or another file)")
 
 
 def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:

@@ -43,7 +43,7 @@ from ..config import check_stream_layout, check_stream_options, check_stream_tim
 from ..errors import Cancelled
 from ..models.causal import CacheWindow, CausalWan, LocalAttention
 from .guidance import combine_guidance
-from .latents import denormalize_latents, seeded_noise
+from .latents import check_finite, denormalize_latents, seeded_noise
 
 __all__ = ["renoise_seed", "sample_stream", "stream_sigmas"]
 
@@ -184,9 +184,7 @@ def _denoise_step(predict: Callable, x: torch.Tensor, sigmas: list[float], step:
     """One step: predict the clean chunk, then re-noise it to the next sigma (nothing at the last, sigma 0)."""
     sigma, next_sigma = sigmas[step], sigmas[step + 1]
     clean = x - sigma * predict(x, sigma)
-    if not torch.isfinite(clean).all():
-        raise FloatingPointError(f"the latents hold NaN or Inf after step {step + 1}; the model or its weights produce "
-                                 "non-finite values in this dtype (try fp32 or bf16, or another file)")
+    check_finite(clean, step + 1, len(sigmas) - 1)
     if next_sigma == 0.0:
         return clean
     return (1.0 - next_sigma) * clean + next_sigma * seeded_noise(tuple(x.shape), noise_seed).to(x.device)

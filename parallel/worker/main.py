@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as P
-from ..config import ParallelConfig
+from ..config import MAX_HEARTBEAT_S, ParallelConfig, heartbeat_interval
 from ..distributed.mesh import init_distributed
 from ..transport import ShmReader, ShmWriter, remove_segments
 from .runtime import THREADS_ENV, StepReporter, WorkerRuntime
@@ -32,7 +32,6 @@ from .runtime import THREADS_ENV, StepReporter, WorkerRuntime
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
 ORPHAN_SETTLE_S = 2.0
-MAX_HEARTBEAT_S = 1.0
 
 # -- the local-backend process -------------------------------------------------------------------------
 
@@ -159,11 +158,6 @@ class LocalWorker:
         if self.runtime.rank != 0:
             return StepReporter(None, self.runtime.status)
         return StepReporter(lambda fields: self.send({"kind": "progress", "id": request_id, **fields}), self.runtime.status)
-
-
-def heartbeat_interval(worker_timeout: float) -> float:
-    """A beat every second, or four per timeout when the timeout is shorter (a late beat is not a stuck rank)."""
-    return min(MAX_HEARTBEAT_S, worker_timeout / 4)
 
 
 def _configure_threads(device: torch.device, world: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from pool_helpers import traceback_deadline
 
 from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import ParallelConfig
@@ -32,9 +33,8 @@ FAULT_REPORTED_WITHIN_S = 60
 @pytest.fixture(autouse=True)
 def hard_deadline(monkeypatch):
     monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
-    faulthandler.dump_traceback_later(TEST_DEADLINE_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+    with traceback_deadline(TEST_DEADLINE_S):
+        yield
 
 
 def family(pids: list[int]) -> list[psutil.Process]:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 from pathlib import Path
 
 import pytest
 import torch
+from pool_helpers import traceback_deadline
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]'); the Ray backend is untested")
 
@@ -22,14 +22,13 @@ DEADLINE_S = 300
 
 @pytest.fixture(scope="module")
 def local_ray():
-    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
-    ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"WANMESH_WORKER_THREADS": "1", "OMP_NUM_THREADS": "1"}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        faulthandler.cancel_dump_traceback_later()
+    with traceback_deadline(DEADLINE_S):
+        ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                 runtime_env={"env_vars": {"WANMESH_WORKER_THREADS": "1", "OMP_NUM_THREADS": "1"}})
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 def test_ray_pool_results_progress_cancel_and_a_dead_actor(local_ray):

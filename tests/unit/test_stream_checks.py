@@ -81,3 +81,14 @@ def test_bad_timestep_lists_are_refused():
     for timesteps in ([], [500, 750], [1200], [0]):
         with pytest.raises(ValueError, match="timesteps must be a non-empty, strictly descending list of values in"):
             stream_sigmas(4, 5.0, timesteps)
+
+
+def test_a_step_that_predicts_nan_stops_the_chunk_naming_the_step():
+    from wanmesh.parallel.sampling.stream import _denoise_step
+
+    sigmas = stream_sigmas(4, 5.0)
+    x = torch.zeros(1, 16, 3, 4, 4)
+    finite = _denoise_step(lambda latents, sigma: torch.ones_like(latents), x, sigmas, 1, noise_seed=0)
+    assert finite.isfinite().all()
+    with pytest.raises(FloatingPointError, match="NaN or Inf after step 2 of 4"):
+        _denoise_step(lambda latents, sigma: torch.full_like(latents, float("nan")), x, sigmas, 1, noise_seed=0)
