@@ -9,7 +9,7 @@ in PCI bus order, each rank using its own entry of that list.
 
 Counting asks ``nvidia-smi -L`` (the NVIDIA driver's tool; torch only counts what the host's variable lets it
 see). Without ``nvidia-smi`` the host's own view is all there is: ``cuda:N`` is then the N-th GPU the host
-sees (the N-th entry of its ``CUDA_VISIBLE_DEVICES`` when set).
+sees (the N-th entry of its ``CUDA_VISIBLE_DEVICES`` when set); so it is with a torch built without CUDA.
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def _host_visible_ids() -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1)
 def machine_gpus() -> MachineGpus:
     """The GPUs the local pool may use (asked once per process: GPUs do not come and go)."""
-    ids = _nvidia_smi_ids()
+    import torch
+
+    # A torch built without CUDA cannot use what nvidia-smi lists: only the host's own view counts then.
+    ids = _nvidia_smi_ids() if torch.version.cuda is not None else None
     if ids is not None:
         gpus = MachineGpus(ids, "nvidia-smi")
     else:

@@ -32,6 +32,11 @@ def fake_nvidia_smi(folder, monkeypatch, listing: str, exit_code: int = 0) -> No
     monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
 
 
+@pytest.fixture(autouse=True)
+def cuda_build(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # the count must not depend on this machine's torch build
+
+
 def test_a_narrowed_host_still_counts_every_gpu_of_the_machine(tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path, monkeypatch, FOUR_GPUS)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # e.g. ComfyUI started with --cuda-device 1
@@ -50,6 +55,14 @@ def test_mig_lines_and_a_failing_tool(tmp_path, monkeypatch):
     machine_gpus.cache_clear()
     fake_nvidia_smi(tmp_path, monkeypatch, "NVIDIA-SMI has failed", exit_code=9)
     assert machine_gpus().source.startswith("this process's CUDA view")
+
+
+def test_a_torch_without_cuda_never_counts_what_nvidia_smi_lists(tmp_path, monkeypatch):
+    fake_nvidia_smi(tmp_path, monkeypatch, FOUR_GPUS)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert machine_gpus().count == 0 and not (tmp_path / "seen").exists()
+    assert ParallelConfig(world=2, devices="auto").rank_devices() == ["cpu", "cpu"]
 
 
 def test_without_nvidia_smi_cuda_n_is_the_hosts_nth_gpu(tmp_path, monkeypatch):
