@@ -126,6 +126,11 @@ class ShmWriter:
         self._cursor += _aligned(nbytes)
         return descriptor
 
+    def release(self) -> None:
+        """Drop our mapping but keep the segment: its receiver unlinks it (``take_handed_over``)."""
+        self._buffer = None
+        self._segment = None
+
     def close(self) -> None:
         """Drop our mapping and unlink the segment (receivers' existing mappings stay valid)."""
         self._buffer = None
@@ -183,6 +188,34 @@ class ShmReader:
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def pack_handed_over(values: dict[str, Any], name: str) -> dict[str, Any]:
+    """``values`` with its tensors copied into a new segment of their own (``name``) that the receiver takes over
+    with ``take_handed_over``; other values pass as they are. The sender keeps no mapping and never writes the
+    segment again, so it can go on at once however late the receiver reads (a streaming chunk, sent while the
+    next one is computed)."""
+    tensors = [value for value in values.values() if isinstance(value, torch.Tensor)]
+    writer = ShmWriter(name, tracked=False)
+    writer.reserve(tensors)
+    packed = {key: {"__tensor__": writer.pack(value)} if isinstance(value, torch.Tensor) else value
+              for key, value in values.items()}
+    writer.release()
+    return packed
+
+
+def take_handed_over(packed: dict[str, Any]) -> dict[str, Any]:
+    """The values of a ``pack_handed_over`` message, its tensors copied out; their segment is unlinked."""
+    reader = ShmReader()
+    values = {key: reader.copy(value["__tensor__"]) if isinstance(value, dict) and "__tensor__" in value else value
+              for key, value in packed.items()}
+    reader.close()
+    for name in segment_names(packed):
+        try:
+            os.unlink(_segment_path(name))
+        except FileNotFoundError:
+            pass
+    return values
 
 
 def segment_names(message_data: Any) -> set[str]:

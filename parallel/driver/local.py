@@ -29,7 +29,8 @@ from .. import protocol as P
 from ..config import ParallelConfig
 from ..errors import Cancelled, RankDied
 from ..gpus import worker_device_env
-from ..transport import SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names
+from ..transport import (SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names,
+                         take_handed_over)
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
 BOOTSTRAP = (
@@ -224,6 +225,10 @@ class LocalWorkers:
             return self.procs[rank].wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             return None
+
+    def take_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A streaming chunk from a progress message, its tensors copied out of the segment rank 0 handed over."""
+        return take_handed_over(chunk)
 
     def decode_reply(self, body: dict[str, Any]) -> P.Reply:
         names = segment_names(body)

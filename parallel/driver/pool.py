@@ -237,6 +237,8 @@ class WorkerPool:
     def _step(self, backend, txn: _Transaction, request, progress, should_cancel, timeout_s) -> None:
         self._maybe_cancel(backend, txn, should_cancel)
         for rank, message in backend.poll(POLL_S):
+            if message.get("chunk") is not None:  # taken over at once, also a late one, so no segment is left
+                message["chunk"] = backend.take_chunk(message["chunk"])
             if message.get("id") != txn.request_id:
                 continue  # late news from an earlier, abandoned request
             txn.beat(rank, message)

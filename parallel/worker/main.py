@@ -21,12 +21,13 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .. import protocol as P
 from ..config import MAX_HEARTBEAT_S, ParallelConfig, heartbeat_interval
 from ..distributed.mesh import init_distributed
-from ..transport import ShmReader, ShmWriter, remove_segments
+from ..transport import ShmReader, ShmWriter, pack_handed_over, remove_segments
 from .runtime import THREADS_ENV, StepReporter, WorkerRuntime
 
 PR_SET_PDEATHSIG = 1
@@ -92,6 +93,8 @@ class LocalWorker:
         self.on_driver_gone = on_driver_gone or (lambda: None)
         self.reader = ShmReader(copy_on_write=True)
         self.writer = ShmWriter(f"{shm_prefix}_r{runtime.rank}", tracked=False) if runtime.rank == 0 else None
+        self.shm_prefix = shm_prefix
+        self._chunks_sent = 0
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self._send_lock = threading.Lock()
 
@@ -157,7 +160,19 @@ class LocalWorker:
     def _progress_sender(self, request_id: int) -> StepReporter:
         if self.runtime.rank != 0:
             return StepReporter(None, self.runtime.status)
-        return StepReporter(lambda fields: self.send({"kind": "progress", "id": request_id, **fields}), self.runtime.status)
+        return StepReporter(lambda fields: self._send_progress(request_id, fields), self.runtime.status)
+
+    def _send_progress(self, request_id: int, fields: dict[str, Any]) -> None:
+        chunk = fields.get("chunk")
+        if chunk is not None:
+            # A streaming chunk's arrays (tens of MB of frames) go through a shared-memory segment the driver
+            # takes over, not through the pipe: pickling them there would hold this rank, and so every rank at
+            # its next collective, for as long as the driver takes to read them.
+            self._chunks_sent += 1
+            tensors = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+                       for key, value in chunk.items()}
+            fields = {**fields, "chunk": pack_handed_over(tensors, f"{self.shm_prefix}_r0c{self._chunks_sent}")}
+        self.send({"kind": "progress", "id": request_id, **fields})
 
 
 def _configure_threads(device: torch.device, world: int) -> None:

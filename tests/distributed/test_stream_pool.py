@@ -4,14 +4,18 @@ pool's result equals one device's, and a cancel between steps keeps the chunks a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from pool_helpers import cpu_pool, embed_prompts, tiny_models_within
 from wanmesh.parallel.config import latent_shape, stream_chunks
+from wanmesh.parallel.driver import local as local_backend
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.errors import Cancelled
 from wanmesh.parallel.protocol import StreamSample
+from wanmesh.parallel.transport import SHM_DIR, segment_names, take_handed_over
 from wanmesh.parallel.worker.executors import RankExecutor
 
 DEADLINE_S = 500
@@ -52,9 +56,15 @@ def runner(tiny, reference):
         yield runner, runner.load_model(tiny["t2v"]), runner.load_vae(tiny["vae"])
 
 
-def test_pool_streams_chunks_in_order_and_matches_one_device(runner, reference):
+def test_pool_streams_chunks_in_order_and_matches_one_device(runner, reference, monkeypatch):
     runner, model, vae = runner
-    chunks, steps = [], []
+    chunks, steps, handed_over = [], [], []
+
+    def take_and_record(packed):  # the driver's side of each chunk's shared-memory segment
+        handed_over.append(segment_names(packed))
+        return take_handed_over(packed)
+
+    monkeypatch.setattr(local_backend, "take_handed_over", take_and_record)
 
     def on_chunk(chunk):
         chunks.append((chunk, len(steps)))  # how many steps had been reported when the chunk arrived
@@ -69,6 +79,9 @@ def test_pool_streams_chunks_in_order_and_matches_one_device(runner, reference):
     for chunk, _ in chunks:
         torch.testing.assert_close(chunk.latents, result.latents[:, :, chunk.start_frame: chunk.start_frame + chunk.latents.shape[2]])
         assert chunk.first_image_frame == (0 if chunk.start_frame == 0 else 4 * chunk.start_frame - 3)
+    # Each chunk's latents and frames came in one segment of their own, unlinked once read.
+    assert [len(names) for names in handed_over] == [1] * len(plan), handed_over
+    assert not [name for names in handed_over for name in names if os.path.exists(os.path.join(SHM_DIR, name))]
     joined = torch.cat([c.frames for c, _ in chunks])
     torch.testing.assert_close(joined, result.frames)
     torch.testing.assert_close(result.latents, reference["latents"], **CLOSE)  # Ulysses 2 == one device
