@@ -3,15 +3,21 @@
 Two measurements on a live pool: the round-trip time of an empty request (no tensors, every rank
 answers), and the throughput of moving an IMAGE-sized tensor (81 x 480 x 832 x 3 float32 by default) to
 the workers and back (the ``echo`` diagnostic), against a plain in-process copy of the same tensor measured
-in the same run, so the ratio says what the process boundary costs.
+in the same run, so the ratio says what the process boundary costs. A third measures how a streaming chunk
+(``--chunk-frames`` frames of that size) reaches the driver: handed over in a shared-memory segment of its
+own, as rank 0 sends it, against pickling it through a socket pair, interleaved; it reports how long the
+sender is held (rank 0, and so every rank at its next collective) and how long until the receiver holds it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +26,7 @@ import torch
 from .. import protocol as P
 from ..config import ParallelConfig
 from ..driver.pool import WorkerPool
+from ..transport import new_segment_prefix, pack_handed_over, take_handed_over
 
 IMAGE_SHAPE = (81, 480, 832, 3)
 
@@ -33,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=IMAGE_SHAPE[2])
     parser.add_argument("--repeats", type=int, default=5, help="timed transfers (after one warm-up)")
     parser.add_argument("--empty-repeats", type=int, default=50, help="timed empty requests")
+    parser.add_argument("--chunk-frames", type=int, default=12, help="frames of one streaming chunk (3 latent frames)")
+    parser.add_argument("--chunk-repeats", type=int, default=10, help="timed chunk hand-overs per transport")
     parser.add_argument("--json", type=Path, help="also write the results here")
 
 
@@ -70,6 +79,55 @@ def measure(pool: WorkerPool, image: torch.Tensor, repeats: int, empty_repeats: 
     }
 
 
+def _through_pipe(sender: Connection, receiver: Connection, chunk: dict[str, Any]) -> tuple[float, float]:
+    arrived = threading.Event()
+    threading.Thread(target=lambda: (receiver.recv(), arrived.set()), daemon=True).start()
+    start = time.perf_counter()
+    sender.send({key: value.numpy() for key, value in chunk.items()})
+    held = time.perf_counter() - start
+    arrived.wait()
+    return held, time.perf_counter() - start
+
+
+def _through_shared_memory(prefix: str, index: int, chunk: dict[str, Any]) -> tuple[float, float]:
+    start = time.perf_counter()
+    packed = pack_handed_over(chunk, f"{prefix}_bench{index}")
+    held = time.perf_counter() - start
+    take_handed_over(packed)
+    return held, time.perf_counter() - start
+
+
+def measure_chunk_handover(frames: int, height: int, width: int, repeats: int) -> dict[str, float]:
+    """Median and spread (min, max) in ms of both transports, run alternately after one warm-up each."""
+    chunk = {"frames": torch.rand(frames, height, width, 3), "latents": torch.zeros(1, 16, (frames + 3) // 4,
+                                                                                  height // 8, width // 8)}
+    left, right = socket.socketpair()
+    sender, receiver = Connection(left.detach()), Connection(right.detach())
+    prefix = new_segment_prefix()
+    samples: dict[str, list[tuple[float, float]]] = {"pipe": [], "shm": []}
+    try:
+        for index in range(repeats + 1):
+            pipe, shm = _through_pipe(sender, receiver, chunk), _through_shared_memory(prefix, index, chunk)
+            if index > 0:
+                samples["pipe"].append(pipe)
+                samples["shm"].append(shm)
+    finally:
+        sender.close()
+        receiver.close()
+    results = {"chunk_mib": sum(t.numel() * t.element_size() for t in chunk.values()) / 2**20}
+    for name, pairs in samples.items():
+        for column, label in ((0, "held"), (1, "received")):
+            values = [pair[column] * 1e3 for pair in pairs]
+            results[f"chunk_{name}_{label}_ms"] = statistics.median(values)
+            results[f"chunk_{name}_{label}_spread_ms"] = (min(values), max(values))
+    return results
+
+
+def _ms(r: dict[str, Any], key: str) -> str:
+    low, high = r[f"{key}_spread_ms"]
+    return f"{r[f'{key}_ms']:.1f} ms  ({low:.1f}..{high:.1f})"
+
+
 def format_table(config: ParallelConfig, shape: tuple[int, ...], r: dict[str, float]) -> str:
     rows = [
         ("empty request round trip (median)", f"{r['empty_request_ms']:.2f} ms"),
@@ -78,6 +136,10 @@ def format_table(config: ParallelConfig, shape: tuple[int, ...], r: dict[str, fl
         ("to the workers and back (median)", f"{r['pool_round_trip_s'] * 1e3:.1f} ms  ({r['pool_gib_per_s']:.2f} GiB/s)"),
         ("in-process copy (median)", f"{r['copy_s'] * 1e3:.1f} ms  ({r['copy_gib_per_s']:.2f} GiB/s)"),
         ("pool round trip / in-process copy", f"{r['ratio']:.2f}x"),
+        (f"stream chunk {r['chunk_mib']:.0f} MiB: sender held, shared memory", _ms(r, "chunk_shm_held")),
+        ("  sender held, pickled through a pipe", _ms(r, "chunk_pipe_held")),
+        ("  until received, shared memory", _ms(r, "chunk_shm_received")),
+        ("  until received, pickled through a pipe", _ms(r, "chunk_pipe_received")),
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"pool: {config.describe()}", "-" * (width + 30)]
@@ -89,12 +151,14 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     """Run the benchmark described by ``args`` (see :func:`add_arguments`), print a table, return the numbers."""
     config = ParallelConfig(world=args.world, devices=args.devices, backend=args.backend)
     shape = (args.frames, args.height, args.width, 3)
-    if min(shape) < 1 or args.repeats < 1 or args.empty_repeats < 1:
-        raise ValueError(f"frames, height, width and repeats must be positive, got shape {shape}, "
-                         f"repeats {args.repeats}, empty repeats {args.empty_repeats}")
+    if min(shape) < 1 or min(args.repeats, args.empty_repeats, args.chunk_frames, args.chunk_repeats) < 1:
+        raise ValueError(f"frames, height, width, chunk frames and repeats must be positive, got shape {shape}, "
+                         f"repeats {args.repeats}, empty repeats {args.empty_repeats}, chunk frames "
+                         f"{args.chunk_frames}, chunk repeats {args.chunk_repeats}")
     image = torch.rand(shape, dtype=torch.float32)
     with WorkerPool(config) as pool:
         results = measure(pool, image, args.repeats, args.empty_repeats)
+    results.update(measure_chunk_handover(args.chunk_frames, args.height, args.width, args.chunk_repeats))
     print(format_table(config, shape, results))
     if args.json is not None:
         args.json.write_text(json.dumps({"config": config.to_dict(), "shape": shape, **results}, indent=2))

@@ -2,7 +2,8 @@
 
 Every rank runs the causal sampling loop (``sampling/stream.py``) together; rank 0 decodes each finished chunk
 with the streaming VAE (``models/vae_stream.py``) and sends it to the driver at once, as a progress message
-carrying the chunk's index, start frame, raw latents and decoded frames. The reply holds the whole latent and
+carrying the chunk's index, start frame, raw latents and decoded frames (the local backend moves the arrays
+through a shared-memory segment the driver takes over, ``worker/main.py``). The reply holds the whole latent and
 the joined frames, which equal one whole VAE decode.
 """
 
