@@ -15,6 +15,7 @@ from .config import (
     ParallelConfig,
     check_video_size,
     latent_shape,
+    parse_stream_timesteps,
 )
 from .driver.runner import PoolRunner
 from .errors import Cancelled, WorkerError
@@ -24,7 +25,7 @@ from .models.lora import check_lora_for_model, model_files_of_handle
 from .pool_memory import stop_pool, unload_pool_models
 from .tensor_files import save_tensors_atomic
 from .validation import check_model_file, check_ranks
-from .protocol import EncodeVace, SampleRequest, StreamSample, parse_stream_timesteps
+from .protocol import EncodeVace, SampleRequest, StreamSample
 from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
 
 __all__ = [

@@ -15,8 +15,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .config import (check_experts, check_latent, check_model_loras, check_sampling, check_step_range,
-                     check_stream_options, check_vace_contexts)
-from .config import check_stream_timesteps, parse_stream_timesteps  # noqa: F401  (importers use these names here)
+                     check_stream_options, check_stream_timesteps, check_vace_contexts)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1

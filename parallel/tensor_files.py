@@ -1,19 +1,17 @@
 """Writing tensors to .safetensors files atomically; runs in the driver (the CLI, or ComfyUI's process).
 
-Like ``video_io.write_video``: the tensors go to a hidden temporary file in the same folder, which is flushed,
-fsync'ed and read back (every name with its shape) before it is renamed into place, so a full disk or a
+Through ``video_io.written_atomically``, as videos are: the tensors go to a hidden temporary file in the same
+folder, which is read back (every name with its shape), fsync'ed and renamed into place, so a full disk or a
 crash never leaves a partial file under the final name. OS errors propagate unchanged.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
 from pathlib import Path
 
 import torch
 
-from .video_io import fsync_file, fsync_folder
+from .video_io import written_atomically
 
 
 def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
@@ -21,18 +19,10 @@ def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: str | Path) -> P
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     cpu = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
+    with written_atomically(path) as temporary:
         save_file(cpu, str(temporary))
-        fsync_file(temporary)
         _check_saved(temporary, {name: tuple(t.shape) for name, t in cpu.items()})
-        os.replace(temporary, path)
-        fsync_folder(path.parent)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
     return path
 
 

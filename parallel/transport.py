@@ -50,9 +50,21 @@ def _segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+SEGMENT_NAME_START = "wanmesh_"
+
+
 def new_segment_prefix() -> str:
-    """A prefix unique to one pool, so its segments can be found and removed after a crash."""
-    return f"wanmesh_{os.getpid()}_{secrets.token_hex(4)}"
+    """A prefix unique to one pool, so its segments can be found and removed after a crash; it names the
+    driver's pid (``segment_owner_pid``)."""
+    return f"{SEGMENT_NAME_START}{os.getpid()}_{secrets.token_hex(4)}"
+
+
+def segment_owner_pid(name: str) -> int | None:
+    """The pid of the driver whose pool made segment ``name`` (None for a name this pack did not make)."""
+    if not name.startswith(SEGMENT_NAME_START):
+        return None
+    owner = name[len(SEGMENT_NAME_START):].split("_")[0]
+    return int(owner) if owner.isdigit() else None
 
 
 def _check_shm_space(nbytes: int) -> None:

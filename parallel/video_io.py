@@ -11,6 +11,7 @@ Frames follow ComfyUI's IMAGE convention: float [F, H, W, 3] in 0..1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -19,6 +20,7 @@ import os
 import secrets
 from fractions import Fraction
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -62,17 +64,9 @@ def write_video(frames: torch.Tensor, path: str | Path, fps: float, *, crf: int 
     check_container(path)
     if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
         raise ValueError(f"crf {crf!r} is not an H.264 quality; valid: an integer from 0 (lossless) to 51 (worst)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = _create_temporary(path)
-    try:
+    with written_atomically(path) as temporary:
         _encode(pixels, temporary, rate, crf)
-        fsync_file(temporary)
         _check_written(temporary, pixels.shape[:3])
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_folder(path.parent)
     return path
 
 
@@ -120,6 +114,23 @@ def _to_rgb24(frames: torch.Tensor) -> np.ndarray:
     check_even_frame_size(frames.shape[2], frames.shape[1])
     pixels = (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
     return np.ascontiguousarray(pixels.cpu().numpy())
+
+
+@contextlib.contextmanager
+def written_atomically(path: Path) -> Iterator[Path]:
+    """Yields a new temporary file beside ``path`` for the caller to write and check; then fsyncs it, renames it
+    onto ``path`` and fsyncs the folder. On any failure the temporary file is removed and nothing appears under
+    ``path``. Missing parent folders are created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = _create_temporary(path)
+    try:
+        yield temporary
+        fsync_file(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
 
 
 def _create_temporary(path: Path) -> Path:

@@ -15,6 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from ..config import DEFAULT_WORKER_TIMEOUT_S
 from ..models.tiny_files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
@@ -52,8 +53,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser, *, streaming: bool,
         pool.add_argument("--cfg-parallel", action="store_true",
                           help="run the conditional and unconditional passes on two halves of the pool")
         pool.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
-    pool.add_argument("--worker-timeout", type=float, default=60.0,
-                      help="seconds a worker may stop answering before the pool names it and stops (default 60)")
+    pool.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S,
+                      help="seconds a worker may stop answering before the pool names it and stops "
+                           f"(default {DEFAULT_WORKER_TIMEOUT_S:g})")
     pool.add_argument("--memory-budget-gb", type=float, default=0.0,
                       help="resident models per rank in GB; loading past it unloads the least recently used "
                            "(0: what the device holds)")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import check_sampling, check_stream_layout, check_stream_options, latent_shape
+from ..config import check_sampling, check_stream_layout, check_stream_options, latent_shape, parse_stream_timesteps
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.stream_chunks import StreamChunk
-from ..protocol import StreamSample, parse_stream_timesteps
+from ..protocol import StreamSample
 from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
 from ..video_io import CONTAINERS, check_fps

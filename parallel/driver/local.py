@@ -30,7 +30,7 @@ from ..config import ParallelConfig
 from ..errors import Cancelled, RankDied
 from ..gpus import worker_device_env
 from ..transport import (SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names,
-                         take_handed_over)
+                         segment_owner_pid, take_handed_over)
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
 BOOTSTRAP = (
@@ -77,8 +77,8 @@ def sweep_stale_pool_files() -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
-        owner = name.split("_")[1] if name.startswith("wanmesh_") and name.count("_") >= 2 else ""
-        if owner.isdigit() and not _pid_alive(int(owner)):
+        owner = segment_owner_pid(name)
+        if owner is not None and not _pid_alive(owner):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(os.path.join(SHM_DIR, name))
@@ -102,8 +102,7 @@ class LocalWorkers:
         self.config = config
         # Fails here, before any process starts, on missing GPUs. Each worker's GPU list is set explicitly (a
         # host narrowed to one GPU, e.g. ComfyUI's --cuda-device, would otherwise narrow every worker too).
-        self.machine_devices = config.rank_devices()
-        self.device_env, self.devices = worker_device_env(self.machine_devices)
+        self.device_env, self.devices = worker_device_env(config.rank_devices())
         self.pg_timeout_s = pg_timeout_s
         self.diagnostics = os.path.abspath(diagnostics) if diagnostics else None
         self.shm_prefix = new_segment_prefix()

@@ -72,6 +72,10 @@ class _Transaction:
     def silent_for(self, rank: int, now: float) -> float:
         return now - self.last_beat[rank]
 
+    def silent_ranks(self, now: float, limit_s: float) -> list[int]:
+        """The pending ranks, lowest first, that have sent nothing for more than ``limit_s``."""
+        return [rank for rank in sorted(self.pending) if self.silent_for(rank, now) > limit_s]
+
     def record(self, rank: int, message: dict[str, Any]) -> None:
         self.last_activity = time.monotonic()
         self.outcomes[rank] = message
@@ -268,7 +272,7 @@ class WorkerPool:
 
     def _check_stuck(self, txn: _Transaction, request, now: float, silent_limit: float) -> None:
         """Stop the pool and name the first pending rank whose heartbeat has been silent past ``silent_limit``."""
-        silent = [r for r in sorted(txn.pending) if txn.silent_for(r, now) > silent_limit]
+        silent = txn.silent_ranks(now, silent_limit)
         if not silent:
             return
         self._discard_workers()
@@ -283,9 +287,8 @@ class WorkerPool:
         if txn.cancel_sent_at is None:
             return
         waited = now - txn.cancel_sent_at
-        stale = STALE_BEATS * heartbeat_interval(self.config.worker_timeout)
         cooperative = isinstance(request, COOPERATIVE)
-        stuck = [r for r in sorted(txn.pending) if txn.silent_for(r, now) > stale]
+        stuck = txn.silent_ranks(now, STALE_BEATS * heartbeat_interval(self.config.worker_timeout))
         if (cooperative and not stuck and waited < self.config.worker_timeout) or waited < CANCEL_GRACE_S:
             return
         self._discard_workers()
@@ -400,13 +403,10 @@ def close_cached_pool() -> None:
 def close_cached_pool_at_exit() -> None:
     """Interpreter exit (Ctrl-C in ComfyUI): close the pool, but never wait long on a call that is still
     running in another thread (it holds the pool's lock until sampling ends): kill its workers instead."""
-    if not _cache_lock.acquire(timeout=EXIT_LOCK_S):
-        pool = _cached_pool
-    else:
-        try:
-            pool = _cached_pool
-        finally:
-            _cache_lock.release()
+    locked = _cache_lock.acquire(timeout=EXIT_LOCK_S)  # without it (a get_pool still running), read it anyway
+    pool = _cached_pool
+    if locked:
+        _cache_lock.release()
     if pool is None or pool._closed:
         return
     if pool._lock.acquire(timeout=EXIT_LOCK_S):

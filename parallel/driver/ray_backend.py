@@ -150,15 +150,11 @@ def _actor_class(ray):
 
         def _beat_forever(self) -> None:
             import importlib
-            import time
 
             config_mod = importlib.import_module("wanmesh.parallel.config")
-            interval = config_mod.heartbeat_interval(self.settings["worker_timeout"])
-            while True:
-                time.sleep(interval)
-                current = self.runtime.status.snapshot()
-                if current is not None:
-                    self.queue.put_nowait({"kind": "heartbeat", "rank": self.rank, **current})
+            runtime_mod = importlib.import_module("wanmesh.parallel.worker.runtime")
+            runtime_mod.beat_forever(self.runtime.status, config_mod.heartbeat_interval(self.settings["worker_timeout"]),
+                                     lambda fields: self.queue.put_nowait({"kind": "heartbeat", "rank": self.rank, **fields}))
 
         def execute(self, request_id: int, body: dict) -> dict:
             transport = __import__("wanmesh.parallel.transport", fromlist=["pack_for_ray"])

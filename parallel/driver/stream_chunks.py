@@ -1,7 +1,7 @@
 """Streaming chunks as the driver receives them; runs in the driver (ComfyUI or CLI) process.
 
 Rank 0 sends each finished chunk of a ``StreamSample`` inside a progress message (its arrays copied out of
-shared memory by the local backend's ``take_chunk``, or numpy arrays from Ray); the pool hands
+shared memory by the local backend's ``take_chunk``, or unpickled from Ray's queue); the pool hands
 it to the progress callback as ``chunk=``. ``chunk_progress`` turns that into ``on_chunk(StreamChunk)`` calls
 beside the ordinary ``progress(step, total)`` ones.
 """

@@ -24,6 +24,14 @@ from .residency import ResidentModels
 __all__ = ["RankExecutor"]
 
 DEFAULT_PARALLEL_TILE_PX = 256  # tile edge when VAE work is spread over ranks and no tile size was given
+
+
+def _dp_share(index: int, batch: int, dp: int) -> range:
+    """The batch rows of data-parallel replica ``index``: contiguous, near-equal, bounds rounded up, so that
+    replica 0 (rank 0 reports progress and previews) has a row even when batch < dp."""
+    return range(-(-index * batch // dp), -(-(index + 1) * batch // dp))
+
+
 class RankExecutor(ResidentModels):
     """This rank's resident models and the operations the nodes and the command line need."""
 
@@ -98,9 +106,7 @@ class RankExecutor(ResidentModels):
         dp = self._degree("dp")
         if dp == 1:
             return range(batch)
-        index = self.parallel.coord("dp")
-        # Rounded up, so that rank 0 (the rank that reports progress and previews) has a row even when batch < dp.
-        return range(-(-index * batch // dp), -(-(index + 1) * batch // dp))
+        return _dp_share(self.parallel.coord("dp"), batch, dp)
 
     def _gather_batch(self, latents: torch.Tensor, batch: int) -> torch.Tensor:
         """Reassemble the whole batch from the data-parallel replicas (every replica gets it)."""
@@ -113,8 +119,7 @@ class RankExecutor(ResidentModels):
         padded[: latents.shape[0]] = latents
         pieces = [torch.empty_like(padded) for _ in range(dp)]
         dist.all_gather(pieces, padded.to(self.device).contiguous(), group=self.parallel.dp_group)
-        shares = [(-(-i * batch // dp), -(-(i + 1) * batch // dp)) for i in range(dp)]  # as in _batch_rows
-        return torch.cat([piece[: stop - start].cpu() for piece, (start, stop) in zip(pieces, shares)])
+        return torch.cat([piece[: len(_dp_share(i, batch, dp))].cpu() for i, piece in enumerate(pieces)])
 
     def _tiling(self, tile_px: int | None):
         """(tile group, tile edge, whether this rank decodes tiles). The tile group is the first vae_patch ranks;

@@ -21,14 +21,13 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from .. import protocol as P
 from ..config import MAX_HEARTBEAT_S, ParallelConfig, heartbeat_interval
 from ..distributed.mesh import init_distributed
 from ..transport import ShmReader, ShmWriter, pack_handed_over, remove_segments
-from .runtime import THREADS_ENV, StepReporter, WorkerRuntime
+from .runtime import THREADS_ENV, StepReporter, WorkerRuntime, beat_forever
 
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
@@ -120,23 +119,16 @@ class LocalWorker:
             self.writer.close()
         _leave(self.on_driver_gone, code)
 
-    def beat_forever(self, interval_s: float) -> None:
-        """Heartbeat thread: while a request runs, tell the driver every ``interval_s`` that this rank lives
-        and which step it is at. It runs while the main thread waits in a collective or a long operation; a
-        stopped or wedged process falls silent, which is how the driver tells the stuck rank from its peers."""
-        while True:
-            time.sleep(interval_s)
-            current = self.runtime.status.snapshot()
-            if current is None:
-                continue
-            try:
-                self.send({"kind": "heartbeat", "rank": self.runtime.rank, **current})
-            except (OSError, ValueError):
-                self.exit_now()
+    def send_heartbeat(self, fields: dict[str, Any]) -> None:
+        try:
+            self.send({"kind": "heartbeat", "rank": self.runtime.rank, **fields})
+        except (OSError, ValueError):  # the driver is gone
+            self.exit_now()
 
     def serve(self, heartbeat_s: float = MAX_HEARTBEAT_S) -> None:
         threading.Thread(target=self.receive_forever, name="wanmesh-receiver", daemon=True).start()
-        threading.Thread(target=self.beat_forever, args=(heartbeat_s,), name="wanmesh-heartbeat", daemon=True).start()
+        threading.Thread(target=beat_forever, args=(self.runtime.status, heartbeat_s, self.send_heartbeat),
+                         name="wanmesh-heartbeat", daemon=True).start()
         while True:
             message = self.inbox.get()
             request_id = message["id"]
@@ -169,9 +161,7 @@ class LocalWorker:
             # takes over, not through the pipe: pickling them there would hold this rank, and so every rank at
             # its next collective, for as long as the driver takes to read them.
             self._chunks_sent += 1
-            tensors = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-                       for key, value in chunk.items()}
-            fields = {**fields, "chunk": pack_handed_over(tensors, f"{self.shm_prefix}_r0c{self._chunks_sent}")}
+            fields = {**fields, "chunk": pack_handed_over(chunk, f"{self.shm_prefix}_r0c{self._chunks_sent}")}
         self.send({"kind": "progress", "id": request_id, **fields})
 
 

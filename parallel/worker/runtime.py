@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -111,7 +112,7 @@ class StepReporter:
         self._preview = image
 
     def send_chunk(self, chunk: dict[str, Any]) -> None:
-        """A finished streaming chunk (index, start frame, raw latents and decoded frames as numpy arrays), sent at
+        """A finished streaming chunk (index, start frame, raw latents and decoded frames as CPU tensors), sent at
         once with the last step's numbers; the pool hands it to the caller's progress callback as ``chunk``."""
         if self._send is not None:
             self._send({"step": self._last[0], "total": self._last[1], "chunk": chunk})
@@ -152,6 +153,17 @@ class WorkStatus:
         """A copy of the current request's fields, or None between requests."""
         with self._lock:
             return dict(self._current) if self._current is not None else None
+
+
+def beat_forever(status: WorkStatus, interval_s: float, send: Callable[[dict[str, Any]], None]) -> None:
+    """A heartbeat thread's loop: while a request runs, pass ``status``'s fields (request, phase, last step) to
+    ``send`` every ``interval_s``. It runs while the compute thread waits in a collective or a long operation,
+    so a stopped or wedged process falls silent, which is how the driver tells the stuck rank from its peers."""
+    while True:
+        time.sleep(interval_s)
+        current = status.snapshot()
+        if current is not None:
+            send(current)
 
 
 class StopFlags:

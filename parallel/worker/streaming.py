@@ -34,10 +34,10 @@ class ChunkForwarder:
         if self.decoder is not None:
             pixels = self.decoder.decode_pixels(latents)
             self.pixels.append(pixels.float().cpu())
-            frames = pixels_to_frames(pixels).numpy()
+            frames = pixels_to_frames(pixels)
         send = getattr(self.progress, "send_chunk", None)
         if self.send_previews and send is not None:
-            send({"index": int(index), "start_frame": int(start_frame), "latents": latents.numpy(), "frames": frames})
+            send({"index": int(index), "start_frame": int(start_frame), "latents": latents, "frames": frames})
 
     def joined_frames(self) -> torch.Tensor | None:
         """Every chunk's frames in order, [B*F, H, W, 3] (batch rows one after another, as a whole decode gives)."""

@@ -169,8 +169,8 @@ def test_many_prompts_do_not_grow_worker_memory(comfyui_server: ComfyUIServer) -
     for index in range(PROMPTS_IN_A_ROW):
         run_ok(comfyui_server, quick_prompt(**BUDGET_POOL))
         if index + 1 == WARM_UP_PROMPTS:
-            baseline = sum(p.memory_info().rss for p in workers(comfyui_server))
-    final = sum(p.memory_info().rss for p in workers(comfyui_server))
+            baseline = worker_rss(comfyui_server)
+    final = worker_rss(comfyui_server)
     growth = final / baseline - 1
     print(f"\nworker RSS after {WARM_UP_PROMPTS} prompts {baseline / 2**20:.1f} MiB, after {PROMPTS_IN_A_ROW} "
           f"{final / 2**20:.1f} MiB: {growth:+.2%}")
