@@ -40,7 +40,7 @@ def traceback_deadline(seconds: float):
 
 def tiny_model_paths(folder: Path) -> dict[str, str]:
     """The tiny models written into ``folder``, as path strings by role (t2v, vace, vae, text_encoder, ...)."""
-    from wanmesh.parallel.models.tiny import make_tiny
+    from wanmesh.parallel.tiny.models import make_tiny
 
     return {role: str(path) for role, path in make_tiny(folder).items()}
 

@@ -99,13 +99,13 @@ def video_size(text: str | None, flag: str, default: tuple[int, int, int]) -> tu
 
 
 def _tiny_root(args) -> Path:
-    from ..models.tiny_files import ensure_tiny_models, tiny_cache_dir
+    from ..tiny.files import ensure_tiny_models, tiny_cache_dir
 
     return ensure_tiny_models(args.models or tiny_cache_dir())
 
 
 def _tiny_models(args, device, vace: bool):
-    from ..models.tiny_files import TINY_FILES
+    from ..tiny.files import TINY_FILES
     from ..models.wan import load_transformer
 
     root = _tiny_root(args)
@@ -241,7 +241,7 @@ def _encode_timings(args, device: torch.device, size) -> tuple[dict[str, Timing]
     from ..config import ParallelConfig
     from ..driver.pool import WorkerPool
     from ..driver.runner import PoolRunner
-    from ..models.tiny_files import TINY_FILES
+    from ..tiny.files import TINY_FILES
     from ..protocol import EncodeVace
 
     vae_file, inputs, patches = str(_tiny_root(args) / TINY_FILES["vae"]), _encode_inputs(*size), _patch_sizes(device)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.spawn import slowest_rank_median_s, spawn_ranks
-from ..models.tiny_files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

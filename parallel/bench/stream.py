@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _model(settings: dict, device: torch.device):
     from diffusers import WanTransformer3DModel
 
-    from ..models.tiny import TINY_TRANSFORMER
+    from ..tiny.models import TINY_TRANSFORMER
 
     dim = settings["heads"] * settings["head_dim"]
     config = dict(TINY_TRANSFORMER, num_attention_heads=settings["heads"], attention_head_dim=settings["head_dim"],

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_path(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    from ..models.tiny_files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+    from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 
     return str(ensure_tiny_models(args.models or tiny_cache_dir()) / TINY_FILES["model"])
 

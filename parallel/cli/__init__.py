@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 
 from ..config import DEFAULT_WORKER_TIMEOUT_S
-from ..models.tiny_files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
 # Sizes used when nothing is given: the real Wan 480p default, or a quick clip for the tiny built-in models.
@@ -226,7 +226,7 @@ def _fail(args, code: int, message: str) -> int:
 
 def _run(args) -> int:
     if args.command == "make-tiny":
-        from ..models.tiny import make_tiny
+        from ..tiny.models import make_tiny
 
         for name, path in make_tiny(args.directory).items():
             print(f"{name:>14}: {path}")

@@ -23,7 +23,7 @@ from wanmesh.parallel.cli import main
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.worker.executors import RankExecutor
 from wanmesh.parallel.protocol import SampleRequest
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
 from vace_inputs import two_vace_contexts
 
 DEADLINE_S = 900  # the whole file; a hung rank dumps every thread's stack and ends the run

@@ -13,7 +13,7 @@ from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.config import ParallelConfig
 from wanmesh.parallel.driver.pool import WorkerPool
 from wanmesh.parallel.protocol import SampleRequest
-from wanmesh.parallel.models.tiny import make_tiny
+from wanmesh.parallel.tiny.models import make_tiny
 from wanmesh.parallel.config import latent_shape
 
 

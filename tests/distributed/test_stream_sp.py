@@ -25,7 +25,7 @@ from wanmesh.parallel.distributed.context_parallel import apply_context_parallel
 from wanmesh.parallel.distributed.mesh import ParallelContext
 from wanmesh.parallel.distributed.spawn import spawn_ranks
 from wanmesh.parallel.distributed.tensor_parallel import apply_tensor_parallel
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, randomise_
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER, randomise_
 from wanmesh.parallel.sampling.stream import sample_stream, stream_sigmas
 
 TOLERANCE = 5e-5

@@ -24,7 +24,7 @@ from wanmesh.parallel.sampling.loop import sample
 from wanmesh.parallel.models.sharded import load_transformer_tp, weight_bytes
 from wanmesh.parallel.distributed.tensor_parallel import analytic_collectives, apply_tensor_parallel
 from wanmesh.parallel.distributed.spawn import spawn_ranks
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, make_tiny
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER, make_tiny
 from vace_inputs import two_vace_contexts
 
 HARD_DEADLINE_S = 300.0

@@ -19,7 +19,7 @@ from wanmesh.parallel.models.sharded import weight_bytes
 from wanmesh.parallel.distributed.spawn import spawn_ranks
 from wanmesh.parallel.models.umt5 import load_text_encoder
 from wanmesh.parallel.models.umt5_tp import apply_text_encoder_tp, load_text_encoder_tp, text_encoder_tp_plan
-from wanmesh.parallel.models.tiny import make_tiny
+from wanmesh.parallel.tiny.models import make_tiny
 
 HARD_DEADLINE_S = 120.0
 TOLERANCE = 1e-5

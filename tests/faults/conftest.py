@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Paths of the tiny models `make_tiny` writes (keys: t2v, vace, vae, text_encoder, vace_module, diffusers_*)."""
-    from wanmesh.parallel.models.tiny import make_tiny
+    from wanmesh.parallel.tiny.models import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_models"))

@@ -14,7 +14,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import save_file
 
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, original_state_dict, original_transformer_names, randomise_
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER, original_state_dict, original_transformer_names, randomise_
 
 MIB = 2**20
 

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """Paths of the tiny models `make_tiny` writes (keys: t2v, vace, vae, text_encoder, vace_module, diffusers_*)."""
-    from wanmesh.parallel.models.tiny import make_tiny
+    from wanmesh.parallel.tiny.models import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny_models"))
 
@@ -18,6 +18,6 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_reference():
     """The in-memory tiny models the files were written from."""
-    from wanmesh.parallel.models.tiny import build_tiny_models
+    from wanmesh.parallel.tiny.models import build_tiny_models
 
     return build_tiny_models()

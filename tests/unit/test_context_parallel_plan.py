@@ -18,7 +18,7 @@ from wanmesh.parallel.distributed.context_parallel import (
 )
 from wanmesh.parallel.worker.executors import RankExecutor
 from wanmesh.parallel.distributed.mesh import ParallelContext
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, TINY_VACE
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER, TINY_VACE
 
 
 @pytest.fixture(scope="module")

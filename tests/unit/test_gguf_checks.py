@@ -12,7 +12,7 @@ import torch
 from wanmesh.parallel.models import gguf_file
 from wanmesh.parallel.models.detect import safetensors_kind
 from wanmesh.parallel.models.sharded import load_transformer_shard
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
 from wanmesh.parallel.models.wan import load_transformer
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import sample

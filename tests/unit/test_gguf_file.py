@@ -15,9 +15,9 @@ from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
 from wanmesh.parallel.models.gguf_file import GGUFFile
-from wanmesh.parallel.models.gguf_write import write_wan_gguf
+from wanmesh.parallel.tiny.gguf_write import write_wan_gguf
 from wanmesh.parallel.models.sharded import load_transformer_shard
-from wanmesh.parallel.models.tiny import original_state_dict, original_transformer_names, randomise_
+from wanmesh.parallel.tiny.models import original_state_dict, original_transformer_names, randomise_
 from wanmesh.parallel.models.wan import load_transformer, transformer_weight_source
 
 Q = gguf.GGMLQuantizationType

@@ -15,7 +15,7 @@ from diffusers import WanTransformer3DModel
 
 from wanmesh.parallel.errors import Cancelled
 from wanmesh.parallel.models.causal import CacheWindow, CausalRope, CausalWan
-from wanmesh.parallel.models.tiny import TINY_TRANSFORMER, randomise_
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER, randomise_
 from wanmesh.parallel.sampling.latents import denormalize_latents, seeded_noise
 from wanmesh.parallel.sampling.stream import sample_stream, stream_sigmas
 

@@ -17,7 +17,7 @@ from wanmesh.parallel.cli import stream as stream_module
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from wanmesh.parallel.models.tiny import make_tiny
+    from wanmesh.parallel.tiny.models import make_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     make_tiny(root)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import UMT5EncoderModel
 
-from wanmesh.parallel.models import tiny
+from wanmesh.parallel.tiny import models as tiny
 
 EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace",
                  "t2v_gguf_q8_0", "t2v_gguf_q4_k",

@@ -7,7 +7,7 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from wanmesh.parallel.models.frames import pixels_to_frames
-from wanmesh.parallel.models.tiny import TINY_VAE, randomise_
+from wanmesh.parallel.tiny.models import TINY_VAE, randomise_
 from wanmesh.parallel.models.vae_stream import StreamingVaeDecoder, stream_decoded_frame_count
 
 

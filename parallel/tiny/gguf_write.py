@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from .gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
+from ..models.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
 
 __all__ = ["gguf_storage_type", "quantize", "quantize_q4_k", "write_wan_gguf"]
 

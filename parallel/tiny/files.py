@@ -23,7 +23,7 @@ def tiny_cache_dir() -> Path:
 
 def ensure_tiny_models(directory: Path) -> Path:
     """Write the tiny models once; later runs reuse them."""
-    from ..models.tiny import make_tiny
+    from .models import make_tiny
 
     if not all((directory / rel).is_file() for rel in TINY_FILES.values()):
         make_tiny(directory)

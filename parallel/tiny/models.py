@@ -34,8 +34,8 @@ from safetensors.torch import save_file
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 from transformers.utils import logging as transformers_logging
 
-from .checkpoint import rename_map
-from .umt5 import SPIECE_FILENAME, SPIECE_KEY
+from ..models.checkpoint import rename_map
+from ..models.umt5 import SPIECE_FILENAME, SPIECE_KEY
 
 SEED = 20250101
 
@@ -339,7 +339,7 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
 
 def _write_loras(root: Path, t2v_state: dict[str, torch.Tensor]) -> dict[str, Path]:
     """The tiny LoRAs (one per format) for the tiny T2V model."""
-    from .tiny_loras import make_tiny_loras
+    from .loras import make_tiny_loras
 
     shapes = {key: tuple(tensor.shape) for key, tensor in t2v_state.items()}
     names = rename_map([key for key in shapes if key.endswith(".weight")], convert_wan_transformer_to_diffusers)
