@@ -24,6 +24,9 @@ BACKENDS = ("local", "ray")
 MESH_DIMS = ("dp", "cfg", "ulysses", "ring", "tp")  # outermost first; tp varies fastest; cfg = the CFG-parallel split
 SAMPLERS = ("unipc", "euler")
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
+# How a quantized transformer file (fp8, scaled fp8, GGUF) is held on each rank: "keep" holds the stored blocks and
+# dequantizes each linear weight for its own matmul; "dequantize" expands every weight to the compute dtype at load.
+WEIGHT_MODES = ("keep", "dequantize")
 SPATIAL_STRIDE = 16  # VAE 8x times the transformer's 2x2 patches
 VAE_SPATIAL_FACTOR = 8
 TEMPORAL_STRIDE = 4  # frames are 4k + 1
@@ -367,6 +370,12 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
                     f"{positions}; use the latent made by the same VACE encode (its length, size and references)")
         if not math.isfinite(strength):
             raise ValueError(f"vace_strength[{index}] is {strength}; give a finite strength (1.0 is the default)")
+
+
+def check_weights_mode(mode: str) -> None:
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weights {mode!r} is unknown; valid: {', '.join(WEIGHT_MODES)} (keep: quantized weights "
+                         "stay quantized on every rank; dequantize: expanded to the compute dtype at load)")
 
 
 # -- LoRAs -------------------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class LoadModel(Request):
     path: str
     vace_module: str | None = None
     dtype: str = "auto"
+    weights: str = "keep"  # config.WEIGHT_MODES: quantized weights kept as stored, or dequantized at load
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from .. import protocol as P
-from ..config import VAE_SPATIAL_FACTOR, ParallelConfig, check_stream_layout, check_tiles, check_video_size
+from ..config import (VAE_SPATIAL_FACTOR, ParallelConfig, check_stream_layout, check_tiles, check_video_size,
+                      check_weights_mode)
 from ..vace.encode import check_encode_inputs
 from .pool import WorkerPool, current_pool, get_pool, set_interrupt_check
 
@@ -44,8 +45,9 @@ class PoolRunner:
     def config(self) -> ParallelConfig:
         return self.pool.config
 
-    def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto") -> str:
-        return self.pool.call(P.LoadModel(path=path, vace_module=vace_module, dtype=dtype)).handle
+    def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto", weights: str = "keep") -> str:
+        check_weights_mode(weights)
+        return self.pool.call(P.LoadModel(path=path, vace_module=vace_module, dtype=dtype, weights=weights)).handle
 
     def load_vae(self, path: str, *, dtype: str = "auto") -> str:
         return self.pool.call(P.LoadVae(path=path, dtype=dtype)).handle

@@ -134,12 +134,12 @@ def _check_layer(path: Path, layer: LoraLayer) -> None:
 
 
 def model_files_of_handle(handle: str) -> list[str]:
-    """The transformer file (and VACE module) of a resident model handle ``model|path|vace_module|dtype``
+    """The transformer file (and VACE module) of a resident model handle ``model|path|vace_module|dtype|weights``
     (the key ``worker/residency.py`` gives a loaded transformer)."""
     parts = handle.split("|")
-    if len(parts) < 4 or parts[0] != "model":
+    if len(parts) < 5 or parts[0] != "model":
         raise ValueError(f"{handle!r} is not a transformer handle; a LoRA applies to a loaded Wan model")
-    return [path for path in parts[1:-1] if path]
+    return [path for path in parts[1:3] if path]
 
 
 def _model_weight_files(path: Path) -> list[Path]:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..config import DTYPE_NAMES
+from ..config import DTYPE_NAMES, check_weights_mode
 from ..models import wan
 from .memory import estimated_load_bytes, memory_budget_bytes, resident_bytes
 
@@ -99,24 +99,26 @@ class ResidentModels:
         """Bytes of weights held by the resident models of this rank."""
         return sum(self._sizes.get(key, 0) for key in self._models)
 
-    def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto") -> str:
+    def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto", weights: str = "keep") -> str:
+        """A transformer; ``weights`` (``config.WEIGHT_MODES``) says whether quantized weights stay as stored."""
+        check_weights_mode(weights)
         torch_dtype = resolve_dtype(dtype, self.device)
-        key = f"model|{path}|{vace_module or ''}|{torch_dtype}"
+        key = f"model|{path}|{vace_module or ''}|{torch_dtype}|{weights}"
         self._model_files[key] = (path, vace_module)
-        return self._load(key, lambda: self._load_transformer(path, vace_module, torch_dtype), (path, vace_module))
+        return self._load(key, lambda: self._load_transformer(path, vace_module, torch_dtype, weights), (path, vace_module))
 
-    def _load_transformer(self, path: str, vace_module: str | None, torch_dtype: torch.dtype):
+    def _load_transformer(self, path: str, vace_module: str | None, torch_dtype: torch.dtype, weights: str):
         """The transformer, tensor-parallel when tp > 1, then with its sequence split when ring x ulysses > 1."""
         if self._degree("tp") * self._degree("ulysses") > 1:  # heads split over these: check before reading weights
             self.parallel.config.check_heads(transformer_heads(path, vace_module))
         if self._degree("tp") == 1:
-            model = wan.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device)
+            model = wan.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device,
+                                         weights=weights)
         else:
             from ..models.sharded import load_transformer_tp
 
-            model = load_transformer_tp(
-                path, vace_module=vace_module, dtype=torch_dtype, device=self.device, tp_group=self.parallel.tp_group
-            )
+            model = load_transformer_tp(path, vace_module=vace_module, dtype=torch_dtype, device=self.device,
+                                        tp_group=self.parallel.tp_group, weights=weights)
         if self._degree("ring") * self._degree("ulysses") > 1:
             from ..distributed.context_parallel import apply_context_parallel
 

@@ -62,7 +62,8 @@ def _vace_encoded(result) -> P.VaceEncoded | None:
 
 
 EXECUTOR_DISPATCH: dict[type[P.Request], Handler] = {
-    P.LoadModel: lambda ctx, r: P.Loaded(ctx.executor.load_model(r.path, vace_module=r.vace_module, dtype=r.dtype)),
+    P.LoadModel: lambda ctx, r: P.Loaded(ctx.executor.load_model(r.path, vace_module=r.vace_module, dtype=r.dtype,
+                                                                     weights=r.weights)),
     P.LoadVae: lambda ctx, r: P.Loaded(ctx.executor.load_vae(r.path, dtype=r.dtype)),
     P.LoadTextEncoder: lambda ctx, r: P.Loaded(ctx.executor.load_text_encoder(r.path, dtype=r.dtype)),
     P.EncodeText: lambda ctx, r: P.Embeddings(ctx.executor.encode_text(r.handle, list(r.prompts))),
