@@ -73,6 +73,7 @@ def load_transformer_shard(
     vace_module: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    weights: str = "keep",
 ) -> nn.Module:
     """Rank ``tp_rank`` of ``tp_size``'s shard of a Wan / VACE transformer, its collectives on ``tp_group``.
 
@@ -99,6 +100,7 @@ def load_transformer_tp(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tp_group: dist.ProcessGroup | None = None,
+    weights: str = "keep",
 ) -> nn.Module:
     """This rank's tensor-parallel shard of a Wan / VACE transformer over ``tp_group``, ready to run.
 
@@ -107,7 +109,7 @@ def load_transformer_tp(
     """
     tp_size, tp_rank = tp_size_and_rank(tp_group)
     return load_transformer_shard(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                                  vace_module=vace_module, dtype=dtype, device=device)
+                                  vace_module=vace_module, dtype=dtype, device=device, weights=weights)
 
 
 def weight_bytes(model: nn.Module, plan: TensorParallelPlan | None = None) -> dict[str, int]:

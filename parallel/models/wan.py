@@ -157,8 +157,10 @@ def load_transformer(
     vace_module: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    weights: str = "keep",
 ) -> torch.nn.Module:
-    """A Wan T2V or VACE transformer (diffusers class) in eval mode with frozen weights."""
+    """A Wan T2V or VACE transformer (diffusers class) in eval mode with frozen weights; ``weights`` "keep" holds
+    quantized block linears as stored (``quantized.py``), "dequantize" expands them to ``dtype``."""
     with contextlib.ExitStack() as stack:
         model_class, config, source = transformer_weight_source(path, vace_module, stack)
         model = build_empty(lambda: model_class.from_config(config))
