@@ -1,8 +1,8 @@
 """One validation pass before any work: everything checkable without a GPU, model weights or a worker; runs
 in the driver (the CLI process, or ComfyUI's for the nodes).
 
-It reads file headers only (safetensors JSON headers, the zip signature of PyTorch checkpoints) and the
-tokenizer bytes of a umT5 file, never model weights. The numeric checks themselves live in ``config.py``
+It reads file headers only (safetensors JSON headers, GGUF tensor indexes, the zip signature of PyTorch
+checkpoints) and the tokenizer bytes of a umT5 file, never model weights. The numeric checks themselves live in ``config.py``
 (one place for each check); this module applies them to a whole request and adds the file, output-path,
 prompt-length and rank checks. Errors are one-line ``ValueError``s naming the value and what is valid;
 warnings come back as strings for the caller to print or log.
@@ -28,7 +28,7 @@ from .config import (
     check_video_size,
     ranks_over_cores_warning,
 )
-from .models.checkpoint import PICKLE_SUFFIXES, ModelFileError, read_safetensors_header
+from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, read_safetensors_header
 from .models.detect import KIND_DESCRIPTIONS, detect_kind, infer_transformer_config
 
 TEXT_TOKENS = 512  # Wan's text length: umT5 tokens beyond it (EOS included) are dropped
@@ -38,6 +38,8 @@ TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "diffusers_transformer")
 VAE_KINDS = ("wan_vae", "diffusers_vae")
 TEXT_ENCODER_KINDS = ("umt5",)
 VACE_MODULE_KINDS = ("vace_module", "wan_vace")
+SCALE_WEIGHT_SUFFIX = ".scale_weight"  # ComfyUI's per-layer scale of a scaled-fp8 weight
+FP8_PREFIX = "F8_"  # safetensors' fp8 dtype names: F8_E4M3, F8_E5M2
 
 
 # -- model files ---------------------------------------------------------------------------------------------
@@ -45,11 +47,14 @@ VACE_MODULE_KINDS = ("vace_module", "wan_vace")
 
 @dataclass
 class ModelFileInfo:
-    """What the header of a model file (or a diffusers folder's config) says."""
+    """What the header of a model file (or a diffusers folder's config) says: every tensor's logical shape and
+    stored type, and the file's metadata (empty for folders and pickles)."""
 
     path: Path
     kind: str
-    header: dict = field(default_factory=dict)  # safetensors header (empty for folders and pickles)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)  # safetensors dtype names (F8_E4M3, ...) or GGUF types
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 def _refuse_pickle(path: Path, flag: str) -> None:
@@ -61,26 +66,47 @@ def _refuse_pickle(path: Path, flag: str) -> None:
 
 
 def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -> ModelFileInfo:
-    """The file or folder exists and its header says it is one of the ``expected`` kinds (``detect.py`` names)."""
+    """The file or folder exists and its header says it is one of the ``expected`` kinds (``detect.py`` names);
+    a GGUF file's own checks (architecture, tensor types, latent channels) and the scaled-fp8 scales too."""
     location = Path(path)
     if location.is_dir():
         return _inspect_folder(location, flag)
     if not location.is_file():
-        raise ValueError(f"{flag} {location} does not exist; give a model file (.safetensors) or a diffusers folder")
+        raise ValueError(f"{flag} {location} does not exist; give a model file (.safetensors, .gguf) or a diffusers "
+                         "folder")
     if location.suffix.lower() in PICKLE_SUFFIXES:
         _refuse_pickle(location, flag)
         return ModelFileInfo(location, "pickle")
     try:
-        header = read_safetensors_header(location)
+        info = _read_header(location)
     except ModelFileError as error:
         raise ValueError(f"{flag} {error}") from None
     except OSError as error:
         raise ValueError(f"{flag} {location} cannot be read ({error.strerror})") from None
-    kind = detect_kind(key for key in header if key != "__metadata__")
-    if kind not in expected:
+    if info.kind not in expected:
         wanted = " or ".join(KIND_DESCRIPTIONS[k] for k in expected)
-        raise ValueError(f"{flag} {location} looks like {KIND_DESCRIPTIONS[kind]}; expected {wanted}")
-    return ModelFileInfo(location, kind, header)
+        raise ValueError(f"{flag} {location} looks like {KIND_DESCRIPTIONS[info.kind]}; expected {wanted}")
+    check_fp8_scales(info, flag)
+    return info
+
+
+def _read_header(location: Path) -> ModelFileInfo:
+    """Shapes, stored types and metadata from a GGUF tensor index or a safetensors JSON header; no weight read."""
+    if location.suffix.lower() == ".gguf":
+        from .models.gguf_file import GGUFFile  # the gguf package loads only when a GGUF file is checked
+
+        gguf = GGUFFile(location)  # refuses another architecture, unsupported tensor types, 48-channel latents
+        try:
+            shapes, metadata = gguf.shapes(), dict(gguf.metadata)
+            dtypes = {key: gguf.tensor_type(key).name for key in gguf.keys}
+        finally:
+            gguf.close()
+    else:
+        header = read_safetensors_header(location)
+        metadata = header.pop("__metadata__", None) or {}
+        shapes = {key: tuple(entry["shape"]) for key, entry in header.items()}
+        dtypes = {key: entry["dtype"] for key, entry in header.items()}
+    return ModelFileInfo(location, detect_kind(shapes), shapes, dtypes, metadata)
 
 
 def _inspect_folder(folder: Path, flag: str) -> ModelFileInfo:
@@ -90,12 +116,27 @@ def _inspect_folder(folder: Path, flag: str) -> ModelFileInfo:
     return ModelFileInfo(folder, "folder")
 
 
+def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
+    """A file with ComfyUI's ``scaled_fp8`` marker stores each fp8 linear weight divided by its ``scale_weight``:
+    one missing scale leaves that layer wrong by its factor, so such a file is refused. Scales without the
+    marker are fine (they are applied wherever they are)."""
+    if not any(key.endswith(SCALED_FP8_MARKER) for key in info.shapes):
+        return
+    linears = [key for key, shape in info.shapes.items()
+               if len(shape) == 2 and key.endswith(".weight") and info.dtypes.get(key, "").startswith(FP8_PREFIX)]
+    unscaled = [key for key in linears if key.removesuffix(".weight") + SCALE_WEIGHT_SUFFIX not in info.shapes]
+    if unscaled:
+        raise ValueError(
+            f"{flag} {info.path} has ComfyUI's {SCALED_FP8_MARKER} marker but its fp8 weight {unscaled[0]} has no "
+            f"{unscaled[0].removesuffix('.weight')}{SCALE_WEIGHT_SUFFIX} ({len(unscaled)} of {len(linears)} fp8 "
+            "linear weights lack their scale): the file is incomplete; use the complete scaled-fp8 file")
+
+
 def transformer_shape(info: ModelFileInfo) -> tuple[int, int] | None:
     """(attention heads, FFN width) from the header or the folder's config.json; None when neither tells."""
-    if info.header:
-        shapes = {k: tuple(v["shape"]) for k, v in info.header.items() if k != "__metadata__"}
+    if info.shapes:
         try:
-            config = infer_transformer_config(shapes, info.header.get("__metadata__"))
+            config = infer_transformer_config(info.shapes, info.metadata)
         except ModelFileError as error:
             raise ValueError(f"{info.path}: {error}") from None
         return config["num_attention_heads"], config["ffn_dim"]
