@@ -1,4 +1,5 @@
-"""Model file lists and paths from ComfyUI's model folders (today's names first, the 2024 names as fallback)."""
+"""Model file lists and paths from ComfyUI's model folders: every name a kind has (today's and the 2024 one, e.g.
+``diffusion_models`` and ``unet``) that this ComfyUI knows, so a file in any of their folders is listed and found."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ DIFFUSERS_PREFIX = "diffusers/"
 GGUF_FILES = "wanmesh_gguf"  # our own folder_paths entry: the diffusion-model folders, .gguf files only
 
 
-def _folder_name(kind: str) -> str:
+def _folder_names(kind: str) -> list[str]:
+    """The ComfyUI folder names of ``kind`` that exist here: a 2024 ComfyUI knows ``unet`` and gets
+    ``diffusion_models`` only from an extra model paths file; today's maps ``unet`` onto ``diffusion_models``."""
     import folder_paths
 
-    for name in FOLDER_ALIASES[kind]:
-        if name in folder_paths.folder_names_and_paths:
-            return name
-    raise KeyError(f"ComfyUI has no model folder for {kind!r} (looked for {', '.join(FOLDER_ALIASES[kind])})")
+    names = [name for name in FOLDER_ALIASES[kind] if name in folder_paths.folder_names_and_paths]
+    if not names:
+        raise KeyError(f"ComfyUI has no model folder for {kind!r} (looked for {', '.join(FOLDER_ALIASES[kind])})")
+    return names
 
 
 def _diffusers_folders() -> list[str]:
@@ -37,7 +40,7 @@ def list_models(kind: str) -> list[str]:
     """Files of a model folder plus diffusers folders (shown as 'diffusers/<name>')."""
     import folder_paths
 
-    names = set(folder_paths.get_filename_list(_folder_name(kind)))
+    names = {name for folder in _folder_names(kind) for name in folder_paths.get_filename_list(folder)}
     if kind == "diffusion_models":
         names |= set(_gguf_files())
     return sorted(names) + _diffusers_folders()
@@ -49,8 +52,9 @@ def _gguf_files() -> list[str]:
     shares the same folder list (extra_model_paths included)."""
     import folder_paths
 
-    folders = folder_paths.folder_names_and_paths[_folder_name("diffusion_models")][0]
-    folder_paths.folder_names_and_paths[GGUF_FILES] = (folders, {".gguf"})
+    folders = [folder for name in _folder_names("diffusion_models")
+               for folder in folder_paths.folder_names_and_paths[name][0]]
+    folder_paths.folder_names_and_paths[GGUF_FILES] = (list(dict.fromkeys(folders)), {".gguf"})
     return folder_paths.get_filename_list(GGUF_FILES)
 
 
@@ -64,9 +68,10 @@ def model_path(kind: str, name: str) -> str:
             if os.path.isdir(candidate):
                 return candidate
     else:
-        path = folder_paths.get_full_path(_folder_name(kind), name)
-        if path is not None:
-            return path
+        for folder in _folder_names(kind):
+            path = folder_paths.get_full_path(folder, name)
+            if path is not None:
+                return path
     raise FileNotFoundError(
         f"model {name!r} was not found in ComfyUI's {kind!r} folders; refresh the node to list the files that exist"
     )
