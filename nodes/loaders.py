@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from ..parallel import DTYPE_NAMES, check_model_file
+from ..parallel.config import WEIGHT_MODES
 from .files import list_models, list_vace_modules, model_path
 from .runtime import ResidentModel, default_runner
 
 DTYPE_CHOICES = (list(DTYPE_NAMES), {"tooltip": "compute dtype; auto: bf16 on GPUs, fp32 on the CPU"})
+WEIGHTS_CHOICES = (list(WEIGHT_MODES), {
+    "default": WEIGHT_MODES[0],
+    "tooltip": "keep: quantized weights (fp8, scaled fp8, GGUF) stay quantized on every rank and are dequantized per "
+               "layer for its matmul; dequantize: expanded to the compute dtype at load, faster steps, more memory"})
 POOL_INPUT = {"pool": ("WANMESH_POOL", {"tooltip": "the worker pool to load on; none: the live pool, or one rank"})}
 CATEGORY = "WanMesh/loaders"
 
@@ -21,7 +26,9 @@ class WanMeshModelLoader:
         return {
             "required": {"model_name": (list_models("diffusion_models"), {"tooltip": "Wan T2V or VACE transformer file (.safetensors, .gguf) or diffusers folder"}),
                          "dtype": DTYPE_CHOICES},
-            "optional": {"vace_module": (["none"] + list_vace_modules(), {"tooltip": "VACE module merged onto a T2V model; none: no VACE module"}), **POOL_INPUT},
+            # Optional, after the older inputs: saved workflows and API prompts without ``weights`` load with keep.
+            "optional": {"vace_module": (["none"] + list_vace_modules(), {"tooltip": "VACE module merged onto a T2V model; none: no VACE module"}),
+                         "weights": WEIGHTS_CHOICES, **POOL_INPUT},
         }
 
     RETURN_TYPES = ("WANMESH_MODEL",)
@@ -29,14 +36,14 @@ class WanMeshModelLoader:
     CATEGORY = CATEGORY
     DESCRIPTION = "Loads a Wan 2.1 T2V or VACE transformer (ComfyUI single file, fp8 and GGUF included, or diffusers folder)."
 
-    def load(self, model_name, dtype, vace_module="none", pool=None):
+    def load(self, model_name, dtype, vace_module="none", weights=WEIGHT_MODES[0], pool=None):
         module = None if vace_module in (None, "none") else model_path("diffusion_models", vace_module)
         path = model_path("diffusion_models", model_name)
         check_model_file(path, "model", f"model_name {model_name}:", pool.config if pool is not None else None)
         if module is not None:
             check_model_file(module, "vace_module", f"vace_module {vace_module}:")
         runner = _runner(pool)
-        return (ResidentModel(runner, runner.load_model(path, vace_module=module, dtype=dtype)),)
+        return (ResidentModel(runner, runner.load_model(path, vace_module=module, dtype=dtype, weights=weights)),)
 
 
 class WanMeshVAELoader:

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config import DEFAULT_WORKER_TIMEOUT_S
+from ..config import DEFAULT_WORKER_TIMEOUT_S, WEIGHT_MODES
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
@@ -27,10 +27,15 @@ REAL_STREAM_DEFAULTS = {"width": 832, "height": 480, "frames": 81}
 
 
 def add_model_file_arguments(parser: argparse.ArgumentParser, model_help: str):
-    """--models / --model / --vae / --text-encoder, shared by the commands that generate; returns the group."""
+    """--models / --model / --weights / --vae / --text-encoder, shared by the commands that generate; returns the
+    group."""
     files = parser.add_argument_group("models (default: the tiny built-in models in a cache folder)")
     files.add_argument("--models", type=Path, help="a models tree written by `wanmesh make-tiny`")
     files.add_argument("--model", help=model_help)
+    files.add_argument("--weights", choices=WEIGHT_MODES, default=WEIGHT_MODES[0],
+                       help="keep: quantized weights (fp8, scaled fp8, GGUF) stay quantized on every rank, dequantized "
+                            "per layer for its matmul; dequantize: expanded to the compute dtype at load (faster "
+                            "steps, more memory); default keep")
     files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
     files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
     return files

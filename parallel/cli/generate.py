@@ -119,10 +119,11 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
         steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler, **fields,
         **_expert_fields(args),
     )
-    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype)
+    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype, weights=args.weights)
     low = None
     if files.get("model_low"):
-        low = runner.load_model(files["model_low"], vace_module=files["vace_module"], dtype=args.dtype)
+        low = runner.load_model(files["model_low"], vace_module=files["vace_module"], dtype=args.dtype,
+                                weights=args.weights)
     loras = {model: list(files.get("loras") or [])}  # --lora applies to --model (the high-noise expert)
     reply = runner.sample_reply(replace(request, handle=model, handle_low=low, model_loras=loras), progress=_progress)
     print(f"  {reply.expert_steps}", file=sys.stderr)

@@ -109,7 +109,7 @@ def stream(args, files: dict[str, str | None]) -> None:
     with WorkerPool(config) as pool:
         runner = PoolRunner(pool)
         prompts = encode_prompts(runner, args, files)
-        model = runner.load_model(files["model"], dtype=args.dtype)
+        model = runner.load_model(files["model"], dtype=args.dtype, weights=args.weights)
         vae = runner.load_vae(files["vae"], dtype=args.dtype)
         request = StreamSample(
             handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
