@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["FP8", "Dequantize", "StoredTensor", "dequantize_stored", "hold_stored_", "is_quantized_layer",
-           "keeps_quantized", "logical_weight", "quantized_layers"]
+           "keeps_quantized", "logical_weight", "quantized_layers", "read_weights"]
 
 FP8 = "fp8"  # the qtype of fp8 values (e4m3fn, e5m2), with or without a scale; GGUF tensors use gguf's type enum
 QUANTIZED_PREFIXES = ("blocks.", "vace_blocks.")  # the block linears: nearly all of a Wan transformer's bytes
@@ -102,3 +102,12 @@ def logical_weight(module: nn.Module) -> torch.Tensor:
         dequantize = module.parametrizations.weight[0]
         return torch.empty(dequantize.shape, dtype=dequantize.dtype, device="meta")
     return module.weight
+
+
+@torch.no_grad()
+def read_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by its logical name, as the layers read it (quantized weights dequantized, LoRA
+    branches applied): what ``state_dict()`` would hold had the model been loaded in float."""
+    state = {name: tensor for name, tensor in model.state_dict().items() if ".parametrizations." not in name}
+    state.update({f"{path}.weight": module.weight for path, module in quantized_layers(model).items()})
+    return state
