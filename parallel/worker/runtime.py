@@ -19,8 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as P
-from ..config import ParallelConfig
-from ..distributed.mesh import ParallelContext, single_rank_context
+from ..distributed.mesh import ParallelContext
 
 THREADS_ENV = "WANMESH_WORKER_THREADS"
 
@@ -281,10 +280,3 @@ class WorkerRuntime:
         if handler is None:
             raise P.ProtocolError(f"this worker cannot serve {type(request).__name__}")
         return handler(ctx, request)
-
-
-def in_process_runtime(config: ParallelConfig, device: str = "cpu") -> WorkerRuntime:
-    """A runtime without processes or groups (world 1), for callers that want the dispatch without a pool."""
-    if config.world != 1:
-        raise ValueError(f"an in-process runtime has one rank, config has world={config.world}")
-    return WorkerRuntime(single_rank_context(config, torch.device(device)))
