@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 import time
 import traceback
@@ -79,7 +80,12 @@ def _echo(ctx: RequestContext, args: dict, tensors: list[torch.Tensor]) -> P.Dia
     return P.DiagnosticResult(tensors=tensors, info={"rank": ctx.rank})
 
 
-BUILTIN_DIAGNOSTICS: dict[str, Callable[..., P.DiagnosticResult]] = {"echo": _echo}
+def _modules(ctx: RequestContext, args: dict, tensors: list[torch.Tensor]) -> P.DiagnosticResult:
+    """The names of the modules this worker process has loaded (the process-boundary test reads them)."""
+    return P.DiagnosticResult(info={"rank": ctx.rank, "modules": sorted(sys.modules)})
+
+
+BUILTIN_DIAGNOSTICS: dict[str, Callable[..., P.DiagnosticResult]] = {"echo": _echo, "modules": _modules}
 
 
 def load_diagnostics(path: str | None) -> dict[str, Callable[..., P.DiagnosticResult]]:
