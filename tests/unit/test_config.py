@@ -61,10 +61,12 @@ def test_rank_devices():
 def test_ray_ranks_are_not_counted_against_this_machine():
     """Ray places ranks on the cluster (it checks the cluster's GPUs at start): this machine's GPUs say nothing."""
     from wanmesh.parallel.config import ranks_over_cores_warning
+    from wanmesh.parallel.gpus import machine_gpus
 
-    assert ranks_over_cores_warning(ParallelConfig(world=4, devices="cuda", backend="ray"), cpu_cores=1) is None
-    with pytest.raises(ValueError, match="world=4 ranks need 4 GPUs"):
-        ranks_over_cores_warning(ParallelConfig(world=4, devices="cuda", backend="local"), cpu_cores=1)
+    world = machine_gpus().count + 1  # one more GPU than this machine has
+    assert ranks_over_cores_warning(ParallelConfig(world=world, devices="cuda", backend="ray"), cpu_cores=1) is None
+    with pytest.raises(ValueError, match=f"world={world} ranks need {world} GPUs"):
+        ranks_over_cores_warning(ParallelConfig(world=world, devices="cuda", backend="local"), cpu_cores=1)
 
 
 def test_plain_data_round_trip_and_equality():
