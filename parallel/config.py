@@ -530,7 +530,10 @@ def check_memory_budget(budget_gb: float) -> None:
 
 def ranks_over_cores_warning(config: ParallelConfig, cpu_cores: int) -> str | None:
     """A warning (None when fine) for CPU ranks that outnumber the machine's cores: they would share cores and
-    each rank's collectives wait on the slowest, so a run gets slower, not faster."""
+    each rank's collectives wait on the slowest, so a run gets slower, not faster. Ray places its ranks on the
+    cluster's machines (and checks the cluster's GPUs when it starts), so this machine's devices say nothing."""
+    if config.backend != "local":
+        return None
     cpu_ranks = sum(1 for device in config.rank_devices() if device == "cpu")
     if cpu_ranks > cpu_cores:
         return (f"world={config.world} puts {cpu_ranks} ranks on the CPU but this machine has {cpu_cores} cores; "

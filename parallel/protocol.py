@@ -276,7 +276,8 @@ class Shutdown(Request):
 @dataclass(frozen=True)
 class Diagnostic(Request):
     """Diagnostics, not inference: ``op="echo"`` sends ``tensors`` back (the transport benchmark uses it);
-    further ops exist only when the pool was started with a diagnostics file (fault-injection tests)."""
+    ``op="modules"`` lists the modules the worker has loaded; further ops exist only when the pool was started
+    with a diagnostics file (fault-injection tests)."""
 
     kind: ClassVar[str] = "diagnostic"
     op: str

@@ -1,6 +1,6 @@
 """The flow-matching denoising loop for Wan 2.1 and VACE (schedulers, denoise < 1); runs in the workers.
 
-Latents enter and leave as raw Wan VAE latents (DESIGN §2); the loop works on latents normalised with the
+Latents enter and leave as raw Wan VAE latents (ComfyUI's convention); the loop works on latents normalised with the
 Wan 2.1 latent mean/std (``latents.py``); guidance is ``guidance.py``'s. The schedulers are diffusers' own, configured as Wan's reference code samples.
 The model is any callable with the diffusers Wan transformer signature, so parallel wrappers plug in unchanged.
 """
