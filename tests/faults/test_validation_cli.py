@@ -15,22 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import LAUNCHER, RUN_TIMEOUT_S, run_cli
+from model_kinds import BAD_MODEL_FILES, write_bad_model_files
 
-LAUNCHER = Path(__file__).with_name("cli_launcher.py")
-RUN_TIMEOUT_S = 240
 # 32 fresh interpreters (torch imported in each): seconds each on an idle machine, more on a busy one.
 pytestmark = pytest.mark.timeout(1500)
 QUICK = ["--width", "32", "--height", "32", "--frames", "5", "--steps", "1", "--device", "cpu"]
-
-
-def _run_cli(args: list[str], workdir: Path, env_extra: dict | None = None) -> dict:
-    marker = workdir / f"pool-marker-{time.monotonic_ns()}"
-    env = {**os.environ, "WANMESH_TEST_POOL_MARKER": str(marker), "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True, text=True,
-                            timeout=RUN_TIMEOUT_S, env=env, cwd=workdir)
-    return {"code": result.returncode, "stderr": result.stderr, "stdout": result.stdout,
-            "seconds": time.monotonic() - started, "pool_started": marker.exists()}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +35,8 @@ def files(tiny_models, tmp_path_factory) -> dict[str, Path]:
     a_file = folder / "a_file"
     a_file.write_text("x")
     return {"legacy": legacy, "garbage": garbage, "truncated": truncated, "a_file": a_file,
-            "models": Path(tiny_models["t2v"]).parent.parent, **{k: Path(v) for k, v in tiny_models.items()}}
+            "models": Path(tiny_models["t2v"]).parent.parent, **{k: Path(v) for k, v in tiny_models.items()},
+            **write_bad_model_files(folder, Path(tiny_models["t2v"]))}
 
 
 def _explicit(f, model=None, vae=None, text=None) -> list[str]:
@@ -76,6 +67,10 @@ BAD_INPUTS = [
     ("text-encoder-legacy-pickle", lambda f: _explicit(f, text=f["legacy"]), "is a legacy PyTorch pickle"),
     ("model-garbage", lambda f: _explicit(f, model=f["garbage"]), "not a valid safetensors file"),
     ("vae-truncated", lambda f: _explicit(f, vae=f["truncated"]), "the file is truncated or is not safetensors"),
+    ("model-gguf-truncated", lambda f: _explicit(f, model=f["gguf_truncated"]),
+     BAD_MODEL_FILES["gguf_truncated"][1]),
+    ("model-fp8-scale-missing", lambda f: _explicit(f, model=f["fp8_scaled_missing_scale"]),
+     BAD_MODEL_FILES["fp8_scaled_missing_scale"][1]),
     ("out-under-a-file", lambda f: ["--out", str(f["a_file"] / "x.mp4")], "x.mp4 cannot be written (File exists"),
     ("out-bad-suffix", lambda f: ["--out", "video.txt"], "--out video.txt has the suffix '.txt'; valid: .mp4"),
     ("save-latents-unwritable", lambda f: ["--save-latents", str(f["a_file"] / "l.safetensors")], "--save-latents"),
@@ -105,7 +100,7 @@ def bad_input_results(files, tmp_path_factory) -> dict[str, dict]:
 
     def run(case):
         name, flags, _ = case
-        return name, _run_cli(_case_args(flags(files), files, workdir), workdir)
+        return name, run_cli(_case_args(flags(files), files, workdir), workdir)
 
     with ThreadPoolExecutor(max_workers=2) as threads:
         results = dict(threads.map(run, BAD_INPUTS))
@@ -149,7 +144,7 @@ def test_prompt_tokens_beyond_512_are_counted_with_the_encoders_tokenizer(files)
 
 def test_full_disk_exits_1_leaves_no_video_and_keeps_the_latents(files, tmp_path):
     out, latents = tmp_path / "out" / "clip.mp4", tmp_path / "out" / "latents.safetensors"
-    result = _run_cli(["generate", "--models", str(files["models"]), "--prompt", "a fox", "--out", str(out),
+    result = run_cli(["generate", "--models", str(files["models"]), "--prompt", "a fox", "--out", str(out),
                        "--save-latents", str(latents), *QUICK], tmp_path, {"WANMESH_TEST_FSIZE": "300"})
     lines = result["stderr"].strip().splitlines()
     assert result["code"] == 1, result["stderr"]

@@ -1,0 +1,283 @@
+"""Every model-file kind a user can give WanMesh, written from the tiny T2V transformer into a models tree; runs in
+the test process (once per session, by the ``model_kinds`` fixtures).
+
+Kinds: safetensors in fp32, fp16, bf16, plain fp8 (e4m3fn, e5m2) and ComfyUI's scaled fp8, the same weights under
+ComfyUI's ``model.diffusion_model.`` prefix, the diffusers folder ``wanmesh make-tiny`` writes, and GGUF files of
+every supported tensor type plus one mixed file as llama.cpp's Q4_K_M makes it. Each kind carries the error bar its
+sampled latents must keep against the float file's (``relative_error``), chosen from measured errors with margin.
+A kind whose writer is missing (the gguf package has no K-quant quantisers; ``tiny/gguf_write.py`` packs Q4_K
+itself) is listed with the reason instead of a file, so the tests skip it by name until the quantiser lands.
+
+The files go under ``diffusion_models/kinds/`` (the diffusers kind is the tree's own ``diffusers/wan_tiny_t2v``),
+so a ComfyUI server configured with the tree lists them as ``kinds/<file>``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from wanmesh.parallel.models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
+from wanmesh.parallel.models.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
+from wanmesh.parallel.tiny.gguf_write import gguf_storage_type, quantize, write_wan_gguf
+from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
+
+Q = gguf.GGMLQuantizationType
+KINDS_FOLDER = "diffusion_models/kinds"
+DIFFUSERS_T2V = "diffusers/wan_tiny_t2v"  # written by make-tiny: the T2V pipeline folder
+HEADS = TINY_TRANSFORMER["num_attention_heads"]
+
+# Relative error bars (||latents - float latents|| / ||float latents||) of 2 unipc steps at cfg 5 on the tiny model.
+# Measured: see the module test's printout; each bar is a few times the largest error measured for its kinds.
+EXACT = 1e-5  # the same float32 weights (re-saved, prefixed, diffusers folder, GGUF F32)
+HALF = 0.02  # fp16 / bf16 weights
+FP8 = 0.15  # plain and scaled fp8
+Q8 = 0.02  # Q8_0
+Q5_Q6 = 0.08  # Q6_K, Q5_K, Q5_0, Q5_1
+Q4_AND_LOWER = 0.25  # Q4_K, Q4_0, Q4_1, Q3_K, Q2_K, the mixed Q4_K_M
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """One kind of transformer file: where it lives in the tree, how it is written, its error bar."""
+
+    name: str
+    file: str  # relative to the models tree
+    bar: float
+    quantized: bool  # stored quantized (fp8, GGUF quant blocks): "keep" and "dequantize" hold it differently
+    write: Callable[[Mapping[str, torch.Tensor], Path], None] | None  # None: written by make-tiny already
+    gguf_types: tuple[Q, ...] = ()  # the GGUF types its tensors are quantised to (each needs a quantiser)
+
+
+def _safetensors(dtype: torch.dtype, prefix: str = ""):
+    def write(state, path):
+        save_file({prefix + key: tensor.to(dtype).contiguous() for key, tensor in state.items()}, path,
+                  metadata={"num_heads": str(HEADS)})
+    return write
+
+
+_BLOCK_LINEAR = re.compile(r"(vace_)?blocks\.\d+\..+\.weight")
+
+
+def write_fp8_file(state: Mapping[str, torch.Tensor], path: str | Path, fp8_dtype: torch.dtype, scaled: bool) -> None:
+    """The block linears (2-D weights under ``blocks.N`` / ``vace_blocks.N``) as fp8, the rest as given; scaled:
+    each stored as W / scale with its float32 ``scale_weight`` (absmax over the fp8 maximum) and the empty
+    ``scaled_fp8`` marker, as ComfyUI writes them."""
+    largest = torch.finfo(fp8_dtype).max
+    stored = {}
+    for key, tensor in state.items():
+        if tensor.ndim != 2 or not _BLOCK_LINEAR.fullmatch(key):
+            stored[key] = tensor.contiguous()
+            continue
+        scale = (tensor.abs().max().float() / largest).clamp_min(1e-12) if scaled else torch.tensor(1.0)
+        stored[key] = (tensor.float() / scale).clamp(-largest, largest).to(fp8_dtype)
+        if scaled:
+            stored[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
+    if scaled:
+        stored[SCALED_FP8_MARKER] = torch.empty(0, dtype=fp8_dtype)
+    save_file(stored, str(path), metadata={"num_heads": str(HEADS)})
+
+
+def _fp8(fp8_dtype: torch.dtype, scaled: bool):
+    return lambda state, path: write_fp8_file(state, path, fp8_dtype, scaled)
+
+
+def _gguf(tensor_type: Q):
+    return lambda state, path: write_wan_gguf(state, path, tensor_type, num_heads=HEADS)
+
+
+# -- a mixed GGUF: llama.cpp's Q4_K_M choice per tensor --------------------------------------------------------
+
+_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama.cpp's type for a K-quant whose 256-blocks do not fit a row
+_MORE_BITS_PARTS = (".self_attn.v.", ".ffn.2.")  # Q4_K_M gives attn_v and ffn_down Q6_K in some layers
+
+
+def _uses_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third one between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(key: str, shape: tuple[int, ...], layers: int) -> Q:
+    """The type llama.cpp's Q4_K_M stores tensor ``key`` as: Q6_K for the value projection and FFN output of the
+    layers that get more bits, Q4_K otherwise, each falling back when the row is not whole 256-blocks; small,
+    1-D, modulation and 5-D tensors stay F32 (``gguf_storage_type``'s rule)."""
+    if gguf_storage_type(key, shape, Q.Q8_0) == Q.F32:
+        return Q.F32
+    match = re.match(r"blocks\.(\d+)\.", key)
+    more_bits = match is not None and any(part in key for part in _MORE_BITS_PARTS) and \
+        _uses_more_bits(int(match.group(1)), layers)
+    target = Q.Q6_K if more_bits or key == "head.head.weight" else Q.Q4_K
+    return target if shape[-1] % block_size(target) == 0 else _K_FALLBACK[target]
+
+
+def write_mixed_gguf(state: Mapping[str, torch.Tensor], path: str | Path,
+                     type_of: Callable[[str, tuple[int, ...]], Q], file_type: gguf.LlamaFileType) -> dict[str, Q]:
+    """A GGUF whose tensors each have the type ``type_of(key, shape)`` gives; returns the types used."""
+    writer = gguf.GGUFWriter(str(path), arch=WAN_ARCHITECTURE)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_file_type(file_type)
+    writer.add_uint32(HEAD_COUNT_FIELD.format(arch=WAN_ARCHITECTURE), HEADS)
+    types = {}
+    for key, tensor in state.items():
+        array = tensor.detach().to(torch.float32).numpy()
+        types[key] = type_of(key, array.shape)
+        writer.add_tensor(key, quantize(array, types[key]), raw_dtype=types[key])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+def _q4_k_m(state, path):
+    layers = TINY_TRANSFORMER["num_layers"]
+    write_mixed_gguf(state, path, lambda key, shape: q4_k_m_type(key, shape, layers), gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+
+# -- the kinds -----------------------------------------------------------------------------------------------
+
+def _file(stem: str, suffix: str) -> str:
+    return f"{KINDS_FOLDER}/wan_tiny_t2v_{stem}{suffix}"
+
+
+_GGUF_BARS = {Q.F32: EXACT, Q.F16: HALF, Q.BF16: HALF, Q.Q8_0: Q8, Q.Q6_K: Q5_Q6, Q.Q5_K: Q5_Q6, Q.Q5_0: Q5_Q6,
+              Q.Q5_1: Q5_Q6, Q.Q4_K: Q4_AND_LOWER, Q.Q4_0: Q4_AND_LOWER, Q.Q4_1: Q4_AND_LOWER,
+              Q.Q3_K: Q4_AND_LOWER, Q.Q2_K: Q4_AND_LOWER}
+KINDS: dict[str, ModelKind] = {kind.name: kind for kind in [
+    ModelKind("fp32", _file("fp32", ".safetensors"), EXACT, False, _safetensors(torch.float32)),
+    ModelKind("fp16", _file("fp16", ".safetensors"), HALF, False, _safetensors(torch.float16)),
+    ModelKind("bf16", _file("bf16", ".safetensors"), HALF, False, _safetensors(torch.bfloat16)),
+    ModelKind("fp8_e4m3fn", _file("fp8_e4m3fn", ".safetensors"), FP8, True, _fp8(torch.float8_e4m3fn, False)),
+    ModelKind("fp8_e5m2", _file("fp8_e5m2", ".safetensors"), FP8, True, _fp8(torch.float8_e5m2, False)),
+    ModelKind("fp8_scaled", _file("fp8_scaled", ".safetensors"), FP8, True, _fp8(torch.float8_e4m3fn, True)),
+    ModelKind("prefixed", _file("prefixed", ".safetensors"), EXACT, False,
+              _safetensors(torch.float32, COMFY_TRANSFORMER_PREFIX)),
+    ModelKind("diffusers", DIFFUSERS_T2V, EXACT, False, None),
+    *(ModelKind(f"gguf_{t.name}", _file(t.name, ".gguf"), bar, t not in (Q.F32, Q.F16, Q.BF16), _gguf(t), (t,))
+      for t, bar in _GGUF_BARS.items()),
+    ModelKind("gguf_Q4_K_M", _file("Q4_K_M", ".gguf"), Q4_AND_LOWER, True, _q4_k_m,
+              (Q.Q4_K, Q.Q6_K, *_K_FALLBACK.values())),
+]}
+FLOAT_KIND = "fp32"  # the reference every kind is compared with
+
+
+def relative_error(latents: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((latents.float() - reference.float()).norm() / reference.float().norm())
+
+
+@dataclass(frozen=True)
+class WrittenKinds:
+    """The kinds written into one models tree: each kind's path, or why it could not be written."""
+
+    root: Path
+    missing: dict[str, str]  # kind name -> reason (a quantiser that does not exist yet)
+
+    def path(self, name: str) -> Path:
+        return self.root / KINDS[name].file
+
+    def comfy_name(self, name: str) -> str:
+        """The name ComfyUI's Model Loader lists the kind under."""
+        file = KINDS[name].file
+        return file if file.startswith("diffusers/") else file.removeprefix("diffusion_models/")
+
+
+def write_model_kinds(root: Path, float_file: Path) -> WrittenKinds:
+    """Write every kind of ``float_file`` (an original-layout T2V safetensors) under ``root``."""
+    state = load_file(str(float_file))
+    (root / KINDS_FOLDER).mkdir(parents=True, exist_ok=True)
+    missing = {}
+    for kind in KINDS.values():
+        if kind.write is None:
+            continue
+        unavailable = [t.name for t in kind.gguf_types if not has_quantiser(t)]
+        if unavailable:
+            missing[kind.name] = (f"{kind.name} needs a {', '.join(unavailable)} quantiser, which tiny/gguf_write.py "
+                                  "does not have yet (the gguf package has no K-quant quantisers)")
+            continue
+        kind.write(state, root / kind.file)
+    return WrittenKinds(root, missing)
+
+
+def has_quantiser(tensor_type: Q) -> bool:
+    try:
+        quantize(np.zeros((1, block_size(tensor_type)), dtype=np.float32), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+# -- files that must be refused before any weight is read, and one that looks odd but is fine -------------------
+
+BAD_FOLDER = f"{KINDS_FOLDER}/bad"
+# name -> (file under BAD_FOLDER, what the one-line error must say)
+BAD_MODEL_FILES = {
+    "gguf_llama": ("llama_Q8_0.gguf", "a GGUF of architecture 'llama', not a Wan transformer"),
+    "gguf_flux": ("flux_Q8_0.gguf", "a GGUF of architecture 'flux', not a Wan transformer"),
+    "gguf_truncated": ("wan_tiny_t2v_Q8_0_truncated.gguf", "cannot read as GGUF"),
+    "gguf_unsupported_type": ("wan_tiny_t2v_TQ2_0.gguf", "has GGUF type TQ2_0, which cannot be loaded"),
+    "fp8_scaled_missing_scale": ("wan_tiny_t2v_fp8_scaled_missing_scale.safetensors",
+                                 "has ComfyUI's scaled_fp8 marker but its fp8 weight blocks.0.self_attn.q.weight has "
+                                 "no blocks.0.self_attn.q.scale_weight"),
+}
+SCALES_WITHOUT_MARKER = f"{KINDS_FOLDER}/wan_tiny_t2v_fp8_scales_without_marker.safetensors"  # loads as scaled fp8
+UNSUPPORTED_TYPE_TENSOR = "blocks.0.ffn.2.weight"  # input 256: whole TQ2_0 blocks
+
+
+def _foreign_gguf(arch: str, key: str):
+    def write(state, path):
+        writer = gguf.GGUFWriter(str(path), arch=arch)
+        writer.add_tensor(key, quantize(np.ones((8, 32), dtype=np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return write
+
+
+def _truncated_gguf(state, path):
+    _gguf(Q.Q8_0)(state, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _unsupported_type_gguf(state, path):
+    write_mixed_gguf(state, path, lambda key, shape: Q.TQ2_0 if key == UNSUPPORTED_TYPE_TENSOR
+                     else gguf_storage_type(key, shape, Q.Q8_0), gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def _scaled_fp8_without(drop: Callable[[str], bool]):
+    """A scaled fp8 file with the tensors ``drop`` names left out."""
+    def write(state, path):
+        write_fp8_file(state, path, torch.float8_e4m3fn, scaled=True)
+        stored = load_file(str(path))
+        save_file({key: tensor for key, tensor in stored.items() if not drop(key)}, str(path),
+                  metadata={"num_heads": str(HEADS)})
+    return write
+
+
+_BAD_WRITERS = {
+    "gguf_llama": _foreign_gguf("llama", "token_embd.weight"),
+    "gguf_flux": _foreign_gguf("flux", "double_blocks.0.img_attn.qkv.weight"),
+    "gguf_truncated": _truncated_gguf,
+    "gguf_unsupported_type": _unsupported_type_gguf,
+    "fp8_scaled_missing_scale": _scaled_fp8_without(lambda key: key == "blocks.0.self_attn.q.scale_weight"),
+}
+
+
+def write_bad_model_files(root: Path, float_file: Path) -> dict[str, Path]:
+    """The ``BAD_MODEL_FILES`` under ``root``, plus ``SCALES_WITHOUT_MARKER``; {name: path}."""
+    state = load_file(str(float_file))
+    (root / BAD_FOLDER).mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, (file, _) in BAD_MODEL_FILES.items():
+        written[name] = root / BAD_FOLDER / file
+        _BAD_WRITERS[name](state, written[name])
+    written["scales_without_marker"] = root / SCALES_WITHOUT_MARKER
+    _scaled_fp8_without(lambda key: key == SCALED_FP8_MARKER)(state, written["scales_without_marker"])
+    return written
