@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..parallel import DTYPE_NAMES, check_model_file
-from ..parallel.config import WEIGHT_MODES
+from ..parallel import DTYPE_NAMES, WEIGHT_MODES, check_model_file
 from .files import list_models, list_vace_modules, model_path
 from .runtime import ResidentModel, default_runner
 
