@@ -83,9 +83,10 @@ def save_video(w: WorkflowBuilder, column: int, images: int, name: str) -> int:
 # ---- text to video -----------------------------------------------------------------------------------------
 
 def t2v_graph(w: WorkflowBuilder, name: str, tile: tuple[int, int], also_png: bool,
-              loras: tuple[tuple[str, float], ...] = (), seed: int = 42, **modes: Any) -> None:
+              loras: tuple[tuple[str, float], ...] = (), seed: int = 42, model_file: str = "wan_tiny_t2v.safetensors",
+              **modes: Any) -> None:
     pool_id = pool(w, **modes)
-    positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
+    positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, model_file)
     vae = wanmesh_vae(w, pool_id)
     latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 5,
                                                                "batch_size": 1})
@@ -117,6 +118,13 @@ def t2v_lora(info: dict[str, Any]) -> WorkflowBuilder:
     w = WorkflowBuilder(info)
     loras = (("wan_tiny_lora_comfy.safetensors", 0.8), ("wan_tiny_lora_kohya.safetensors", 0.5))
     t2v_graph(w, "t2v_lora", tile=(0, 64), also_png=False, loras=loras, seed=7, tp=2)
+    return w
+
+
+def t2v_gguf(info: dict[str, Any]) -> WorkflowBuilder:
+    """A GGUF transformer (the tiny Q8_0, kept quantized on each rank) on a tensor-parallel pool."""
+    w = WorkflowBuilder(info)
+    t2v_graph(w, "t2v_gguf", tile=(0, 64), also_png=False, model_file="wan_tiny_t2v_Q8_0.gguf", seed=11, tp=2)
     return w
 
 
@@ -290,6 +298,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("", "t2v", "2024", t2v),
     ("", "t2v_tp2", "2024", t2v_tp2),
     ("", "t2v_lora", "2024", t2v_lora),
+    ("", "t2v_gguf", "2024", t2v_gguf),
     ("", "wan22_two_experts", "2024", wan22_two_experts),
     ("", "stream_t2v", "2024", stream_t2v),
     ("", "vace_r2v", "2024", vace_r2v),
