@@ -26,7 +26,8 @@ from comfyui_server import (ComfyUIServer, RecentComfyUIServer, copy_workflow_in
                             write_model_paths_config)
 from workflow_graph import load_workflow, with_fresh_seed  # noqa: E402
 
-TINY_MODEL_FILES = ("diffusion_models/wan_tiny_t2v.safetensors", "diffusion_models/wan_tiny_vace.safetensors",
+TINY_MODEL_FILES = ("diffusion_models/wan_tiny_t2v.safetensors", "diffusion_models/wan_tiny_t2v_Q8_0.gguf",
+                    "diffusion_models/wan_tiny_vace.safetensors",
                     "vae/wan_tiny_vae.safetensors", "text_encoders/umt5_tiny.safetensors",
                     "loras/wan_tiny_lora_comfy.safetensors", "loras/wan_tiny_lora_kohya.safetensors")
 SERVER_START_TIMEOUT_S = 180.0

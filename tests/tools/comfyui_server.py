@@ -41,7 +41,11 @@ MODEL_FOLDERS = {
     "text_encoders": "text_encoders/",
     "vae": "vae/",
     "loras": "loras/",
+    "diffusers": "diffusers/",
 }
+# A second transformer folder known only by the 2024 name: files there must be listed as well (today's ComfyUI
+# maps "unet" onto its diffusion_models).
+UNET_ONLY_FOLDER = "unet"
 POLL_INTERVAL_S = 0.25
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # Input media of the example workflows (made by its make_inputs.py); LoadImage reads them from the input folder.
@@ -94,9 +98,11 @@ def copy_workflow_inputs(input_dir: Path, source_dir: Path = WORKFLOW_INPUTS_DIR
 
 
 def write_model_paths_config(models_dir: Path, config_path: Path) -> Path:
-    """Write an ``extra_model_paths.yaml``-style file mapping ComfyUI's model folders into ``models_dir``."""
+    """Write an ``extra_model_paths.yaml``-style file mapping ComfyUI's model folders into ``models_dir`` (and its
+    ``unet`` folder as a second transformer folder under that name only)."""
     lines = ["wanmesh_tiny:", f"    base_path: {json.dumps(str(models_dir))}"]
     lines += [f"    {name}: {folder}" for name, folder in MODEL_FOLDERS.items()]
+    lines += ["wanmesh_tiny_unet:", f"    base_path: {json.dumps(str(models_dir / UNET_ONLY_FOLDER))}", "    unet: ./"]
     config_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return config_path
 
