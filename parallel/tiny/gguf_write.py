@@ -7,6 +7,7 @@ quantisation), and a matrix whose input dimension is not a whole number of the t
 to F16. Tensors are written with ``gguf.GGUFWriter`` and quantised with ``gguf.quants.quantize``, except
 Q4_K: the gguf package dequantises K-quants but has no K-quant quantiser (llama.cpp's is C++), so
 `quantize_q4_k` below packs Q4_K blocks by hand; the loader's tests check them against gguf's dequantiser.
+Files are written atomically (``video_io.written_atomically``, as every output of the project is).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from ..models.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
+from ..video_io import written_atomically
 
 __all__ = ["gguf_storage_type", "quantize", "quantize_q4_k", "write_wan_gguf"]
 
@@ -94,7 +96,14 @@ def write_wan_gguf(
     state: Mapping[str, torch.Tensor], path: str | Path, tensor_type: gguf.GGMLQuantizationType,
     num_heads: int | None = None,
 ) -> dict[str, gguf.GGMLQuantizationType]:
-    """Write an original-layout Wan state dict as a GGUF of `tensor_type`; returns each tensor's stored type."""
+    """Write an original-layout Wan state dict as a GGUF of `tensor_type` (atomically: nothing appears under `path`
+    unless all of it was written); returns each tensor's stored type."""
+    with written_atomically(Path(path)) as temporary:
+        return _write_gguf(state, temporary, tensor_type, num_heads)
+
+
+def _write_gguf(state: Mapping[str, torch.Tensor], path: Path, tensor_type: gguf.GGMLQuantizationType,
+                num_heads: int | None) -> dict[str, gguf.GGMLQuantizationType]:
     writer = gguf.GGUFWriter(str(path), arch=WAN_ARCHITECTURE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tensor_type in _FILE_TYPES:
