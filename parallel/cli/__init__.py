@@ -133,6 +133,7 @@ BENCHMARKS = {
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
     "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
     "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
+    "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
 }
 
 
