@@ -1,4 +1,4 @@
-"""The one place that knows ComfyUI's IMAGE, LATENT and CONDITIONING types (DESIGN §2)."""
+"""The one place that knows ComfyUI's IMAGE, LATENT and CONDITIONING types (layouts as in README.md, Nodes)."""
 
 from __future__ import annotations
 

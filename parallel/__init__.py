@@ -1,38 +1,44 @@
 """WanMesh's engine and the small public API the ComfyUI nodes and the command line use. Never imports ComfyUI.
 
-Importing this package is light (torch and the standard library; no diffusers or transformers): ComfyUI
-imports the pack at start-up. Model libraries load in the workers, or when a command needs them.
+The API loads lazily (PEP 562): ``from wanmesh.parallel import PoolRunner`` imports the driver, while a worker,
+which imports this package on its way to ``worker/``, loads none of it. Nothing here imports diffusers or
+transformers: model libraries load in the workers, or when a command needs them.
 
 Processes: ``driver/`` runs in the ComfyUI or CLI process, ``worker/`` in each worker process,
 ``distributed/``, ``models/`` and ``sampling/`` in the workers; ``config``, ``protocol``, ``errors`` and
 ``transport`` are shared by both sides. See ARCHITECTURE.md.
 """
 
-from .config import (
-    BACKENDS,
-    DTYPE_NAMES,
-    SAMPLERS,
-    ParallelConfig,
-    check_video_size,
-    latent_shape,
-    parse_stream_timesteps,
-)
-from .driver.runner import PoolRunner
-from .errors import Cancelled, WorkerError
-from .models.detect import safetensors_kind
-from .config import LORA_STRENGTH_RANGE
-from .models.lora import check_lora_for_model, model_files_of_handle
-from .pool_memory import stop_pool, unload_pool_models
-from .tensor_files import save_tensors_atomic
-from .validation import check_model_file, check_ranks
-from .protocol import EncodeVace, SampleRequest, StreamSample
-from .video_io import H264_ENCODERS, read_video, video_encoder, write_video
+from __future__ import annotations
 
-__all__ = [
-    "BACKENDS", "DTYPE_NAMES", "SAMPLERS", "ParallelConfig", "check_video_size", "latent_shape",
-    "PoolRunner", "Cancelled", "WorkerError", "SampleRequest", "EncodeVace", "safetensors_kind",
-    "H264_ENCODERS", "read_video", "video_encoder", "write_video",
-    "LORA_STRENGTH_RANGE", "check_lora_for_model", "model_files_of_handle",
-    "StreamSample", "parse_stream_timesteps",
-    "stop_pool", "unload_pool_models", "save_tensors_atomic", "check_ranks", "check_model_file",
-]
+import importlib
+
+# public name -> the module (relative to this package) that defines it
+_EXPORTS = {
+    **dict.fromkeys(("BACKENDS", "DTYPE_NAMES", "I2V_EXPERT_BOUNDARY", "LORA_STRENGTH_RANGE", "MAX_SEED", "SAMPLERS",
+                     "T2V_EXPERT_BOUNDARY", "TEXT_TOKENS", "WEIGHT_MODES", "ParallelConfig", "check_video_size",
+                     "latent_shape", "parse_stream_timesteps"), "config"),
+    "PoolRunner": "driver.runner",
+    **dict.fromkeys(("Cancelled", "WorkerError"), "errors"),
+    "safetensors_kind": "models.detect",
+    **dict.fromkeys(("check_lora_for_model", "model_files_of_handle"), "models.lora"),
+    **dict.fromkeys(("stop_pool", "unload_pool_models"), "pool_memory"),
+    "save_tensors_atomic": "tensor_files",
+    **dict.fromkeys(("check_model_file", "check_ranks"), "validation"),
+    **dict.fromkeys(("EncodeVace", "SampleRequest", "StreamSample"), "protocol"),
+    **dict.fromkeys(("H264_ENCODERS", "read_video", "video_encoder", "write_video"), "video_io"),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

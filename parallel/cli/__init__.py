@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config import DEFAULT_WORKER_TIMEOUT_S
+from ..config import DEFAULT_WORKER_TIMEOUT_S, T2V_EXPERT_BOUNDARY
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
@@ -81,8 +81,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     experts = p.add_argument_group("two experts (Wan 2.2 A14B) and step ranges")
-    experts.add_argument("--boundary", type=float, default=0.875,
-                         help="steps with timestep >= boundary x 1000 run --model, the rest --model-low (default 0.875)")
+    experts.add_argument("--boundary", type=float, default=T2V_EXPERT_BOUNDARY,
+                         help="steps with timestep >= boundary x 1000 run --model, the rest --model-low "
+                              f"(default {T2V_EXPERT_BOUNDARY})")
     experts.add_argument("--cfg-low", dest="guidance_scale_low", type=float,
                          help="guidance scale of the low-noise expert's steps (default: --guidance-scale)")
     experts.add_argument("--start-step", type=int, default=0, help="first step to run (default 0)")

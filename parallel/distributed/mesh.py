@@ -103,8 +103,3 @@ def set_collective_timeout(mesh: DeviceMesh, seconds: float) -> None:
     dist.distributed_c10d._set_pg_timeout(timeout)  # torch's only setter for an existing group (private name)
     for dim in MESH_DIMS:
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
-
-
-def single_rank_context(config: ParallelConfig, device: torch.device) -> ParallelContext:
-    """The context of a pool of one rank that never joined a process group."""
-    return ParallelContext(config=config, rank=0, device=device, mesh=None, coords=rank_coordinates(config, 0))

@@ -219,6 +219,12 @@ class LocalWorkers:
                 raise RankDied(rank, _exit_detail(self.procs[rank].returncode))
         return messages
 
+    def check_alive(self) -> None:
+        """Raise RankDied for the first worker process that has ended (the idle liveness check; reads nothing)."""
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise RankDied(rank, _exit_detail(proc.returncode))
+
     def _exit_code(self, rank: int) -> int | None:
         try:
             return self.procs[rank].wait(timeout=2.0)

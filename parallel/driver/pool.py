@@ -6,7 +6,10 @@ into a typed reply (rank 0's), a :class:`WorkerError`, or :class:`Cancelled`. A 
 while the others wait on it, stops its heartbeat for ``config.worker_timeout`` seconds (it is named), or
 sends nothing for ``timeout_s`` seconds stops the whole pool (a broken collective cannot be repaired); the
 next call starts a fresh one and reloads the models the caller had loaded, so handles stay valid across
-restarts. Errors that every rank reports leave the pool running. The driver never blocks on a worker for
+restarts. Errors that every rank reports leave the pool running. Between calls a liveness monitor thread
+checks the local workers every second: a rank that dies while the pool is idle is logged (rank, exit code or
+signal), the pool is stopped, and the next call raises ``WorkerDied`` naming it (the call after starts a fresh
+pool). The driver never blocks on a worker for
 longer than one short poll, so a cancel (or the host's interrupt) is seen within a fraction of a second: at
 a step boundary when the ranks can stop there, else by stopping the pool.
 
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from .. import protocol as P
@@ -33,6 +38,8 @@ POLL_S = 0.05
 CANCEL_GRACE_S = 2.0  # a cancelled request that cannot stop at a step boundary (a load) gets this long, then the pool stops
 STALE_BEATS = 3  # a rank that missed this many heartbeats is the suspect when its peers fail waiting on it
 EXIT_LOCK_S = 1.0  # at interpreter exit, how long to wait for a running call before killing the workers anyway
+IDLE_CHECK_S = 1.0  # how often the liveness monitor looks at idle workers
+log = logging.getLogger("wanmesh.pool")
 COOPERATIVE = (P.SampleRequest, P.Diagnostic)  # requests whose ranks check for a cancel at step boundaries
 
 Progress = Callable[..., None]  # (step, total), or (step, total, preview) when the request asked for previews
@@ -116,7 +123,9 @@ class WorkerPool:
         self._loads: dict[str, P.Request] = {}  # handle -> the load request that made it
         self._resident: set[str] = set()  # handles loaded in the current workers
         self._closed = False
+        self._idle_death: WorkerError | None = None  # a rank the liveness monitor found dead, raised by the next call
         self._start(_interrupt_check)
+        threading.Thread(target=_watch_idle, args=(weakref.ref(self),), name="wanmesh-pool-monitor", daemon=True).start()
 
     # -- life cycle -----------------------------------------------------------------------------------------
 
@@ -197,12 +206,38 @@ class WorkerPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this WorkerPool was closed; get a new one (get_pool starts one)")
+            if self._idle_death is not None:
+                error, self._idle_death = self._idle_death, None
+                raise error
             if self._backend is None:
                 self._start(should_cancel)
             self._reload_if_needed(request, should_cancel)
             reply = self._call_started(request, progress, should_cancel, timeout_s or self.timeout_s)
             self._note_residency(request, reply)
             return reply
+
+    def check_idle(self) -> bool:
+        """The liveness check between calls: when no call runs and a worker has ended, log it, stop the pool and
+        keep the error for the next call. False once the pool is closed (the monitor then ends)."""
+        if self._closed:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return True  # a call is running: it watches the ranks itself
+        try:
+            backend = self._backend
+            if backend is None or not hasattr(backend, "check_alive"):
+                return not self._closed
+            try:
+                backend.check_alive()
+            except RankDied as died:
+                log.warning("WanMesh pool: rank %d died while the pool was idle (%s); the next request reports it "
+                            "and the one after starts a fresh pool", died.rank, died.detail)
+                self._discard_workers()
+                self._idle_death = WorkerError(died.rank, "WorkerDied", f"{died.detail} while the pool was idle; the "
+                                               "pool was stopped and the next request starts a fresh one")
+            return not self._closed
+        finally:
+            self._lock.release()
 
     def _reload_if_needed(self, request: P.Request, should_cancel=None) -> None:
         """After a restart, reload the model a request refers to, as the caller loaded it before."""
@@ -347,6 +382,16 @@ def _where(status: dict[str, Any] | None, request: P.Request) -> str:
     if status.get("step") is not None and status.get("total") is not None:
         return f"{phase} step {status['step']}/{status['total']}"
     return f"{phase} (no step reported yet)" if isinstance(request, COOPERATIVE) else phase
+
+
+def _watch_idle(pool_ref: "weakref.ref[WorkerPool]") -> None:
+    """The liveness monitor's loop; it holds the pool only weakly, so an abandoned pool can still be collected."""
+    while True:
+        time.sleep(IDLE_CHECK_S)
+        pool = pool_ref()
+        if pool is None or not pool.check_idle():
+            return
+        del pool
 
 
 # -- the host's interrupt ---------------------------------------------------------------------------------

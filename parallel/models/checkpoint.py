@@ -2,15 +2,17 @@
 
 A checkpoint is opened once and described by its keys, shapes and metadata without reading any tensor.
 Loaders turn it into a `WeightSource`: a map from the model's own parameter names to tensors in one or
-more files. Tensors are read one by one (optionally only a slice, for tensor-parallel ranks) and
-dequantised on the way: plain fp8 is upcast, ComfyUI "scaled fp8" weights are multiplied by their
-per-layer `scale_weight`.
+more files. Tensors are read one by one (optionally only a slice, for tensor-parallel ranks), either dequantised
+on the way (plain fp8 is upcast, ComfyUI "scaled fp8" weights are multiplied by their per-layer `scale_weight`)
+or, with `read_stored`, as the file stores them (`quantized.StoredTensor`), for layers that stay quantized.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from .quantized import FP8, StoredTensor, dequantize_stored, hold_stored_, keeps_quantized
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -31,6 +35,7 @@ _FP8_DTYPES = tuple(
     if hasattr(torch, name)
 )
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+log = logging.getLogger("wanmesh.models")
 
 TensorSlice = tuple[slice | int, ...] | slice | None
 
@@ -113,6 +118,18 @@ class CheckpointFile:
             return self._tensors[key].dtype
         return _SAFETENSORS_DTYPES[self._handle.get_slice(key).get_dtype()]
 
+    def is_quantized(self, key: str) -> bool:
+        return self.stored_dtype(key) in _FP8_DTYPES
+
+    def read_stored(self, key: str, index: TensorSlice = None) -> StoredTensor | None:
+        """An fp8 weight (or slice) as stored, with its scale; None for a float tensor."""
+        if not self.is_quantized(key):
+            return None
+        data = self.raw(key, index)
+        scale_key = _scale_key_for(key)
+        scale = self.raw(scale_key).to(torch.float32) if scale_key is not None and self.has(scale_key) else None
+        return StoredTensor(data, FP8, tuple(data.shape), scale)
+
     def raw(self, key: str, index: TensorSlice = None) -> torch.Tensor:
         """The stored tensor (or a slice of it) without any dtype conversion."""
         if self._tensors is not None:
@@ -171,17 +188,13 @@ def is_quantisation_key(key: str) -> bool:
 def read_tensor(
     handle: CheckpointFile, original_key: str, dtype: torch.dtype, index: TensorSlice = None
 ) -> torch.Tensor:
-    """Read one tensor (or a slice of it) as `dtype`, dequantising fp8 and applying a scaled-fp8 factor."""
+    """Read one tensor (or a slice of it) as `dtype`, dequantising fp8 (times its scaled-fp8 factor) and GGUF."""
     if hasattr(handle, "read_dequantised"):  # a GGUF file dequantises its own blocks (models/gguf_file.py)
         return handle.read_dequantised(original_key, dtype, index)
-    tensor = handle.raw(original_key, index)
-    if tensor.dtype in _FP8_DTYPES:
-        tensor = tensor.to(torch.float32)
-        scale_key = _scale_key_for(original_key)
-        if scale_key is not None and handle.has(scale_key):
-            # ComfyUI stores one scalar per layer; real weight = fp8 weight * scale_weight.
-            tensor = tensor * handle.raw(scale_key).to(torch.float32)
-    return tensor.to(dtype)
+    stored = handle.read_stored(original_key, index)
+    if stored is not None:
+        return dequantize_stored(stored.data, stored.qtype, stored.shape, dtype, stored.scale)
+    return handle.raw(original_key, index).to(dtype)
 
 
 def _scale_key_for(weight_key: str) -> str | None:
@@ -237,6 +250,15 @@ class WeightSource:
     def read(self, name: str, dtype: torch.dtype, index: TensorSlice = None) -> torch.Tensor:
         ref = self.refs[name]
         return read_tensor(ref.file, ref.key, dtype, index)
+
+    def read_stored(self, name: str, index: TensorSlice = None) -> StoredTensor | None:
+        """The tensor as its file stores it when that is quantized (fp8, GGUF blocks), else None."""
+        ref = self.refs[name]
+        return ref.file.read_stored(ref.key, index)
+
+    def is_quantized(self, name: str) -> bool:
+        ref = self.refs[name]
+        return ref.file.is_quantized(ref.key)
 
     def merged_with(self, other: WeightSource) -> WeightSource:
         return WeightSource({**self.refs, **other.refs}, f"{self.description} + {other.description}")
@@ -319,6 +341,34 @@ def _keeps_float32(name: str, keep_modules: Iterable[str]) -> bool:
     return bool(set(name.split(".")) & set(keep_modules))
 
 
+def _hold_quantized_(model: torch.nn.Module, source: WeightSource, names: set[str], dtype: torch.dtype,
+                     device: str | torch.device) -> set[str]:
+    """Give each block linear stored quantized its stored data (this rank's slice); the names held. A tensor whose
+    slice cannot stay quantized (it would cut GGUF quant blocks) is left to the float path and logged."""
+    held, cut = set(), []
+    for name in sorted(names):
+        module = model.get_submodule(name.rpartition(".")[0])
+        if not (keeps_quantized(name) and _is_linear(module) and source.is_quantized(name)):
+            continue
+        stored = source.read_stored(name)
+        if stored is None:
+            cut.append(name)
+            continue
+        hold_stored_(module, stored, dtype, device)
+        held.add(name)
+    if cut:
+        cost = sum(math.prod(source.shape(name)) for name in cut) * torch.tensor([], dtype=dtype).element_size()
+        log.warning("%s: %d tensors (%.1f MiB) dequantized at load on this rank: its tensor-parallel slices of them "
+                    "would cut their quant blocks (e.g. %s)", source.description, len(cut), cost / 2**20, cut[0])
+    return held
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    from ..distributed.tensor_parallel import RowParallelLinear
+
+    return isinstance(module, (torch.nn.Linear, RowParallelLinear))
+
+
 def load_weights_into(
     model: torch.nn.Module,
     source: WeightSource,
@@ -326,11 +376,13 @@ def load_weights_into(
     dtype: torch.dtype,
     device: str | torch.device,
     aliases: Mapping[str, str] | None = None,
+    keep_quantized: bool = False,
 ) -> torch.nn.Module:
     """Fill an empty model from `source`, checking the names match exactly; returns it in eval mode.
 
     `aliases` maps a model name to another model name sharing the same tensor (tied embeddings).
     Modules the model class lists in `_keep_in_fp32_modules` stay float32, as its own loader would do.
+    With `keep_quantized`, block linears stored quantized keep their stored data (`quantized.hold_stored_`).
     """
     aliases = dict(aliases or {})
     expected = set(model.state_dict()) - set(aliases)
@@ -347,15 +399,20 @@ def load_weights_into(
             f"config ({'; '.join(details)})."
         )
     keep_modules = getattr(model, "_keep_in_fp32_modules", None) or ()
+    held = _hold_quantized_(model, source, expected, dtype, device) if keep_quantized else set()
     state = {}
-    for name in sorted(expected):
+    for name in sorted(expected - held):
         target = torch.float32 if dtype != torch.float32 and _keeps_float32(name, keep_modules) else dtype
         # A private copy: tensors read from a mapped file may sit at unaligned offsets, which makes CPU
         # kernels take different (differently rounding) paths depending on the file's layout.
         state[name] = source.read(name, target).to(device, copy=True)
     for alias, original in aliases.items():
         state[alias] = state[original]
-    model.load_state_dict(state, strict=True, assign=True)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    held_keys = {f"{name.rpartition('.')[0]}.parametrizations.weight.original" for name in held}
+    if result.unexpected_keys or set(result.missing_keys) != held_keys:
+        raise ModelFileError(f"{source.description}: loading left {first_names(set(result.missing_keys) - held_keys)} "
+                             f"unset and {first_names(result.unexpected_keys)} unused")
     model.to(device)
     model.eval().requires_grad_(False)
     return model

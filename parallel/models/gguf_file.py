@@ -5,10 +5,10 @@ A `GGUFFile` answers like `checkpoint.CheckpointFile` (keys, logical shapes, met
 "name map + per-tensor reader" design reads GGUF files unchanged. The file is memory-mapped by
 ``gguf.GGUFReader``; a read touches only the rows it asks for. Quant blocks run along the innermost
 (input) dimension, so any slice of the outer dimensions (a column-parallel layer's output rows) is cheap,
-while a slice of the input dimension (a row-parallel layer) must start and end on quant-block boundaries.
-Dequantisation uses the gguf package's own dequantisers, to float32, then casts to the compute dtype.
-Weights are not kept quantised in memory: that would need quantised matmul kernels (per-type, per-device)
-and a sharded linear that dequantises on the fly; loading dense weights keeps every parallel plan as is.
+while a slice of the input dimension (a row-parallel layer) stays quantized only when it starts and ends on
+quant-block boundaries; a slice that cuts blocks is read as whole rows, dequantized, then cut.
+`read_stored` gives a quantized tensor's blocks as stored (`quantized.StoredTensor`), for layers that keep them;
+`read_dequantised` decodes with the same torch dequantizer (`dequant.py`) to the compute dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, TensorSlice
+from .quantized import StoredTensor, dequantize_stored
 
 __all__ = ["GGUF_SUFFIX", "GGUFFile", "SUPPORTED_TYPES", "WAN_ARCHITECTURE", "block_size", "is_gguf_path"]
 
@@ -34,6 +35,7 @@ SUPPORTED_TYPES = frozenset({
     _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q5_0, _Q.Q5_1, _Q.Q4_0, _Q.Q4_1,
     _Q.Q6_K, _Q.Q5_K, _Q.Q4_K, _Q.Q3_K, _Q.Q2_K,
 })
+FLOAT_TYPES = frozenset({_Q.F32, _Q.F16, _Q.BF16})
 
 
 def is_gguf_path(path: str | Path) -> bool:
@@ -136,45 +138,67 @@ class GGUFFile:
                 f"{self.path}: the model predicts {channels}-channel latents; only Wan 2.1 / 2.2 A14B transformers "
                 f"({WAN_LATENT_CHANNELS}-channel latents) are supported, not the 48-channel Wan 2.2 TI2V 5B")
 
-    def check_input_split(self, key: str, parts: int) -> None:
-        """Fail when cutting the input (last) dimension of `key` into `parts` equal slices misses block boundaries."""
-        shape, tensor_type = self.shape(key), self.tensor_type(key)
-        block = block_size(tensor_type)
-        if shape[-1] % parts or (shape[-1] // parts) % block:
-            raise ModelFileError(
-                f"{self.path}: tensor {key} of shape {shape} and type {tensor_type.name} cannot be split along its "
-                f"input dimension ({shape[-1]}) into {parts} parts on its {block}-element quant blocks (tp={parts}); "
-                f"use a tp degree that cuts it on block boundaries or a file with another quant type")
+    def splits_on_blocks(self, key: str, parts: int) -> bool:
+        """Whether cutting the input (last) dimension of `key` into `parts` equal slices keeps whole quant blocks."""
+        width = self.shape(key)[-1]
+        return width % parts == 0 and (width // parts) % block_size(self.tensor_type(key)) == 0
+
+    def is_quantized(self, key: str) -> bool:
+        return self.tensor_type(key) not in FLOAT_TYPES
 
     # -- reading --------------------------------------------------------------------------------------
 
+    def read_stored(self, key: str, index: TensorSlice = None) -> StoredTensor | None:
+        """The quant blocks of `key` (or of `index` of it) as stored; None for float tensors, tensors stored
+        reshaped, and input slices that cut quant blocks."""
+        if not self.is_quantized(key) or self._stored_reshaped(key):
+            return None
+        index = _full_index(index, len(self.shape(key)))
+        if not self._on_blocks(key, index[-1]):
+            return None
+        return StoredTensor(self._stored_rows(key, index), self.tensor_type(key), _sliced_shape(self.shape(key), index))
+
     def read_dequantised(self, key: str, dtype: torch.dtype, index: TensorSlice = None) -> torch.Tensor:
-        """Tensor `key` (or `index` of it, dequantising only that part) as `dtype`."""
-        shape = self.shape(key)
+        """Tensor `key` (or `index` of it, decoding only its rows) as `dtype`."""
+        shape, tensor_type = self.shape(key), self.tensor_type(key)
         index = _full_index(index, len(shape))
-        tensor = self._tensors[key]
-        if tuple(int(d) for d in reversed(tensor.shape)) != shape:
-            # Stored reshaped (ComfyUI-GGUF's shape fix): blocks no longer follow the rows, so read it whole.
-            whole = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
-            return torch.from_numpy(np.ascontiguousarray(whole[index])).to(dtype)
-        stored = np.asarray(tensor.data)
-        # Outer dims index the stored rows directly; the last dim holds blocks as bytes, or typed floats (F32/F16).
+        if self._stored_reshaped(key):
+            # Stored reshaped (ComfyUI-GGUF's shape fix): blocks no longer follow the rows, so decode it whole.
+            whole = torch.from_numpy(np.array(self._tensors[key].data, copy=True))
+            return dequantize_stored(whole, tensor_type, shape, torch.float32)[index].to(dtype).contiguous()
+        if self._on_blocks(key, index[-1]):
+            return dequantize_stored(self._stored_rows(key, index), tensor_type, _sliced_shape(shape, index), dtype)
+        rows = index[:-1] + (slice(None),)  # the slice cuts quant blocks: decode whole rows, then cut
+        values = dequantize_stored(self._stored_rows(key, rows), tensor_type, _sliced_shape(shape, rows), torch.float32)
+        return values[..., index[-1]].to(dtype).contiguous()
+
+    def _stored_reshaped(self, key: str) -> bool:
+        return tuple(int(d) for d in reversed(self._tensors[key].shape)) != self.shape(key)
+
+    def _on_blocks(self, key: str, columns: slice) -> bool:
+        width = self.shape(key)[-1]
+        start, stop, step = columns.indices(width)
+        block = block_size(self.tensor_type(key))
+        return step == 1 and start % block == 0 and (stop % block == 0 or stop == width)
+
+    def _stored_rows(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """A private copy of the stored rows `index[:-1]`, columns `index[-1]` (on quant-block boundaries): bytes,
+        or typed values for F32/F16. Outer dims index the stored rows directly; only those pages are read."""
+        stored = np.asarray(self._tensors[key].data)
         columns = self._stored_columns(key, index[-1], in_bytes=stored.dtype == np.uint8)
-        raw = stored[index[:-1]][..., columns]
-        values = gguf.quants.dequantize(np.ascontiguousarray(raw), tensor.tensor_type)
-        return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).to(dtype)
+        return torch.from_numpy(np.array(stored[index[:-1]][..., columns], copy=True))
 
     def _stored_columns(self, key: str, columns: slice, in_bytes: bool) -> slice:
-        """The stored columns of each row holding input elements `columns` (which must sit on block boundaries)."""
+        """The stored columns of each row holding input elements `columns` (which sit on block boundaries)."""
         tensor_type, width = self.tensor_type(key), self.shape(key)[-1]
-        start, stop, step = columns.indices(width)
+        start, stop, _ = columns.indices(width)
         block, bytes_per_block = gguf.GGML_QUANT_SIZES[tensor_type]
-        if step != 1 or start % block or (stop % block and stop != width):
-            raise ModelFileError(
-                f"{self.path}: tensor {key} of shape {self.shape(key)} and type {tensor_type.name}: the input slice "
-                f"[{start}:{stop}] does not start and end on its {block}-element quant blocks")
         unit = bytes_per_block if in_bytes else block
         return slice(start // block * unit, math.ceil(stop / block) * unit)
+
+
+def _sliced_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(len(range(*entry.indices(size))) for entry, size in zip(index, shape))
 
 
 def _full_index(index: TensorSlice, ndim: int) -> tuple[slice, ...]:

@@ -3,8 +3,10 @@ runs in the workers.
 
 The model is built on the meta device, the tensor-parallel plan swaps in the sharded modules (still meta,
 with local shapes), and every parameter is then read from the checkpoint: sharded ones through
-``WeightSource.read(..., index)``, which reads just the rank's block from safetensors (``get_slice``) or a
-memory-mapped pickle and dequantises fp8 / scaled fp8 per slice. No rank holds the full weights, on the host
+``WeightSource.read(..., index)`` / ``read_stored(..., index)``, which read just the rank's block from safetensors
+(``get_slice``), a memory-mapped pickle or GGUF. Quantized block linears stay quantized (``weights="keep"``):
+column-parallel ones take whole rows of the stored data, row-parallel ones block-aligned column ranges; a GGUF
+tensor whose slice would cut its quant blocks is dequantized on that rank at load (logged once per model). No rank holds the full weights, on the host
 or on the device: the weight memory of a rank is 1/tp of the sharded parameters plus the replicated ones.
 Every accepted format (single files in the original layout, diffusers folders, VACE modules merged onto a
 T2V base, fp8 and scaled fp8) goes through the same ``transformer_weight_source``.
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import TensorSlice, WeightSource, build_empty, load_weights_into
+from .quantized import StoredTensor
 from .wan import transformer_weight_source
 from ..distributed.tensor_parallel import (
     TensorParallelPlan,
@@ -40,14 +43,6 @@ class ShardedWeightSource(WeightSource):
         super().__init__(source.refs, f"{source.description} (tensor-parallel shard {rank} of {tp})")
         self.shard_dims = dict(shard_dims)
         self.rank, self.tp = rank, tp
-        self._check_input_splits()
-
-    def _check_input_splits(self) -> None:
-        """Quantised files (GGUF) split a tensor's input (last) dimension only on quant-block boundaries."""
-        for name, dim in self.shard_dims.items():
-            ref = self.refs.get(name)
-            if ref is not None and hasattr(ref.file, "check_input_split") and dim == len(ref.file.shape(ref.key)) - 1:
-                ref.file.check_input_split(ref.key, self.tp)
 
     def local_index(self, name: str) -> TensorSlice:
         dim = self.shard_dims.get(name)
@@ -62,6 +57,11 @@ class ShardedWeightSource(WeightSource):
         if index is not None:
             raise ValueError("a sharded weight source chooses the slice itself; read without an index")
         return super().read(name, dtype, self.local_index(name))
+
+    def read_stored(self, name: str, index: TensorSlice = None) -> StoredTensor | None:
+        if index is not None:
+            raise ValueError("a sharded weight source chooses the slice itself; read without an index")
+        return super().read_stored(name, self.local_index(name))
 
 
 def load_transformer_shard(
@@ -90,7 +90,7 @@ def load_transformer_shard(
             plan = tensor_parallel_plan(model)
             shard_modules_(model, plan, tp_rank, tp_size, tp_group)
             source = ShardedWeightSource(source, plan.shard_dims(), tp_rank, tp_size)
-        return load_weights_into(model, source, dtype=dtype, device=device)
+        return load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
 
 
 def load_transformer_tp(

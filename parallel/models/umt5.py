@@ -25,12 +25,13 @@ from .checkpoint import (
     resolve_model_location,
 )
 from .detect import describe_kind, detect_kind, infer_umt5_config
+from ..config import TEXT_TOKENS
 
 SPIECE_KEY = "spiece_model"
 SPIECE_FILENAME = "spiece.model"
 PAD_ID = 0
 EOS_ID = 1
-MAX_LENGTH = 512
+MAX_LENGTH = TEXT_TOKENS
 _SHARED = "shared.weight"
 _EMBED_TOKENS = "encoder.embed_tokens.weight"
 

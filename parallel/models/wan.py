@@ -164,7 +164,7 @@ def load_transformer(
     with contextlib.ExitStack() as stack:
         model_class, config, source = transformer_weight_source(path, vace_module, stack)
         model = build_empty(lambda: model_class.from_config(config))
-        return load_weights_into(model, source, dtype=dtype, device=device)
+        return load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
 
 
 def _strip_first_matching_prefix(keys: list[str], prefixes: tuple[str, ...]) -> dict[str, str]:

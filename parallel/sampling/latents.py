@@ -1,6 +1,6 @@
 """Wan latent space: the raw <-> normalised conversion and the seeded starting noise; runs in the workers.
 
-Latents enter and leave the pack as raw Wan VAE latents (DESIGN §2); the denoising loop and the VACE context
+Latents enter and leave the pack as raw Wan VAE latents, as ComfyUI's native Wan nodes hold them; the denoising loop and the VACE context
 work on latents normalised with the Wan 2.1 latent mean/std, taken from diffusers' AutoencoderKLWan defaults.
 """
 

@@ -1,7 +1,7 @@
 """Causal streaming sampling: chunk by chunk with a KV cache, as the released causal checkpoints sample; runs in
 the workers.
 
-The scheme (ComfyUI's native autoregressive sampler and the Self-Forcing reference, DESIGN §6):
+The scheme (ComfyUI's native autoregressive sampler and the Self-Forcing reference):
 
 * sigmas: ``stream_sigmas`` - the shift-warped "simple" schedule, 4 steps at shift 5 give
   [1, 0.9375, 0.8333, 0.625, 0]; the model's timestep is ``1000 * sigma``;

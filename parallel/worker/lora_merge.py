@@ -7,11 +7,13 @@ layer (columns split) the whole up matrix times the slice of the down matrix; fu
 ``diff_b``) are read as slices. Which parameter is split along which dimension comes from the model's
 tensor-parallel plan (``model.tp_plan``), the one its sharded loader used.
 
-Nothing of the base weights is kept: changing or removing LoRAs reads the touched parameters back from the model
-file (memory-mapped reads of this rank's slices through the same weight source, and the same fp8 / scaled-fp8
-dequantisation, as loading), so resident memory stays flat across LoRA switches. Base weights are held in the
-compute dtype (fp8 files are dequantised at load), so a merge onto an fp8 model adds in float32 to the
-dequantised weight and casts to the compute dtype; there is no fp8 copy in memory to requantise.
+Float weights: nothing of the base weights is kept; changing or removing LoRAs reads the touched parameters back
+from the model file (memory-mapped reads of this rank's slices through the same weight source, and the same
+dequantisation, as loading), so resident memory stays flat across LoRA switches. Quantized layers (fp8, scaled fp8,
+GGUF kept as stored, ``models/quantized.py``) are never written: each LoRA is a parametrization after the
+dequantization holding this rank's low-rank factors (``LoraBranch``), which adds the same float32 delta a merge
+adds, so a quantized model with a LoRA gives the weights of its dequantized twin with the LoRA merged. Removing
+LoRAs drops those branches: the layer is bit for bit what it was before.
 
 Which LoRAs are applied is kept on the model object, so an unloaded and reloaded model starts clean.
 """
@@ -25,9 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..distributed.tensor_parallel import shard_index
 from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, first_names, open_files, rename_map
+from ..models.quantized import logical_weight, quantized_layers
 from ..config import check_lora_strength
 from ..models.lora import DIFFUSERS, KOHYA, LoraHeader, LoraLayer, read_lora_header
 
@@ -155,7 +159,7 @@ def plan_lora(model: nn.Module, path: str, strength: float, original_names: list
               stack: contextlib.ExitStack) -> LoraPatch:
     """A LoRA file matched and shape-checked against ``model``; ValueError when nothing matches or a shape differs."""
     header = read_lora_header(path)
-    parameters = dict(model.named_parameters())
+    parameters = logical_parameters(model)
     modules = {name.rpartition(".")[0] for name in parameters}
     matched, unmatched = match_layers(header, modules, original_names)
     if not matched:
@@ -174,19 +178,57 @@ def _read(file: CheckpointFile, key: str, index=None) -> torch.Tensor:
     return file.raw(key, index).to(torch.float32)
 
 
-def _weight_delta(patch: LoraPatch, layer: LoraLayer, local: torch.Size, dim: int | None, rank: int, tp: int):
-    """This rank's slice of the layer's weight delta (float32, unscaled by strength)."""
+@dataclass(frozen=True)
+class WeightFactors:
+    """This rank's part of a layer's weight delta (float32, unscaled by strength): up x down x factor, or a
+    full ``diff`` (then ``down`` is None)."""
+
+    up: torch.Tensor
+    down: torch.Tensor | None
+    factor: float = 1.0
+
+    def delta(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        if self.down is None:
+            return self.up.reshape(shape)
+        return (self.up @ self.down).reshape(shape) * self.factor
+
+    def to(self, device: torch.device) -> WeightFactors:
+        down = None if self.down is None else self.down.to(device)
+        return WeightFactors(self.up.to(device), down, self.factor)
+
+
+def _weight_factors(patch: LoraPatch, layer: LoraLayer, dim: int | None, rank: int, tp: int) -> WeightFactors:
+    """This rank's slices of the layer's factors (or of its full diff)."""
     if "diff" in layer.keys:
         diff_shape = layer.shapes["diff"]
         index = None if dim is None else shard_index(diff_shape, dim, rank, tp)
-        return _read(patch.file, layer.keys["diff"], index).reshape(local)
+        return WeightFactors(_read(patch.file, layer.keys["diff"], index), None)
     alpha = _read(patch.file, layer.keys["alpha"]).item() if "alpha" in layer.keys else layer.rank
     up_index = shard_index(layer.shapes["up"], 0, rank, tp) if dim == 0 else None
     down_index = shard_index(layer.shapes["down"], 1, rank, tp) if dim == 1 else None
     up = _read(patch.file, layer.keys["up"], up_index)
     down = _read(patch.file, layer.keys["down"], down_index)
-    product = up.reshape(up.shape[0], layer.rank) @ down.reshape(layer.rank, -1)
-    return product.reshape(local) * (alpha / layer.rank)
+    return WeightFactors(up.reshape(up.shape[0], layer.rank), down.reshape(layer.rank, -1), alpha / layer.rank)
+
+
+class LoraBranch(nn.Module):
+    """A parametrization after a quantized layer's dequantization: weight + strength x delta, added in float32
+    and cast back, the same arithmetic as ``merge_patch`` on a float weight."""
+
+    def __init__(self, factors: WeightFactors, strength: float, shape: tuple[int, ...]):
+        super().__init__()
+        self.factors, self.strength, self.shape = factors, strength, tuple(shape)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return (weight.to(torch.float32) + self.strength * self.factors.delta(self.shape)).to(weight.dtype)
+
+
+def logical_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by the names and shapes its layers read them: a quantized layer's weight appears as
+    ``<module>.weight`` (a meta stand-in of its dequantized shape), not as its stored tensor."""
+    parameters = {name: p for name, p in model.named_parameters() if ".parametrizations." not in name}
+    parameters.update({f"{path}.weight": logical_weight(module) for path, module in quantized_layers(model).items()})
+    return parameters
 
 
 def _bias_delta(patch: LoraPatch, layer: LoraLayer, dim: int | None, rank: int, tp: int) -> torch.Tensor:
@@ -205,7 +247,8 @@ def merge_patch(model: nn.Module, patch: LoraPatch) -> set[str]:
     """Add ``strength x`` each layer's delta (this rank's slice, float32, then cast) to the weights; the names changed."""
     if patch.strength == 0:
         return set()  # strength 0 leaves the weights exactly as they are
-    parameters = dict(model.named_parameters())
+    parameters = logical_parameters(model)
+    quantized = quantized_layers(model)
     changed = set()
     for module, layer in patch.layers.items():
         for name, kind in _layer_deltas(layer, module):
@@ -213,19 +256,32 @@ def merge_patch(model: nn.Module, patch: LoraPatch) -> set[str]:
                 continue
             parameter = parameters[name]
             dim, rank, tp = _shard_of(model, name)
-            delta = _weight_delta(patch, layer, parameter.shape, dim, rank, tp) if kind == "weight" \
-                else _bias_delta(patch, layer, dim, rank, tp)
-            merged = parameter.detach().to(torch.float32) + patch.strength * delta.to(parameter.device)
-            parameter.data.copy_(merged.to(parameter.dtype))
+            if kind == "weight" and module in quantized:
+                factors = _weight_factors(patch, layer, dim, rank, tp).to(quantized[module].weight.device)
+                parametrize.register_parametrization(quantized[module], "weight",
+                                                     LoraBranch(factors, patch.strength, parameter.shape))
+            else:
+                delta = _weight_factors(patch, layer, dim, rank, tp).delta(parameter.shape) if kind == "weight" \
+                    else _bias_delta(patch, layer, dim, rank, tp)
+                merged = parameter.detach().to(torch.float32) + patch.strength * delta.to(parameter.device)
+                parameter.data.copy_(merged.to(parameter.dtype))
             changed.add(name)
     return changed
 
 
 @torch.no_grad()
 def restore_base(model: nn.Module, names: set[str], source) -> None:
-    """Read the named parameters back from the model file (this rank's slices), as loading did."""
+    """Read the named float parameters back from the model file (this rank's slices), as loading did; drop the
+    LoRA branches of quantized layers (their stored weights were never written)."""
     parameters = dict(model.named_parameters())
+    quantized = quantized_layers(model)
     for name in sorted(names):
+        module_path, _, kind = name.rpartition(".")
+        if kind == "weight" and module_path in quantized:
+            branches = quantized[module_path].parametrizations.weight
+            while len(branches) > 1:  # the first is the dequantization; every later one is a LoRA
+                del branches[-1]
+            continue
         parameter = parameters[name]
         parameter.data.copy_(source.read(name, parameter.dtype).to(parameter.device))
 

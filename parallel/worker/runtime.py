@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 import time
 import traceback
@@ -19,8 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as P
-from ..config import ParallelConfig
-from ..distributed.mesh import ParallelContext, single_rank_context
+from ..distributed.mesh import ParallelContext
 
 THREADS_ENV = "WANMESH_WORKER_THREADS"
 
@@ -80,7 +80,12 @@ def _echo(ctx: RequestContext, args: dict, tensors: list[torch.Tensor]) -> P.Dia
     return P.DiagnosticResult(tensors=tensors, info={"rank": ctx.rank})
 
 
-BUILTIN_DIAGNOSTICS: dict[str, Callable[..., P.DiagnosticResult]] = {"echo": _echo}
+def _modules(ctx: RequestContext, args: dict, tensors: list[torch.Tensor]) -> P.DiagnosticResult:
+    """The names of the modules this worker process has loaded (the process-boundary test reads them)."""
+    return P.DiagnosticResult(info={"rank": ctx.rank, "modules": sorted(sys.modules)})
+
+
+BUILTIN_DIAGNOSTICS: dict[str, Callable[..., P.DiagnosticResult]] = {"echo": _echo, "modules": _modules}
 
 
 def load_diagnostics(path: str | None) -> dict[str, Callable[..., P.DiagnosticResult]]:
@@ -281,10 +286,3 @@ class WorkerRuntime:
         if handler is None:
             raise P.ProtocolError(f"this worker cannot serve {type(request).__name__}")
         return handler(ctx, request)
-
-
-def in_process_runtime(config: ParallelConfig, device: str = "cpu") -> WorkerRuntime:
-    """A runtime without processes or groups (world 1), for callers that want the dispatch without a pool."""
-    if config.world != 1:
-        raise ValueError(f"an in-process runtime has one rank, config has world={config.world}")
-    return WorkerRuntime(single_rank_context(config, torch.device(device)))

@@ -58,6 +58,17 @@ def test_rank_devices():
         ParallelConfig(world=1, devices=["cuda:5"]).rank_devices(cuda_count=2)
 
 
+def test_ray_ranks_are_not_counted_against_this_machine():
+    """Ray places ranks on the cluster (it checks the cluster's GPUs at start): this machine's GPUs say nothing."""
+    from wanmesh.parallel.config import ranks_over_cores_warning
+    from wanmesh.parallel.gpus import machine_gpus
+
+    world = machine_gpus().count + 1  # one more GPU than this machine has
+    assert ranks_over_cores_warning(ParallelConfig(world=world, devices="cuda", backend="ray"), cpu_cores=1) is None
+    with pytest.raises(ValueError, match=f"world={world} ranks need {world} GPUs"):
+        ranks_over_cores_warning(ParallelConfig(world=world, devices="cuda", backend="local"), cpu_cores=1)
+
+
 def test_plain_data_round_trip_and_equality():
     config = ParallelConfig(world=4, tp=2, cfg_parallel=True, devices=["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
     again = ParallelConfig.from_dict(config.to_dict())

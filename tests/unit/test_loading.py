@@ -13,13 +13,14 @@ from safetensors.torch import load_file, save_file
 from wanmesh.parallel.models.checkpoint import CheckpointFile, ModelFileError, read_tensor
 from wanmesh.parallel.models.wan import load_text_encoder, load_transformer, load_vae
 from wanmesh.parallel.models.detect import infer_transformer_config
+from wanmesh.parallel.models.quantized import read_weights
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
 def same_weights(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> None:
-    state = model.state_dict()
+    state = read_weights(model)
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(state[name].float(), tensor.float()), name

@@ -16,6 +16,7 @@ from wanmesh.parallel.models.lora import check_lora_for_model, parse_lora_arg, r
 from wanmesh.parallel.models.wan import load_transformer
 from wanmesh.parallel.worker.executors import RankExecutor
 from wanmesh.parallel.worker.lora_merge import applied_loras
+from wanmesh.parallel.models.quantized import read_weights
 
 STRENGTH = 0.7
 
@@ -33,7 +34,7 @@ def _model(engine):
 
 
 def _state(model) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return {name: tensor.detach().clone() for name, tensor in read_weights(model).items()}
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +170,12 @@ def test_fp8_scaled_base_takes_a_lora_and_restores_its_dequantised_weights(tiny_
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
 
     deltas = _diffusers_deltas(_convert_non_diffusers_wan_lora_to_diffusers(lora))
-    for name, tensor in model.state_dict().items():
+    for name, tensor in read_weights(model).items():
         torch.testing.assert_close(tensor, (dequantised[name].double() + deltas.get(name, 0)).float(),
                                    rtol=1e-5, atol=1e-6)
     executor.apply_loras(handle, [])
-    assert all(torch.equal(t, dequantised[n]) for n, t in model.state_dict().items())
+    assert all(torch.equal(t, dequantised[n]) for n, t in read_weights(model).items())
+    assert model.blocks[0].attn1.to_q.parametrizations.weight.original.dtype == torch.float8_e4m3fn  # never expanded
 
 
 def test_vace_blocks_take_lora_layers(tiny_models, tmp_path):

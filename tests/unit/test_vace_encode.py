@@ -1,5 +1,5 @@
 """The native VACE conditioning format: against diffusers' WanVACEPipeline preprocessing, against an independent
-re-implementation of DESIGN.md section 5 (ComfyUI's WanVaceToVideo / WAN21_Vace), and known answers; CPU, tiny VAE."""
+re-implementation of the native format (ComfyUI's WanVaceToVideo / WAN21_Vace, as README.md's VACE section states it), and known answers; CPU, tiny VAE."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-# --- an independent reading of the documented native format (DESIGN.md section 5) -----------------
+# --- an independent reading of the documented native format (ComfyUI's WanVaceToVideo) -----------------
 
 def comfy_centre_fit(images_chw: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """ComfyUI's common_upscale(..., "bilinear", "center") on `[N, C, H, W]`: symmetric crop, then resize."""

@@ -1,0 +1,113 @@
+"""Quantized linear weights held as stored on each rank; runs in the worker processes.
+
+A transformer or VACE block linear (attention q/k/v/out, the FFN) whose file stores it quantized (fp8 and ComfyUI
+"scaled fp8": fp8 values times one float32 ``scale_weight`` per layer; GGUF: quant blocks) keeps those bytes as a
+parameter. A parametrization on the layer's ``weight`` (``torch.nn.utils.parametrize``) dequantizes them to the
+compute dtype each time the layer reads its weight, so the full-precision weight lives only for its own matmul, as
+ComfyUI's cast-on-the-fly ops and the ComfyUI GGUF loader do. The stored tensor sits under
+``<module>.parametrizations.weight.original``; ``nn.Linear``, the tensor-parallel linears and diffusers' attention
+processors read ``.weight`` and run unchanged.
+
+Norms, biases, embeddings, modulation tables and the head are small and stay float. A LoRA on a quantized layer is
+another parametrization after the dequantization (``lora_merge.py``): the stored bytes are never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+__all__ = ["FP8", "Dequantize", "StoredTensor", "dequantize_stored", "hold_stored_", "is_quantized_layer",
+           "keeps_quantized", "logical_weight", "quantized_layers", "read_weights"]
+
+FP8 = "fp8"  # the qtype of fp8 values (e4m3fn, e5m2), with or without a scale; GGUF tensors use gguf's type enum
+QUANTIZED_PREFIXES = ("blocks.", "vace_blocks.")  # the block linears: nearly all of a Wan transformer's bytes
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One weight (or this rank's slice of it) as the file stores it, with what dequantizing it needs."""
+
+    data: torch.Tensor  # fp8 values of the logical shape, or uint8 GGUF blocks [rows, row bytes]
+    qtype: object  # FP8, or a gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # the logical (dequantized) shape
+    scale: torch.Tensor | None = None  # scaled fp8: the layer's float32 scale_weight
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        return self.data.numel() * self.data.element_size() + extra
+
+
+def dequantize_stored(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The float weight of stored ``data``, in ``dtype``: fp8 times its scale in float32, or GGUF blocks decoded.
+
+    The one dequantization used at load ("dequantize") and per matmul ("keep"), so both give the same weights."""
+    if qtype == FP8:
+        values = data.to(torch.float32)
+        if scale is not None:  # ComfyUI stores one scalar per layer: real weight = fp8 weight x scale_weight
+            values = values * scale.to(device=values.device, dtype=torch.float32)
+        return values.to(dtype)
+    from .dequant import dequantize
+
+    return dequantize(data, qtype, dtype).reshape(shape)
+
+
+class Dequantize(nn.Module):
+    """The parametrization of a quantized layer's ``weight``: stored tensor in, float weight out."""
+
+    def __init__(self, qtype, shape: tuple[int, ...], dtype: torch.dtype, scale: torch.Tensor | None = None):
+        super().__init__()
+        self.qtype, self.shape, self.dtype = qtype, tuple(shape), dtype
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, stored: torch.Tensor) -> torch.Tensor:
+        return dequantize_stored(stored, self.qtype, self.shape, self.dtype, self.scale)
+
+    def extra_repr(self) -> str:
+        name = self.qtype if isinstance(self.qtype, str) else self.qtype.name
+        return f"{name}, shape={list(self.shape)}, dtype={self.dtype}"
+
+
+def keeps_quantized(name: str) -> bool:
+    """Whether parameter ``name`` may stay quantized: the weight of a block linear (its stored form decides)."""
+    return name.startswith(QUANTIZED_PREFIXES) and name.endswith(".weight") and ".norm" not in name
+
+
+def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Make ``module.weight`` the stored tensor on ``device``, dequantized to ``dtype`` whenever it is read."""
+    module.weight = nn.Parameter(stored.data.to(device, copy=True), requires_grad=False)
+    scale = None if stored.scale is None else stored.scale.to(device=device, dtype=torch.float32, copy=True)
+    parametrize.register_parametrization(module, "weight", Dequantize(stored.qtype, stored.shape, dtype, scale),
+                                         unsafe=True)  # unsafe: the stored tensor's shape and dtype differ on purpose
+
+
+def is_quantized_layer(module: nn.Module) -> bool:
+    return parametrize.is_parametrized(module, "weight") and isinstance(module.parametrizations.weight[0], Dequantize)
+
+
+def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """{module path: module} of the layers holding a stored quantized weight."""
+    return {name: module for name, module in model.named_modules() if is_quantized_layer(module)}
+
+
+def logical_weight(module: nn.Module) -> torch.Tensor:
+    """A stand-in with the shape and dtype the layer's ``weight`` has when read (meta for a quantized layer, so
+    looking at shapes dequantizes nothing)."""
+    if is_quantized_layer(module):
+        dequantize = module.parametrizations.weight[0]
+        return torch.empty(dequantize.shape, dtype=dequantize.dtype, device="meta")
+    return module.weight
+
+
+@torch.no_grad()
+def read_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by its logical name, as the layers read it (quantized weights dequantized, LoRA
+    branches applied): what ``state_dict()`` would hold had the model been loaded in float."""
+    state = {name: tensor for name, tensor in model.state_dict().items() if ".parametrizations." not in name}
+    state.update({f"{path}.weight": module.weight for path, module in quantized_layers(model).items()})
+    return state

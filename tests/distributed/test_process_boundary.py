@@ -1,0 +1,77 @@
+"""The process boundary: which WanMesh modules and heavy libraries each side loads.
+
+The ComfyUI side imports the pack and reads its node mappings, as ComfyUI does at start-up: nodes, the driver and
+the header checks, never a model library. A worker of a real pool loads only its loop, the protocol and the
+transport until a request needs more, and never the nodes, the driver, the validation or the command line, even
+after loading a model and sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import torch
+
+from pool_helpers import cpu_pool, random_prompt_request, tiny_model_paths
+from wanmesh.parallel.driver.runner import PoolRunner
+from wanmesh.parallel.protocol import Diagnostic
+
+MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "cv2", "av", "ray", "matplotlib")
+COMFYUI_SIDE = {
+    "nodes", "nodes.convert", "nodes.errors", "nodes.files", "nodes.loaders", "nodes.lora", "nodes.memory",
+    "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
+    "nodes.vae", "nodes.video",
+    "parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.pool_memory",
+    "parallel.driver", "parallel.driver.pool", "parallel.driver.runner", "parallel.validation", "parallel.video_io",
+    "parallel.vace", "parallel.vace.builders", "parallel.vace.encode",
+    "parallel.models", "parallel.models.checkpoint", "parallel.models.detect", "parallel.models.gguf_file",
+    "parallel.models.lora", "parallel.models.quantized",
+}
+WORKER_IDLE = {"parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.transport",
+               "parallel.distributed", "parallel.distributed.mesh", "parallel.worker", "parallel.worker.main",
+               "parallel.worker.session",
+               "parallel.worker.runtime"}
+NEVER_IN_A_WORKER = ("nodes", "parallel.driver", "parallel.validation", "parallel.cli", "parallel.bench",
+                     "parallel.tiny", "parallel.pool_memory")
+
+COMFYUI_IMPORT = """
+import json, sys
+import wanmesh
+assert wanmesh.NODE_CLASS_MAPPINGS  # what ComfyUI reads right after importing a pack
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def _wanmesh_modules(modules: list[str]) -> set[str]:
+    return {name.removeprefix("wanmesh.") for name in modules if name.startswith("wanmesh.")}
+
+
+def test_comfyui_side_loads_nodes_and_driver_but_no_model_library():
+    result = subprocess.run([sys.executable, "-c", COMFYUI_IMPORT], capture_output=True, text=True, timeout=120,
+                            check=True)
+    modules = json.loads(result.stdout.strip().splitlines()[-1])
+    loaded = _wanmesh_modules(modules)
+    assert loaded <= COMFYUI_SIDE, f"unexpected on the ComfyUI side: {sorted(loaded - COMFYUI_SIDE)}"
+    assert {"nodes.sampling", "parallel.driver.runner"} <= loaded
+    assert not [name for name in MODEL_LIBRARIES if name in modules], "a model library loads at ComfyUI start-up"
+
+
+def test_a_worker_loads_neither_nodes_nor_driver(tmp_path):
+    paths = tiny_model_paths(tmp_path)
+    with cpu_pool(world=1) as pool:
+        idle = pool.call(Diagnostic("modules")).info["modules"]
+        runner = PoolRunner(pool)
+        request = random_prompt_request(torch.zeros(1, 16, 2, 8, 8), torch.Generator().manual_seed(1), seed=1,
+                                        steps=2, guidance_scale=1.0, shift=3.0)
+        runner.sample(replace(request, handle=runner.load_model(paths["t2v_gguf_q8_0"])))
+        working = pool.call(Diagnostic("modules")).info["modules"]
+    assert _wanmesh_modules(idle) == WORKER_IDLE, sorted(_wanmesh_modules(idle) ^ WORKER_IDLE)
+    assert not [name for name in MODEL_LIBRARIES if name in idle]
+    loaded = _wanmesh_modules(working)
+    assert {"parallel.models.quantized", "parallel.models.dequant", "parallel.sampling.loop"} <= loaded
+    assert "diffusers" in working  # the model library loads with the model, in the worker
+    wrong = sorted(name for name in loaded if name.startswith(NEVER_IN_A_WORKER))
+    assert not wrong, f"driver-side modules in a worker: {wrong}"
