@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, TensorSlice
+from .dequant import SUPPORTED_TYPES  # the types this package can dequantise are the ones a file may hold
 
 __all__ = ["GGUF_SUFFIX", "GGUFFile", "SUPPORTED_TYPES", "WAN_ARCHITECTURE", "block_size", "is_gguf_path"]
 
@@ -29,11 +30,6 @@ WAN_ARCHITECTURE = "wan"
 ORIGINAL_SHAPE_FIELD = "comfy.gguf.orig_shape."  # ComfyUI-GGUF's key for tensors stored reshaped
 HEAD_COUNT_FIELD = "{arch}.attention.head_count"
 WAN_LATENT_CHANNELS = 16  # Wan 2.1 / 2.2 A14B; the 5B TI2V model uses 48-channel latents
-_Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = frozenset({
-    _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q5_0, _Q.Q5_1, _Q.Q4_0, _Q.Q4_1,
-    _Q.Q6_K, _Q.Q5_K, _Q.Q4_K, _Q.Q3_K, _Q.Q2_K,
-})
 
 
 def is_gguf_path(path: str | Path) -> bool:
