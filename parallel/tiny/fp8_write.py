@@ -11,23 +11,21 @@ Files are written atomically (``tensor_files.save_tensors_atomic``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
+from ..models.quantized import keeps_quantized
 from ..tensor_files import save_tensors_atomic
 
-__all__ = ["is_block_linear_weight", "write_fp8_file"]
-
-_BLOCK_LINEAR = re.compile(r"(vace_)?blocks\.\d+\..+\.weight")
-
+__all__ = ["fp8_state", "is_block_linear_weight", "write_fp8_file"]
 
 def is_block_linear_weight(key: str, tensor: torch.Tensor) -> bool:
-    """Whether ``key`` is the weight of a linear layer inside a transformer (or VACE) block."""
-    return tensor.ndim == 2 and _BLOCK_LINEAR.fullmatch(key.removeprefix(COMFY_TRANSFORMER_PREFIX)) is not None
+    """Whether ``key`` is the weight of a linear layer inside a transformer (or VACE) block: the layers the loader
+    keeps quantized (``quantized.keeps_quantized``, whose rule holds for original key names too)."""
+    return tensor.ndim == 2 and keeps_quantized(key.removeprefix(COMFY_TRANSFORMER_PREFIX))
 
 
 def _to_fp8(weight: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
