@@ -120,6 +120,7 @@ class Timing:
     median: float
     low: float
     high: float
+    samples: tuple[float, ...] = ()  # every timed round, in order
 
     def as_list(self) -> list[float]:
         """[fastest, slowest] seconds: the spread the tables print beside the median."""
@@ -153,4 +154,4 @@ def time_interleaved(functions: dict[str, Callable[[], object]], device: torch.d
     for _ in range(repeats):
         for name, function in functions.items():
             samples[name].append(seconds(function, device))
-    return {name: Timing(statistics.median(s), min(s), max(s)) for name, s in samples.items()}
+    return {name: Timing(statistics.median(s), min(s), max(s), tuple(s)) for name, s in samples.items()}

@@ -19,7 +19,8 @@ with one GPU per rank on CUDA; one rank too, so every rank measures from a fresh
   (``untyped_storage().data_ptr()``);
 * ``step_s_keep`` / ``step_s_dequantize``: one transformer forward (a denoise step with guidance off) on a fixed
   latent, both models resident, called in turn after a warm-up each (``common.time_interleaved``, each call
-  the slowest rank's time); the median, with the fastest and slowest call in ``*_spread``.
+  the slowest rank's time); the median, with the fastest and slowest call in ``*_spread``, and ``step_ratio``:
+  the median over rounds of keep / dequantize within a round, which a noisy machine disturbs less.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import contextlib
 import gc
 import itertools
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -42,13 +44,14 @@ from ..models.gguf_file import is_gguf_path
 from ..models.sharded import load_transformer_tp
 from ..models.wan import transformer_weight_source
 from ..worker.residency import DTYPES
-from .common import PeakAnonymousMemory, mib, model_config, model_path, rank_device, run_world, time_interleaved, \
-    write_rank_result
+from .common import (PeakAnonymousMemory, Timing, mib, model_config, model_path, rank_device, run_world,
+                     time_interleaved, write_rank_result)
 
 WEIGHT_MODES = ("keep", "dequantize")
 TEXT_TOKENS = 512  # Wan pads every prompt to 512 tokens
 DEFAULT_SIZE = (256, 256, 9)  # width, height, frames: latent [1, 16, 3, 32, 32]
-RANK_KEYS = ("rank", "resident_bytes", "file_slice_bytes", "load_peak_bytes", "step_s_keep", "step_s_dequantize")
+RANK_KEYS = ("rank", "resident_bytes", "file_slice_bytes", "load_peak_bytes", "step_s_keep", "step_s_dequantize",
+             "step_ratio")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +193,14 @@ def _measure(settings: dict, device: torch.device, tp_group) -> dict:
            "load_peak_bytes": load_peak}
     for mode, timing in timings.items():
         row[f"step_s_{mode}"], row[f"step_s_{mode}_spread"] = timing.median, timing.as_list()
+    row["step_ratio"] = paired_ratio(timings["keep"], timings["dequantize"])
     return row
+
+
+def paired_ratio(keep: Timing, dequantize: Timing) -> float:
+    """The median over rounds of keep / dequantize within each round: the two calls of a round run back to back,
+    so a slow stretch of the machine hits both and drops out of their ratio."""
+    return statistics.median(k / d for k, d in zip(keep.samples, dequantize.samples))
 
 
 def _rank_main(rank: int, world: int, settings: dict, result_folder: str) -> None:
@@ -232,7 +242,7 @@ def format_table(settings: dict, rows: list[dict]) -> str:
             f"{_ratio(row['resident_bytes'], row['file_slice_bytes']):>8} {mib(row['load_peak_bytes']):>13} "
             f"{_ratio(row['load_peak_bytes'], row['resident_bytes']):>8} {mib(row['resident_bytes_dequantize']):>12} "
             f"{_seconds(row, 'keep'):>24} {_seconds(row, 'dequantize'):>28} "
-            f"{_ratio(row['step_s_keep'], row['step_s_dequantize']):>8}")
+            f"{row['step_ratio']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -242,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(settings, rows))
     print("resident: the keep-mode model's tensor storages; file slice: this rank's share of the file; load peak: "
           + ("CUDA memory allocated while loading" if settings["device"] == "cuda"
-             else "anonymous host memory (RssAnon) gained while loading") + "; s/step: one forward, slowest rank.")
+             else "anonymous host memory (RssAnon) gained while loading") + "; s/step: one forward, slowest rank; "
+          "keep/deq: median of the per-round ratios.")
     if args.json:
         args.json.write_text(json.dumps({**settings, "latent": list(settings["latent"]), "ranks": rows}, indent=2))
     return 0
