@@ -112,6 +112,9 @@ def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write the tiny test models as a ComfyUI models tree")
     tiny.add_argument("directory", type=Path)
+    tiny.add_argument("--preset", choices=["tiny", "medium"], default="tiny",
+                      help="tiny: every test model (default); medium: a ~150M-parameter T2V transformer as bf16, "
+                           "scaled fp8, Q8_0 and Q4_K GGUF, with the tiny VAE and text encoder")
     _add_generate(sub)
     _stream_cli().add_arguments(sub)
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
@@ -131,6 +134,7 @@ BENCHMARKS = {
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
     "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
     "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
+    "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
 }
 
 
@@ -227,9 +231,9 @@ def _fail(args, code: int, message: str) -> int:
 
 def _run(args) -> int:
     if args.command == "make-tiny":
-        from ..tiny.models import make_tiny
+        from ..tiny.models import make_models
 
-        for name, path in make_tiny(args.directory).items():
+        for name, path in make_models(args.directory, args.preset).items():
             print(f"{name:>14}: {path}")
         return 0
     if args.command == "generate":

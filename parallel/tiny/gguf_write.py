@@ -9,6 +9,7 @@ only the float and legacy block types (Q8_0, Q5_x, Q4_x; llama.cpp's K-type quan
 Q6_K, Q5_K, Q4_K, Q3_K and Q2_K are packed here by hand, with plain min/max or absmax fits rather than
 llama.cpp's error-minimising searches: good enough for test files, which need only read back close to what
 was written. The tests check them against gguf's dequantiser.
+Files are written atomically (``video_io.written_atomically``, as the project's other outputs are).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from ..models.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
+from ..video_io import written_atomically
 
 __all__ = ["gguf_storage_type", "quantize", "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k",
            "quantize_q6_k", "write_wan_gguf"]
@@ -168,7 +170,14 @@ def write_wan_gguf(
     state: Mapping[str, torch.Tensor], path: str | Path, tensor_type: gguf.GGMLQuantizationType,
     num_heads: int | None = None,
 ) -> dict[str, gguf.GGMLQuantizationType]:
-    """Write an original-layout Wan state dict as a GGUF of `tensor_type`; returns each tensor's stored type."""
+    """Write an original-layout Wan state dict as a GGUF of `tensor_type` (atomically: nothing appears under `path`
+    unless all of it was written); returns each tensor's stored type."""
+    with written_atomically(Path(path)) as temporary:
+        return _write_gguf(state, temporary, tensor_type, num_heads)
+
+
+def _write_gguf(state: Mapping[str, torch.Tensor], path: Path, tensor_type: gguf.GGMLQuantizationType,
+                num_heads: int | None) -> dict[str, gguf.GGMLQuantizationType]:
     writer = gguf.GGUFWriter(str(path), arch=WAN_ARCHITECTURE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tensor_type in _FILE_TYPES:
