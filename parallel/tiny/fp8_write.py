@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
-from ..models.quantized import keeps_quantized
+from ..models.quantized import BLOCK_PREFIXES, keeps_quantized
 from ..tensor_files import save_tensors_atomic
 
 __all__ = ["fp8_state", "is_block_linear_weight", "write_fp8_file"]
 
 def is_block_linear_weight(key: str, tensor: torch.Tensor) -> bool:
-    """Whether ``key`` is the weight of a linear layer inside a transformer (or VACE) block: the layers the loader
-    keeps quantized (``quantized.keeps_quantized``, whose rule holds for original key names too)."""
-    return tensor.ndim == 2 and keeps_quantized(key.removeprefix(COMFY_TRANSFORMER_PREFIX))
+    """Whether ``key`` is the weight of a linear layer inside a transformer (or VACE) block, which fp8 files store
+    as fp8 (the loader keeps these and a few other linears quantized when a file stores them so)."""
+    return tensor.ndim == 2 and keeps_quantized(key.removeprefix(COMFY_TRANSFORMER_PREFIX), BLOCK_PREFIXES)
 
 
 def _to_fp8(weight: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
