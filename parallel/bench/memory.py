@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import latent_shape
+from ..config import TEXT_TOKENS, WEIGHT_MODES, latent_shape
 from ..distributed.spawn import slowest_rank_seconds
 from ..distributed.tensor_parallel import check_tp_degree, tensor_parallel_plan, tp_size_and_rank
 from ..models.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors_header
@@ -47,8 +47,6 @@ from ..worker.residency import DTYPES
 from .common import (PeakAnonymousMemory, Timing, mib, model_config, model_path, rank_device, run_world,
                      time_interleaved, write_rank_result)
 
-WEIGHT_MODES = ("keep", "dequantize")
-TEXT_TOKENS = 512  # Wan pads every prompt to 512 tokens
 DEFAULT_SIZE = (256, 256, 9)  # width, height, frames: latent [1, 16, 3, 32, 32]
 RANK_KEYS = ("rank", "resident_bytes", "file_slice_bytes", "load_peak_bytes", "step_s_keep", "step_s_dequantize",
              "step_ratio")

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from ..config import TEXT_TOKENS
 import torch.distributed as dist
 
 from ..distributed.collectives import CollectiveCounter
@@ -28,7 +30,6 @@ from .common import (PeakAnonymousMemory, int_list, mib, model_config, model_pat
                      write_rank_result)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_TEXT_TOKENS = 512
 _DEFAULT_SIZE = {"tiny": (128, 96, 17), "real": (832, 480, 81)}  # width, height, frames
 
 
@@ -85,7 +86,7 @@ def resolve(args: argparse.Namespace) -> dict:
 def _inputs(settings: dict, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     generator = torch.Generator("cpu").manual_seed(0)
     latents = torch.randn(settings["latent"], generator=generator).to(device, dtype)
-    context = torch.randn(2, _TEXT_TOKENS, settings["text_dim"], generator=generator).to(device, dtype)
+    context = torch.randn(2, TEXT_TOKENS, settings["text_dim"], generator=generator).to(device, dtype)
     extra = {}
     if settings["vace"]:
         control = torch.randn(1, settings["vace_channels"], *settings["latent"][2:], generator=generator)
@@ -109,7 +110,7 @@ def _measure(settings: dict, device: torch.device) -> dict:
         model(hidden_states=latents, timestep=timestep, encoder_hidden_states=positive, return_dict=False, **extra)
     tp = dist.get_world_size()
     analytic = analytic_collectives(
-        num_blocks=settings["num_blocks"], batch=1, video_tokens=settings["video_tokens"], text_tokens=_TEXT_TOKENS,
+        num_blocks=settings["num_blocks"], batch=1, video_tokens=settings["video_tokens"], text_tokens=TEXT_TOKENS,
         dim=settings["dim"], tp=tp, activation_bytes=torch.finfo(dtype).bits // 8,
     )
     with torch.no_grad():
