@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import TEXT_TOKENS, WEIGHT_MODES, latent_shape
+from ..config import TEXT_TOKENS, latent_shape
 from ..distributed.spawn import slowest_rank_seconds
 from ..distributed.tensor_parallel import check_tp_degree, tensor_parallel_plan, tp_size_and_rank
 from ..models.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors_header
