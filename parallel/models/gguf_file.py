@@ -13,18 +13,20 @@ quant-block boundaries; a slice that cuts blocks is read as whole rows, dequanti
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
-from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, TensorSlice
+from .checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, ModelFileError, TensorSlice
 from .dequant import SUPPORTED_TYPES, supported_names  # the types this package can dequantise are the ones a file may hold
 from .quantized import StoredTensor, dequantize_stored
 
-__all__ = ["GGUF_SUFFIX", "GGUFFile", "SUPPORTED_TYPES", "WAN_ARCHITECTURE", "block_size", "is_gguf_path"]
+__all__ = ["GGUF_SUFFIX", "GGUFFile", "open_files", "SUPPORTED_TYPES", "WAN_ARCHITECTURE", "block_size", "is_gguf_path"]
 
 GGUF_SUFFIX = ".gguf"
 WAN_ARCHITECTURE = "wan"
@@ -205,3 +207,14 @@ def _full_index(index: TensorSlice, ndim: int) -> tuple[slice, ...]:
     if any(not isinstance(entry, slice) for entry in index):
         raise ValueError(f"GGUF tensors are read by slices only, got index {index}")
     return tuple(index) + (slice(None),) * (ndim - len(index))
+
+
+def open_files(paths: Iterable[Path], stack: contextlib.ExitStack) -> list[CheckpointFile | GGUFFile]:
+    """Open several weight files, each by its format (GGUF here; safetensors and pickles as
+    ``checkpoint.CheckpointFile``), closing them when ``stack`` closes."""
+    files = []
+    for path in paths:
+        checkpoint = GGUFFile(path) if is_gguf_path(path) else CheckpointFile(path)
+        stack.callback(checkpoint.close)
+        files.append(checkpoint)
+    return files

@@ -21,9 +21,9 @@ from .checkpoint import (
     build_empty,
     list_safetensors_shards,
     load_weights_into,
-    open_files,
     resolve_model_location,
 )
+from .gguf_file import open_files
 from .detect import describe_kind, detect_kind, infer_umt5_config
 from ..config import TEXT_TOKENS
 
