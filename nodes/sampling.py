@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from ..parallel import SAMPLERS, Cancelled, SampleRequest, latent_shape
+from ..parallel import (I2V_EXPERT_BOUNDARY, MAX_SEED, SAMPLERS, T2V_EXPERT_BOUNDARY, Cancelled, SampleRequest,
+                        latent_shape)
 from ..parallel.validation import prompt_length_warning
 from .convert import (
     check_same_vace,
@@ -18,7 +19,6 @@ from .convert import (
 from .runtime import interrupted, previews_enabled, progress_reporter, raise_if_interrupted
 
 CATEGORY = "WanMesh/sampling"
-MAX_SEED = 0xFFFFFFFFFFFFFFFF
 logger = logging.getLogger(__name__)
 
 
@@ -66,9 +66,10 @@ END_STEP_TO_THE_END = 10000  # ComfyUI's advanced sampler default for "run to th
 TWO_EXPERT_INPUTS = {
     "model_low_noise": ("WANMESH_MODEL", {"tooltip": "Wan 2.2 A14B: the low-noise expert (model is then the "
                                                      "high-noise one); none: model runs every step"}),
-    "boundary": ("FLOAT", {"default": 0.875, "min": 0.0, "max": 1.0, "step": 0.001,
+    "boundary": ("FLOAT", {"default": T2V_EXPERT_BOUNDARY, "min": 0.0, "max": 1.0, "step": 0.001,
                            "tooltip": "steps whose timestep is at or above boundary x 1000 run the high-noise "
-                                      "expert, the rest the low-noise one (0.875: Wan 2.2 T2V, 0.9: I2V)"}),
+                                      "expert, the rest the low-noise one "
+                                      f"({T2V_EXPERT_BOUNDARY}: Wan 2.2 T2V, {I2V_EXPERT_BOUNDARY}: I2V)"}),
     "cfg_low_noise": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 100.0, "step": 0.1,
                                 "tooltip": "guidance scale of the low-noise expert's steps; -1: the same as cfg"}),
     "start_step": ("INT", {"default": 0, "min": 0, "max": END_STEP_TO_THE_END,
@@ -111,7 +112,7 @@ class WanMeshSampler:
                    "through the conditioning (WanMesh's or ComfyUI's native VACE encode), one or several contexts.")
 
     def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise,
-               model_low_noise=None, boundary=0.875, cfg_low_noise=-1.0, start_step=0,
+               model_low_noise=None, boundary=T2V_EXPERT_BOUNDARY, cfg_low_noise=-1.0, start_step=0,
                end_step=END_STEP_TO_THE_END, add_noise=True):
         conditional = read_conditioning(positive, "positive")
         unconditional = read_conditioning(negative, "negative")

@@ -13,10 +13,9 @@ import os
 
 import torch
 
-from ..parallel import Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
+from ..parallel import MAX_SEED, Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
 from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
 from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, previews_enabled, raise_if_interrupted
-from .sampling import MAX_SEED
 
 CHUNK_EVENT = "wanmesh.chunk"
 

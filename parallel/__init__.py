@@ -15,8 +15,9 @@ import importlib
 
 # public name -> the module (relative to this package) that defines it
 _EXPORTS = {
-    **dict.fromkeys(("BACKENDS", "DTYPE_NAMES", "LORA_STRENGTH_RANGE", "SAMPLERS", "WEIGHT_MODES", "ParallelConfig",
-                     "check_video_size", "latent_shape", "parse_stream_timesteps"), "config"),
+    **dict.fromkeys(("BACKENDS", "DTYPE_NAMES", "I2V_EXPERT_BOUNDARY", "LORA_STRENGTH_RANGE", "MAX_SEED", "SAMPLERS",
+                     "T2V_EXPERT_BOUNDARY", "TEXT_TOKENS", "WEIGHT_MODES", "ParallelConfig", "check_video_size",
+                     "latent_shape", "parse_stream_timesteps"), "config"),
     "PoolRunner": "driver.runner",
     **dict.fromkeys(("Cancelled", "WorkerError"), "errors"),
     "safetensors_kind": "models.detect",

@@ -24,6 +24,9 @@ BACKENDS = ("local", "ray")
 MESH_DIMS = ("dp", "cfg", "ulysses", "ring", "tp")  # outermost first; tp varies fastest; cfg = the CFG-parallel split
 SAMPLERS = ("unipc", "euler")
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
+TEXT_TOKENS = 512  # Wan's text length: prompt embeddings are padded (or cut) to it; tokens past it are dropped
+T2V_EXPERT_BOUNDARY = 0.875  # Wan 2.2 A14B: steps with timestep >= boundary x 1000 run the high-noise expert (T2V)
+I2V_EXPERT_BOUNDARY = 0.9  # the same for Wan 2.2 I2V A14B
 # How a quantized transformer file (fp8, scaled fp8, GGUF) is held on each rank: "keep" holds the stored blocks and
 # dequantizes each linear weight for its own matmul; "dequantize" expands every weight to the compute dtype at load.
 WEIGHT_MODES = ("keep", "dequantize")
@@ -487,7 +490,7 @@ def check_experts(*, boundary: float, guidance_scale_low: float | None) -> None:
     expert's guidance scale (None: the high-noise expert's)."""
     if isinstance(boundary, bool) or not isinstance(boundary, numbers.Real) or not 0.0 <= boundary <= 1.0:
         raise ValueError(f"boundary must be a number in [0, 1] (a fraction of the 1000 training timesteps; Wan 2.2 "
-                         f"T2V uses 0.875, I2V 0.9), got {boundary!r}")
+                         f"T2V uses {T2V_EXPERT_BOUNDARY}, I2V {I2V_EXPERT_BOUNDARY}), got {boundary!r}")
     if guidance_scale_low is not None and (not math.isfinite(guidance_scale_low) or guidance_scale_low < 0):
         raise ValueError(f"the low-noise expert's guidance scale (cfg_low) must be a finite number >= 0 or unset, "
                          f"got {guidance_scale_low}")

@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import (check_experts, check_latent, check_model_loras, check_sampling, check_step_range,
+from .config import (T2V_EXPERT_BOUNDARY, check_experts, check_latent, check_model_loras, check_sampling, check_step_range,
                      check_stream_options, check_stream_timesteps, check_vace_contexts)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
@@ -147,7 +147,7 @@ class SampleRequest(Request):
     model_loras: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     # Two experts (Wan 2.2 A14B) and step ranges (chained samplers); see sampling/experts.py for the rule:
     handle_low: str | None = None  # the low-noise expert's resident model; None: `handle` runs every step
-    boundary: float = 0.875  # steps with timestep >= boundary * 1000 run `handle`, the others `handle_low`
+    boundary: float = T2V_EXPERT_BOUNDARY  # steps with timestep >= boundary * 1000 run `handle`, the others `handle_low`
     guidance_scale_low: float | None = None  # the low-noise expert's guidance scale; None: guidance_scale
     start_step: int = 0  # first step run, out of `steps`
     end_step: int | None = None  # steps run stop before this one; None: steps (the result keeps leftover noise before)

@@ -14,14 +14,15 @@ import torch
 from .video_io import written_atomically
 
 
-def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
-    """Write ``tensors`` (CPU copies, contiguous) to ``path``; nothing appears under ``path`` unless all of it did."""
+def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``tensors`` (CPU copies, contiguous) and the header's ``metadata`` to ``path``; nothing appears under
+    ``path`` unless all of it did."""
     from safetensors.torch import save_file
 
     path = Path(path)
     cpu = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
     with written_atomically(path) as temporary:
-        save_file(cpu, str(temporary))
+        save_file(cpu, str(temporary), metadata=metadata)
         _check_saved(temporary, {name: tuple(t.shape) for name, t in cpu.items()})
     return path
 

@@ -1,10 +1,16 @@
 """What the benchmarks share: option parsing, rank devices, spawning a world of ranks and collecting their
-rows, and table formatting; runs in the CLI process and in the ranks it spawns."""
+rows, the interleaved timing harness, a rank's peak host memory, and table formatting; runs in the CLI process
+and in the ranks it spawns."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import statistics
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +36,25 @@ def rank_device(settings: dict, rank: int) -> torch.device:
     return torch.device("cuda", rank) if settings["device"] == "cuda" else torch.device("cpu")
 
 
+def model_path(args, tiny_name: str = "model") -> str:
+    """``--model``, or the tiny tree's file ``tiny_name`` (``files.TINY_FILES``; from ``--models`` or the cache)."""
+    if args.model:
+        return args.model
+    from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+
+    return str(ensure_tiny_models(args.models or tiny_cache_dir()) / TINY_FILES[tiny_name])
+
+
+def model_config(path: str, vace_module: str | None = None) -> dict:
+    """A transformer's full config (defaults included), from shapes and metadata only: no tensor is read."""
+    from ..models.checkpoint import build_empty
+    from ..models.wan import transformer_weight_source
+
+    with contextlib.ExitStack() as stack:
+        model_class, config, _ = transformer_weight_source(path, vace_module, stack)
+        return dict(build_empty(lambda: model_class.from_config(config)).config)
+
+
 def mib(value: int | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value / 2**20:.{digits}f}"
 
@@ -46,3 +71,87 @@ def run_world(rank_main: Callable, world: int, settings: dict, **spawn_options) 
 
 def write_rank_result(folder: str, rank: int, result) -> None:
     Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _anonymous_rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PeakAnonymousMemory:
+    """Samples this process's anonymous resident memory (Linux) in a thread; file-backed pages of the
+    memory-mapped checkpoint are page cache, not the rank's own memory, so they are left out."""
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.baseline = _anonymous_rss_bytes()
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, _anonymous_rss_bytes())
+
+    def __enter__(self) -> PeakAnonymousMemory:
+        if self.baseline is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.baseline is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, _anonymous_rss_bytes())
+
+    @property
+    def increase(self) -> int | None:
+        return None if self.baseline is None else self.peak - self.baseline
+
+
+@dataclass(frozen=True)
+class Timing:
+    median: float
+    low: float
+    high: float
+    samples: tuple[float, ...] = ()  # every timed round, in order
+
+    def as_list(self) -> list[float]:
+        """[fastest, slowest] seconds: the spread the tables print beside the median."""
+        return [self.low, self.high]
+
+
+def wall_seconds(function: Callable[[], object], device: torch.device) -> float:
+    """One call's wall time in this process, CUDA work included."""
+    _sync(device)
+    start = time.perf_counter()
+    function()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(functions: dict[str, Callable[[], object]], device: torch.device, repeats: int,
+                     seconds: Callable[[Callable[[], object], torch.device], float] = wall_seconds) -> dict[str, Timing]:
+    """Seconds per call of each function: one warm-up call each, then `repeats` rounds calling all in turn
+    (interleaved, so drifting machine load hits every function alike), each call timed by `seconds` (in ranks:
+    ``spawn.slowest_rank_seconds``); the median and the fastest and slowest round."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    for function in functions.values():
+        function()
+    samples: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            samples[name].append(seconds(function, device))
+    return {name: Timing(statistics.median(s), min(s), max(s), tuple(s)) for name, s in samples.items()}

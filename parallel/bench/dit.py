@@ -12,13 +12,13 @@ rows alike); the table gives the median and the fastest and slowest round.
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .common import Timing, time_interleaved
 
 WAN_1_3B = dict(
     patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
@@ -46,39 +46,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vace", action="store_true",
                         help="also time the VACE step with 1 and 2 contexts against the T2V step, and the VACE encode "
                              "on the pool with vae_patch 1 and 2 (tiles of 32 and 64 px, the tiny VAE)")
-
-
-# -- timing harness ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Timing:
-    median: float
-    low: float
-    high: float
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_interleaved(functions: dict[str, Callable[[], object]], device: torch.device,
-                     repeats: int) -> dict[str, Timing]:
-    """Seconds per call of each function: one warm-up call each, then `repeats` rounds calling all in turn."""
-    if repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {repeats}")
-    for function in functions.values():
-        function()
-    samples: dict[str, list[float]] = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, function in functions.items():
-            _sync(device)
-            start = time.perf_counter()
-            function()
-            _sync(device)
-            samples[name].append(time.perf_counter() - start)
-    return {name: Timing(statistics.median(s), min(s), max(s)) for name, s in samples.items()}
 
 
 # -- sizes and models ----------------------------------------------------------------------------------

@@ -14,24 +14,22 @@ loads its shard with sharded loading and reports:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import threading
 from pathlib import Path
 
 import torch
+
+from ..config import TEXT_TOKENS
 import torch.distributed as dist
 
-from ..models.checkpoint import build_empty
 from ..distributed.collectives import CollectiveCounter
-from ..models.wan import transformer_weight_source
 from ..models.sharded import load_transformer_tp, weight_bytes
 from ..distributed.tensor_parallel import analytic_collectives, check_tp_degree
 from ..distributed.spawn import slowest_rank_median_s
-from .common import int_list, mib, rank_device, run_world, write_rank_result
+from .common import (PeakAnonymousMemory, int_list, mib, model_config, model_path, rank_device, run_world,
+                     write_rank_result)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_TEXT_TOKENS = 512
 _DEFAULT_SIZE = {"tiny": (128, 96, 17), "real": (832, 480, 81)}  # width, height, frames
 
 
@@ -49,21 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
 
 
-def _model_path(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
-
-    return str(ensure_tiny_models(args.models or tiny_cache_dir()) / TINY_FILES["model"])
-
-
-def _model_config(path: str, vace_module: str | None) -> dict:
-    """The model's full config (defaults included), from shapes and metadata only: no tensor is read."""
-    with contextlib.ExitStack() as stack:
-        model_class, config, _ = transformer_weight_source(path, vace_module, stack)
-        return dict(build_empty(lambda: model_class.from_config(config)).config)
-
-
 def _video_size(args: argparse.Namespace) -> tuple[int, int, int]:
     default = _DEFAULT_SIZE["real" if args.model else "tiny"]
     width, height, frames = (args.width or default[0], args.height or default[1], args.frames or default[2])
@@ -76,8 +59,8 @@ def resolve(args: argparse.Namespace) -> dict:
     """Validated settings, checked before any process starts."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     degrees = int_list(args.tp, "--tp")
-    path = _model_path(args)
-    config = _model_config(path, args.vace_module)
+    path = model_path(args)
+    config = model_config(path, args.vace_module)
     for tp in degrees:
         check_tp_degree(config["num_attention_heads"], config["ffn_dim"], tp)
     if device == "cuda" and max(degrees) > torch.cuda.device_count():
@@ -100,52 +83,10 @@ def resolve(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------ inside a rank
 
 
-def _anonymous_rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-class _PeakAnonymousMemory:
-    """Samples this process's anonymous resident memory (Linux) in a thread; file-backed pages of the
-    memory-mapped checkpoint are page cache, not the rank's own memory, so they are left out."""
-
-    def __init__(self, interval_s: float = 0.002):
-        self.interval_s = interval_s
-        self.baseline = _anonymous_rss_bytes()
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, _anonymous_rss_bytes())
-
-    def __enter__(self) -> _PeakAnonymousMemory:
-        if self.baseline is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.baseline is not None:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, _anonymous_rss_bytes())
-
-    @property
-    def increase(self) -> int | None:
-        return None if self.baseline is None else self.peak - self.baseline
-
-
 def _inputs(settings: dict, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     generator = torch.Generator("cpu").manual_seed(0)
     latents = torch.randn(settings["latent"], generator=generator).to(device, dtype)
-    context = torch.randn(2, _TEXT_TOKENS, settings["text_dim"], generator=generator).to(device, dtype)
+    context = torch.randn(2, TEXT_TOKENS, settings["text_dim"], generator=generator).to(device, dtype)
     extra = {}
     if settings["vace"]:
         control = torch.randn(1, settings["vace_channels"], *settings["latent"][2:], generator=generator)
@@ -159,7 +100,7 @@ def _measure(settings: dict, device: torch.device) -> dict:
     dtype = _DTYPES[settings["dtype"]]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with _PeakAnonymousMemory() as host:
+    with PeakAnonymousMemory() as host:
         model = load_transformer_tp(settings["model"], vace_module=settings["vace_module"], dtype=dtype,
                                     device=device, tp_group=None)
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -169,7 +110,7 @@ def _measure(settings: dict, device: torch.device) -> dict:
         model(hidden_states=latents, timestep=timestep, encoder_hidden_states=positive, return_dict=False, **extra)
     tp = dist.get_world_size()
     analytic = analytic_collectives(
-        num_blocks=settings["num_blocks"], batch=1, video_tokens=settings["video_tokens"], text_tokens=_TEXT_TOKENS,
+        num_blocks=settings["num_blocks"], batch=1, video_tokens=settings["video_tokens"], text_tokens=TEXT_TOKENS,
         dim=settings["dim"], tp=tp, activation_bytes=torch.finfo(dtype).bits // 8,
     )
     with torch.no_grad():

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config import DEFAULT_WORKER_TIMEOUT_S, WEIGHT_MODES
+from ..config import DEFAULT_WORKER_TIMEOUT_S, T2V_EXPERT_BOUNDARY, WEIGHT_MODES
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
@@ -86,8 +86,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     experts = p.add_argument_group("two experts (Wan 2.2 A14B) and step ranges")
-    experts.add_argument("--boundary", type=float, default=0.875,
-                         help="steps with timestep >= boundary x 1000 run --model, the rest --model-low (default 0.875)")
+    experts.add_argument("--boundary", type=float, default=T2V_EXPERT_BOUNDARY,
+                         help="steps with timestep >= boundary x 1000 run --model, the rest --model-low "
+                              f"(default {T2V_EXPERT_BOUNDARY})")
     experts.add_argument("--cfg-low", dest="guidance_scale_low", type=float,
                          help="guidance scale of the low-noise expert's steps (default: --guidance-scale)")
     experts.add_argument("--start-step", type=int, default=0, help="first step to run (default 0)")
@@ -116,6 +117,9 @@ def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write the tiny test models as a ComfyUI models tree")
     tiny.add_argument("directory", type=Path)
+    tiny.add_argument("--preset", choices=["tiny", "medium"], default="tiny",
+                      help="tiny: every test model (default); medium: a ~150M-parameter T2V transformer as bf16, "
+                           "scaled fp8, Q8_0 and Q4_K GGUF, with the tiny VAE and text encoder")
     _add_generate(sub)
     _stream_cli().add_arguments(sub)
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
@@ -135,6 +139,7 @@ BENCHMARKS = {
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
     "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
     "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
+    "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
 }
 
 
@@ -231,9 +236,9 @@ def _fail(args, code: int, message: str) -> int:
 
 def _run(args) -> int:
     if args.command == "make-tiny":
-        from ..tiny.models import make_tiny
+        from ..tiny.models import make_models
 
-        for name, path in make_tiny(args.directory).items():
+        for name, path in make_models(args.directory, args.preset).items():
             print(f"{name:>14}: {path}")
         return 0
     if args.command == "generate":

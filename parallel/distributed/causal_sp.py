@@ -23,6 +23,7 @@ benchmark reports beside the times.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,26 @@ from .attention import _heads_to_sequence, _sequence_to_heads, attention
 from .context_parallel import SequenceShard
 from .groups import group_size_and_rank
 
-__all__ = ["UlyssesCausalAttention", "exchange_bytes_per_chunk"]
+__all__ = ["CausalSequencePlan", "UlyssesCausalAttention", "causal_sequence_plan", "exchange_bytes_per_chunk"]
+
+
+@dataclass(frozen=True)
+class CausalSequencePlan:
+    """Where the causal sequence split hooks in, as data beside ``context_parallel.ContextParallelPlan``: the
+    first of ``blocks`` takes the chunk's tokens and splits them; every block splits a per-token modulation;
+    the output is gathered after ``gather_per_token`` (per-token timesteps, whose modulation spans the whole
+    sequence) or after ``gather``."""
+
+    blocks: tuple[str, ...]
+    gather_per_token: str
+    gather: str
+
+
+def causal_sequence_plan(model: nn.Module) -> CausalSequencePlan:
+    """The plan for a diffusers Wan transformer run causally (``models/causal.py``)."""
+    if not hasattr(model, "blocks") or not hasattr(model, "norm_out") or not hasattr(model, "proj_out"):
+        raise TypeError(f"{type(model).__name__} is not a Wan transformer (it needs blocks, norm_out and proj_out)")
+    return CausalSequencePlan(tuple(f"blocks.{i}" for i in range(len(model.blocks))), "norm_out", "proj_out")
 
 
 class UlyssesCausalAttention:
@@ -58,10 +78,12 @@ class UlyssesCausalAttention:
         return self.shard.local_slice(cos), self.shard.local_slice(sin)
 
     def install(self, model: nn.Module) -> list:
-        handles = [model.norm_out.register_forward_hook(self._gather_if(per_token=True)),
-                   model.proj_out.register_forward_hook(self._gather_if(per_token=False))]
-        for index, block in enumerate(model.blocks):
-            hook = self._split_block_inputs(block, first=index == 0)
+        plan = causal_sequence_plan(model)
+        handles = [model.get_submodule(plan.gather_per_token).register_forward_hook(self._gather_if(per_token=True)),
+                   model.get_submodule(plan.gather).register_forward_hook(self._gather_if(per_token=False))]
+        for path in plan.blocks:
+            block = model.get_submodule(path)
+            hook = self._split_block_inputs(block, first=path == plan.blocks[0])
             handles.append(block.register_forward_pre_hook(hook, with_kwargs=True))
         return handles
 

@@ -77,14 +77,17 @@ def slowest_rank_median_s(fn: Callable[[], Any], device: torch.device, repeats: 
     """Median over `repeats` calls of the slowest rank's wall time, in seconds (every rank must call this)."""
     for _ in range(warmups):
         fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        samples.append(elapsed.item())
-    return statistics.median(samples)
+    return statistics.median(slowest_rank_seconds(fn, device) for _ in range(repeats))
+
+
+def slowest_rank_seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """One call of `fn` on every rank, started together: the slowest rank's wall time in seconds (every rank
+    must call this)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()

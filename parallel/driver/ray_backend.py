@@ -4,7 +4,9 @@ The driver connects with ``ray.init(address=config.ray_address or "auto")`` unle
 (tests start a local Ray themselves). The address is used exactly as given; a ``host:port`` address is first
 probed with a plain TCP connect, and ``ray.init`` (which has no timeout of its own) runs in a thread that is
 abandoned after ``RAY_CONNECT_TIMEOUT_S``, so an address that does not answer is an error naming it, not a hang.
-Each actor also sends a heartbeat through the progress queue while it runs a request. Rank 0's actor hosts the process-group store; the ranks join with NCCL
+Each actor runs the same rank session as a local worker (``worker/session.py``): only how requests arrive
+and replies leave differs. It sends heartbeats through the progress queue while it runs a request. Rank 0's actor
+hosts the process-group store; the ranks join with NCCL
 on GPUs and gloo on CPUs. Requests go out once through the object store and every actor runs them; rank 0's
 actor answers and reports progress through a Ray queue; a cancel is a concurrent actor call (actors run two
 threads). Tensors travel as raw-byte numpy arrays, which Ray keeps in shared memory on each node.
@@ -112,7 +114,7 @@ def _actor_class(ray):
             self.rank = rank
             self.settings = settings
             self.queue = progress_queue
-            self.runtime = None
+            self.session = None
 
         def rendezvous_address(self) -> tuple[str, int]:
             import socket
@@ -123,6 +125,7 @@ def _actor_class(ray):
                 return host, probe.getsockname()[1]
 
         def setup(self, host: str, port: int) -> dict:
+            """Join the process group and start the rank's session (``worker/session.py``, as a local worker)."""
             import datetime
             import importlib
             import ipaddress
@@ -132,48 +135,31 @@ def _actor_class(ray):
 
             if ipaddress.ip_address(host).is_loopback:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            worker = importlib.import_module("wanmesh.parallel.worker.runtime")
-            config_mod = importlib.import_module("wanmesh.parallel.config")
-            mesh = importlib.import_module("wanmesh.parallel.distributed.mesh")
-            config = config_mod.ParallelConfig.from_dict(self.settings["config"])
-            device = torch.device("cuda:0" if self.settings["gpu"] else "cpu")
-            threads = os.environ.get(worker.THREADS_ENV)
-            if threads and device.type == "cpu":
-                torch.set_num_threads(int(threads))
+            session_module = importlib.import_module("wanmesh.parallel.worker.session")
+            config = importlib.import_module("wanmesh.parallel.config").ParallelConfig.from_dict(self.settings["config"])
             store = dist.TCPStore(host, port, config.world, is_master=self.rank == 0,
                                   timeout=datetime.timedelta(seconds=self.settings["pg_timeout_s"]))
-            parallel = mesh.init_distributed(config, self.rank, device, store, self.settings["pg_timeout_s"],
-                                             collective_timeout_s=self.settings["worker_timeout"])
-            self.runtime = worker.WorkerRuntime(parallel, self.settings.get("diagnostics"))
-            threading.Thread(target=self._beat_forever, daemon=True).start()
-            return self.runtime.health()
-
-        def _beat_forever(self) -> None:
-            import importlib
-
-            config_mod = importlib.import_module("wanmesh.parallel.config")
-            runtime_mod = importlib.import_module("wanmesh.parallel.worker.runtime")
-            runtime_mod.beat_forever(self.runtime.status, config_mod.heartbeat_interval(self.settings["worker_timeout"]),
-                                     lambda fields: self.queue.put_nowait({"kind": "heartbeat", "rank": self.rank, **fields}))
+            self.session = session_module.WorkerSession(
+                config, self.rank, torch.device("cuda:0" if self.settings["gpu"] else "cpu"), store,
+                pg_timeout_s=self.settings["pg_timeout_s"], collective_timeout_s=config.worker_timeout,
+                diagnostics=self.settings.get("diagnostics"))
+            self.session.start_heartbeats(lambda fields: self.queue.put_nowait({"kind": "heartbeat", "rank": self.rank,
+                                                                                **fields}))
+            return self.session.health()
 
         def execute(self, request_id: int, body: dict) -> dict:
-            transport = __import__("wanmesh.parallel.transport", fromlist=["pack_for_ray"])
-            protocol = __import__("wanmesh.parallel.protocol", fromlist=["encode_message"])
+            import importlib
 
-            runtime_module = __import__("wanmesh.parallel.worker.runtime", fromlist=["StepReporter"])
-            send = (lambda fields: self.queue.put_nowait({"kind": "progress", "id": request_id, **fields}))
-            progress = runtime_module.StepReporter(send if self.rank == 0 else None, self.runtime.status)
-
-            def pack_reply(reply):
-                return protocol.encode_message(reply, transport.pack_for_ray)
-
-            outcome = self.runtime.execute_wire(body, request_id, transport.unpack_from_ray, pack_reply, progress)
-            outcome["id"] = request_id
-            return outcome
+            transport = importlib.import_module("wanmesh.parallel.transport")
+            protocol = importlib.import_module("wanmesh.parallel.protocol")
+            return self.session.run(
+                body, request_id, transport.unpack_from_ray,
+                lambda reply: protocol.encode_message(reply, transport.pack_for_ray),
+                lambda fields: self.queue.put_nowait({"kind": "progress", "id": request_id, **fields}))
 
         def cancel(self, request_id: int) -> None:
-            if self.runtime is not None:
-                self.runtime.stops.cancel(request_id)
+            if self.session is not None:
+                self.session.cancel(request_id)
 
         def pid(self) -> int:
             return os.getpid()
@@ -211,7 +197,7 @@ class RayWorkers:
         gpu = self._use_gpus()
         self.queue = Queue()
         settings = {"config": self.config.to_dict(), "gpu": gpu, "pg_timeout_s": self.pg_timeout_s,
-                    "diagnostics": self.diagnostics, "worker_timeout": self.config.worker_timeout}
+                    "diagnostics": self.diagnostics}
         actor = _actor_class(ray).options(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
         self.actors = [actor.remote(PACK_DIR, rank, settings, self.queue) for rank in range(self.config.world)]
         host, port = self._get(self.actors[0].rendezvous_address.remote(), timeout_s, "starting")

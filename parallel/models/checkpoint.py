@@ -9,7 +9,6 @@ or, with `read_stored`, as the file stores them (`quantized.StoredTensor`), for 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -262,18 +261,6 @@ class WeightSource:
 
     def merged_with(self, other: WeightSource) -> WeightSource:
         return WeightSource({**self.refs, **other.refs}, f"{self.description} + {other.description}")
-
-
-def open_files(paths: Iterable[Path], stack: contextlib.ExitStack) -> list[CheckpointFile]:
-    """Open several checkpoint files (safetensors, pickles or GGUF), closing them when `stack` closes."""
-    from .gguf_file import GGUFFile, is_gguf_path
-
-    files = []
-    for path in paths:
-        checkpoint = GGUFFile(path) if is_gguf_path(path) else CheckpointFile(path)
-        stack.callback(checkpoint.close)
-        files.append(checkpoint)
-    return files
 
 
 def list_safetensors_shards(folder: Path, weights_name: str) -> list[Path]:

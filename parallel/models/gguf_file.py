@@ -13,17 +13,20 @@ quant-block boundaries; a slice that cuts blocks is read as whole rows, dequanti
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
-from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, TensorSlice
+from .checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, ModelFileError, TensorSlice
+from .dequant import SUPPORTED_TYPES, supported_names  # the types this package can dequantise are the ones a file may hold
 from .quantized import StoredTensor, dequantize_stored
 
-__all__ = ["GGUF_SUFFIX", "GGUFFile", "SUPPORTED_TYPES", "WAN_ARCHITECTURE", "block_size", "is_gguf_path"]
+__all__ = ["GGUF_SUFFIX", "GGUFFile", "open_files", "SUPPORTED_TYPES", "WAN_ARCHITECTURE", "block_size", "is_gguf_path"]
 
 GGUF_SUFFIX = ".gguf"
 WAN_ARCHITECTURE = "wan"
@@ -31,10 +34,6 @@ ORIGINAL_SHAPE_FIELD = "comfy.gguf.orig_shape."  # ComfyUI-GGUF's key for tensor
 HEAD_COUNT_FIELD = "{arch}.attention.head_count"
 WAN_LATENT_CHANNELS = 16  # Wan 2.1 / 2.2 A14B; the 5B TI2V model uses 48-channel latents
 _Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = frozenset({
-    _Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q5_0, _Q.Q5_1, _Q.Q4_0, _Q.Q4_1,
-    _Q.Q6_K, _Q.Q5_K, _Q.Q4_K, _Q.Q3_K, _Q.Q2_K,
-})
 FLOAT_TYPES = frozenset({_Q.F32, _Q.F16, _Q.BF16})
 
 
@@ -45,10 +44,6 @@ def is_gguf_path(path: str | Path) -> bool:
 def block_size(tensor_type: gguf.GGMLQuantizationType) -> int:
     """Elements per quant block along the input dimension (1 for float types)."""
     return gguf.GGML_QUANT_SIZES[tensor_type][0]
-
-
-def _supported_names() -> str:
-    return ", ".join(sorted(quant.name for quant in SUPPORTED_TYPES))
 
 
 def _string_field(reader: gguf.GGUFReader, name: str) -> str | None:
@@ -125,7 +120,7 @@ class GGUFFile:
             key = unsupported[0]
             raise ModelFileError(
                 f"{self.path}: tensor {key} has GGUF type {self.tensor_type(key).name}, which cannot be loaded "
-                f"({len(unsupported)} such tensors); supported types: {_supported_names()}")
+                f"({len(unsupported)} such tensors); supported types: {supported_names()}")
 
     def _check_latent_channels(self) -> None:
         shapes = {key.removeprefix(COMFY_TRANSFORMER_PREFIX): shape for key, shape in self._shapes.items()}
@@ -212,3 +207,14 @@ def _full_index(index: TensorSlice, ndim: int) -> tuple[slice, ...]:
     if any(not isinstance(entry, slice) for entry in index):
         raise ValueError(f"GGUF tensors are read by slices only, got index {index}")
     return tuple(index) + (slice(None),) * (ndim - len(index))
+
+
+def open_files(paths: Iterable[Path], stack: contextlib.ExitStack) -> list[CheckpointFile | GGUFFile]:
+    """Open several weight files, each by its format (GGUF here; safetensors and pickles as
+    ``checkpoint.CheckpointFile``), closing them when ``stack`` closes."""
+    files = []
+    for path in paths:
+        checkpoint = GGUFFile(path) if is_gguf_path(path) else CheckpointFile(path)
+        stack.callback(checkpoint.close)
+        files.append(checkpoint)
+    return files

@@ -1,6 +1,7 @@
 """Quantized linear weights held as stored on each rank; runs in the worker processes.
 
-A transformer or VACE block linear (attention q/k/v/out, the FFN) whose file stores it quantized (fp8 and ComfyUI
+A transformer or VACE block linear (attention q/k/v/out, the FFN), or the modulation or text projection, whose
+file stores it quantized (fp8 and ComfyUI
 "scaled fp8": fp8 values times one float32 ``scale_weight`` per layer; GGUF: quant blocks) keeps those bytes as a
 parameter. A parametrization on the layer's ``weight`` (``torch.nn.utils.parametrize``) dequantizes them to the
 compute dtype each time the layer reads its weight, so the full-precision weight lives only for its own matmul, as
@@ -24,7 +25,12 @@ __all__ = ["FP8", "Dequantize", "StoredTensor", "dequantize_stored", "hold_store
            "keeps_quantized", "logical_weight", "quantized_layers", "read_weights"]
 
 FP8 = "fp8"  # the qtype of fp8 values (e4m3fn, e5m2), with or without a scale; GGUF tensors use gguf's type enum
-QUANTIZED_PREFIXES = ("blocks.", "vace_blocks.")  # the block linears: nearly all of a Wan transformer's bytes
+# The linears that may stay quantized, by diffusers and original (file) names: the transformer and VACE blocks (nearly
+# all of a Wan transformer's bytes), the timestep modulation projection (6 x dim x dim) and the text projection.
+# The time embedder stays float: diffusers casts the timestep to the dtype of its first parameter.
+BLOCK_PREFIXES = ("blocks.", "vace_blocks.")
+QUANTIZED_PREFIXES = BLOCK_PREFIXES + ("condition_embedder.time_proj.", "time_projection.",
+                                       "condition_embedder.text_embedder.", "text_embedding.")
 
 
 @dataclass(frozen=True)
@@ -48,10 +54,10 @@ def dequantize_stored(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: 
 
     The one dequantization used at load ("dequantize") and per matmul ("keep"), so both give the same weights."""
     if qtype == FP8:
-        values = data.to(torch.float32)
-        if scale is not None:  # ComfyUI stores one scalar per layer: real weight = fp8 weight x scale_weight
-            values = values * scale.to(device=values.device, dtype=torch.float32)
-        return values.to(dtype)
+        values = data.to(dtype)  # exact: every fp8 value is a float16, bfloat16 and float32 value
+        if scale is not None:  # one scalar per layer: real weight = fp8 weight x scale_weight, in the compute
+            values *= scale.to(device=values.device, dtype=dtype)  # dtype, as ComfyUI's scaled fp8 ops do
+        return values
     from .dequant import dequantize
 
     return dequantize(data, qtype, dtype).reshape(shape)
@@ -73,9 +79,10 @@ class Dequantize(nn.Module):
         return f"{name}, shape={list(self.shape)}, dtype={self.dtype}"
 
 
-def keeps_quantized(name: str) -> bool:
-    """Whether parameter ``name`` may stay quantized: the weight of a block linear (its stored form decides)."""
-    return name.startswith(QUANTIZED_PREFIXES) and name.endswith(".weight") and ".norm" not in name
+def keeps_quantized(name: str, prefixes: tuple[str, ...] = QUANTIZED_PREFIXES) -> bool:
+    """Whether parameter ``name`` may stay quantized: the weight of a linear under ``prefixes`` (its stored form
+    decides whether it is quantized)."""
+    return name.startswith(prefixes) and name.endswith(".weight") and ".norm" not in name
 
 
 def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, device: str | torch.device) -> None:
@@ -84,6 +91,11 @@ def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, de
     scale = None if stored.scale is None else stored.scale.to(device=device, dtype=torch.float32, copy=True)
     parametrize.register_parametrization(module, "weight", Dequantize(stored.qtype, stored.shape, dtype, scale),
                                          unsafe=True)  # unsafe: the stored tensor's shape and dtype differ on purpose
+
+
+def logical_name(parameter_name: str) -> str:
+    """A parameter's name as its layer reads it: a quantized layer's stored tensor is its ``weight``."""
+    return parameter_name.replace(".parametrizations.weight.original", ".weight")
 
 
 def is_quantized_layer(module: nn.Module) -> bool:

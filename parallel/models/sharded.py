@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import TensorSlice, WeightSource, build_empty, load_weights_into
-from .quantized import StoredTensor
+from .quantized import StoredTensor, logical_name
 from .wan import transformer_weight_source
 from ..distributed.tensor_parallel import (
     TensorParallelPlan,
@@ -124,7 +124,7 @@ def weight_bytes(model: nn.Module, plan: TensorParallelPlan | None = None) -> di
     sharded = replicated = 0
     for name, parameter in model.named_parameters():
         size = parameter.numel() * parameter.element_size()
-        if name in sharded_names:
+        if logical_name(name) in sharded_names:
             sharded += size
         else:
             replicated += size

@@ -21,16 +21,17 @@ from .checkpoint import (
     build_empty,
     list_safetensors_shards,
     load_weights_into,
-    open_files,
     resolve_model_location,
 )
+from .gguf_file import open_files
 from .detect import describe_kind, detect_kind, infer_umt5_config
+from ..config import TEXT_TOKENS
 
 SPIECE_KEY = "spiece_model"
 SPIECE_FILENAME = "spiece.model"
 PAD_ID = 0
 EOS_ID = 1
-MAX_LENGTH = 512
+MAX_LENGTH = TEXT_TOKENS
 _SHARED = "shared.weight"
 _EMBED_TOKENS = "encoder.embed_tokens.weight"
 

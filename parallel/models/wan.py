@@ -29,11 +29,11 @@ from .checkpoint import (
     build_empty,
     list_safetensors_shards,
     load_weights_into,
-    open_files,
     rename_map,
     resolve_model_location,
     strip_prefix,
 )
+from .gguf_file import open_files
 from .umt5 import TextEncoder, load_text_encoder
 from .wan_vace import WanVaceMultiContext
 from .detect import (WAN21_LATENT_CHANNELS, check_latent_channels, describe_kind, detect_kind, infer_transformer_config,

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from ..config import SAMPLERS
+from ..config import SAMPLERS, TEXT_TOKENS
 from ..errors import Cancelled
 from ..protocol import SampleRequest
 from .experts import Experts
@@ -22,7 +22,6 @@ from ..vace.context import default_vace_context, vace_model_context
 from .preview import denoised_estimate, preview_image
 from .latents import LATENTS_MEAN, LATENTS_STD, check_finite, denormalize_latents, normalize_latents, seeded_noise
 
-TEXT_CONTEXT_LENGTH = 512  # Wan pads every prompt embedding to 512 tokens with zeros
 
 
 def make_scheduler(sampler: str, shift: float):
@@ -39,8 +38,8 @@ def make_scheduler(sampler: str, shift: float):
 def pad_to_wan_text_length(embedding: torch.Tensor) -> torch.Tensor:
     """One prompt embedding [L, D] as the Wan reference and diffusers' WanPipeline feed it: cut or zero-padded
     to 512 tokens. WanMesh's text encoder returns this; conditioning from elsewhere is used as given."""
-    embedding = embedding[:TEXT_CONTEXT_LENGTH]
-    return torch.cat([embedding, embedding.new_zeros(TEXT_CONTEXT_LENGTH - embedding.shape[0], embedding.shape[1])])
+    embedding = embedding[:TEXT_TOKENS]
+    return torch.cat([embedding, embedding.new_zeros(TEXT_TOKENS - embedding.shape[0], embedding.shape[1])])
 
 
 def text_context(embeddings: list[torch.Tensor], batch: int, dtype: torch.dtype, device) -> torch.Tensor:

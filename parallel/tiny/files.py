@@ -13,6 +13,18 @@ TINY_FILES = {
     "model_gguf": "diffusion_models/wan_tiny_t2v_Q8_0.gguf",
     **{f"lora_{name}": f"loras/wan_tiny_lora_{name}.safetensors" for name in ("comfy", "peft", "kohya", "diff")},
     "model_low": "diffusion_models/wan_tiny_t2v_low.safetensors",  # the tiny low-noise expert (two-expert runs)
+    "model_fp8_scaled": "diffusion_models/wan_tiny_t2v_fp8_scaled.safetensors",  # ComfyUI scaled fp8
+}
+
+# `wanmesh make-tiny DIR --preset medium`: a ~150M-parameter T2V transformer in the formats users have, with the
+# tiny VAE and text encoder beside it (the medium model's text dim is the tiny umT5's).
+MEDIUM_FILES = {
+    "model": "diffusion_models/wan_medium_t2v.safetensors",
+    "model_fp8_scaled": "diffusion_models/wan_medium_t2v_fp8_scaled.safetensors",
+    "model_gguf": "diffusion_models/wan_medium_t2v_Q8_0.gguf",
+    "model_gguf_q4_k": "diffusion_models/wan_medium_t2v_Q4_K.gguf",
+    "vae": TINY_FILES["vae"],
+    "text_encoder": TINY_FILES["text_encoder"],
 }
 
 

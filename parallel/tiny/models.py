@@ -1,10 +1,12 @@
-"""Tiny random Wan / VACE / VAE / umT5 models in the file formats users have (`wanmesh make-tiny DIR`);
-runs in the CLI process and tests.
+"""Tiny random Wan / VACE / VAE / umT5 models in the file formats users have (`wanmesh make-tiny DIR`), and the
+medium preset (`--preset medium`: a ~150M-parameter T2V transformer as bf16, scaled fp8, Q8_0 and Q4_K GGUF, for
+measuring memory and speed); runs in the CLI process and tests.
 
 Everything is deterministic (fixed seeds, single-threaded tokenizer training), so the same files come
 out every time. Single files use the ORIGINAL key layouts; the original names are generated from the
 config and proven by mapping them through diffusers' own key converters back onto exactly the model's
-state-dict keys. Pipeline folders in diffusers layout are written beside them.
+state-dict keys. Pipeline folders in diffusers layout are written beside them. Single files are written
+atomically (a temporary file renamed into place), so an interrupted run leaves no partial model behind.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from diffusers import (
     WanVACETransformer3DModel,
 )
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers, convert_wan_vae_to_diffusers
-from safetensors.torch import save_file
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 from transformers.utils import logging as transformers_logging
 
 from ..models.checkpoint import rename_map
 from ..models.umt5 import SPIECE_FILENAME, SPIECE_KEY
+from ..tensor_files import save_tensors_atomic
+from .files import MEDIUM_FILES, TINY_FILES
 
 SEED = 20250101
 
@@ -45,6 +48,8 @@ TINY_TRANSFORMER = dict(
     qk_norm="rms_norm_across_heads", eps=1e-6,
 )
 TINY_VACE = dict(TINY_TRANSFORMER, vace_layers=[0, 2], vace_in_channels=96)
+# The medium preset: about 143M parameters (dim 1024, 8 layers, 16 heads of 64, FFN 4x), the tiny umT5's text dim.
+MEDIUM_TRANSFORMER = dict(TINY_TRANSFORMER, num_attention_heads=16, attention_head_dim=64, ffn_dim=4096, num_layers=8)
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])
 TINY_UMT5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
@@ -286,15 +291,35 @@ def _write_pipeline(folder: Path, pipeline_class, transformer: torch.nn.Module, 
     (folder / "tokenizer" / SPIECE_FILENAME).write_bytes(models.spiece_model)
 
 
-def _write_tiny_ggufs(t2v_state: dict[str, torch.Tensor], paths: dict[str, Path]) -> None:
-    """The T2V model as GGUF files users have (Q8_0; Q4_K where the input dims allow 256-element blocks)."""
+def _write_ggufs(state: dict[str, torch.Tensor], paths: dict[str, Path], heads: int) -> None:
+    """A T2V state as the GGUF files users have: Q8_0 (``t2v_gguf_q8_0``) and Q4_K (``t2v_gguf_q4_k``; matrices
+    whose input dim is not a whole number of 256-element blocks fall back to F16)."""
     from gguf import GGMLQuantizationType
 
     from .gguf_write import write_wan_gguf
 
-    heads = TINY_TRANSFORMER["num_attention_heads"]
-    write_wan_gguf(t2v_state, paths["t2v_gguf_q8_0"], GGMLQuantizationType.Q8_0, num_heads=heads)
-    write_wan_gguf(t2v_state, paths["t2v_gguf_q4_k"], GGMLQuantizationType.Q4_K, num_heads=heads)
+    write_wan_gguf(state, paths["t2v_gguf_q8_0"], GGMLQuantizationType.Q8_0, num_heads=heads)
+    write_wan_gguf(state, paths["t2v_gguf_q4_k"], GGMLQuantizationType.Q4_K, num_heads=heads)
+
+
+def _write_scaled_fp8(state: dict[str, torch.Tensor], path: Path, heads: dict[str, str]) -> None:
+    from .fp8_write import write_fp8_file
+
+    write_fp8_file(state, path, torch.float8_e4m3fn, scaled=True, metadata=heads)
+
+
+def _write_vae_and_text_encoder(models: TinyModels, paths: dict[str, Path]) -> None:
+    vae_state = original_state_dict(models.vae, original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers)
+    save_tensors_atomic(vae_state, paths["vae"])
+    save_tensors_atomic(original_text_encoder_state(models.text_encoder, models.spiece_model), paths["text_encoder"])
+
+
+def _transformer_state(model: torch.nn.Module, config: dict) -> dict[str, torch.Tensor]:
+    return original_state_dict(model, original_transformer_names(config), convert_wan_transformer_to_diffusers)
+
+
+def _head_metadata(config: dict) -> dict[str, str]:
+    return {"num_heads": str(config["num_attention_heads"])}
 
 
 def make_tiny(directory: str | Path) -> dict[str, Path]:
@@ -311,30 +336,60 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
         "diffusers_vace": root / "diffusers" / "wan_tiny_vace",
         "t2v_gguf_q8_0": root / "diffusion_models" / "wan_tiny_t2v_Q8_0.gguf",
         "t2v_gguf_q4_k": root / "diffusion_models" / "wan_tiny_t2v_Q4_K.gguf",
+        "t2v_fp8_scaled": root / TINY_FILES["model_fp8_scaled"],
         "t2v_low": root / "diffusion_models" / "wan_tiny_t2v_low.safetensors",
     }
-    for path in paths.values():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    heads = {"num_heads": str(TINY_TRANSFORMER["num_attention_heads"])}
-    t2v_state = original_state_dict(models.t2v, original_transformer_names(TINY_TRANSFORMER),
-                                    convert_wan_transformer_to_diffusers)
-    vace_state = original_state_dict(models.vace, original_transformer_names(TINY_VACE),
-                                     convert_wan_transformer_to_diffusers)
-    save_file(t2v_state, paths["t2v"], metadata=heads)
-    _write_tiny_ggufs(t2v_state, paths)
-    save_file(vace_state, paths["vace"], metadata=heads)
+    heads = _head_metadata(TINY_TRANSFORMER)
+    t2v_state = _transformer_state(models.t2v, TINY_TRANSFORMER)
+    vace_state = _transformer_state(models.vace, TINY_VACE)
+    save_tensors_atomic(t2v_state, paths["t2v"], metadata=heads)
+    _write_ggufs(t2v_state, paths, TINY_TRANSFORMER["num_attention_heads"])
+    _write_scaled_fp8(t2v_state, paths["t2v_fp8_scaled"], heads)
+    save_tensors_atomic(vace_state, paths["vace"], metadata=heads)
     module_state = {key: tensor for key, tensor in vace_state.items() if key.startswith("vace_")}
-    save_file(module_state, paths["vace_module"], metadata=heads)
-    save_file(original_state_dict(models.vae, original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers),
-              paths["vae"])
-    save_file(original_text_encoder_state(models.text_encoder, models.spiece_model), paths["text_encoder"])
+    save_tensors_atomic(module_state, paths["vace_module"], metadata=heads)
+    _write_vae_and_text_encoder(models, paths)
     paths.update(_write_loras(root, t2v_state))
-    low_state = original_state_dict(build_tiny_low_noise_expert(), original_transformer_names(TINY_TRANSFORMER),
-                                    convert_wan_transformer_to_diffusers)
-    save_file(low_state, paths["t2v_low"], metadata=heads)
+    save_tensors_atomic(_transformer_state(build_tiny_low_noise_expert(), TINY_TRANSFORMER), paths["t2v_low"],
+                        metadata=heads)
     _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
     _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
     return paths
+
+
+def build_medium_transformer(seed: int = SEED + 5) -> WanTransformer3DModel:
+    """The medium preset's T2V transformer (``MEDIUM_TRANSFORMER``) with seeded random weights."""
+    model = WanTransformer3DModel(**MEDIUM_TRANSFORMER)
+    randomise_(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def make_medium(directory: str | Path) -> dict[str, Path]:
+    """Write the medium preset under `directory` (``files.MEDIUM_FILES``): the medium T2V transformer in bf16,
+    ComfyUI scaled fp8, Q8_0 and Q4_K GGUF (all made from the bf16 weights), and the tiny VAE and text encoder;
+    returns the path of each."""
+    root = Path(directory)
+    paths = {name: root / relative for name, relative in MEDIUM_FILES.items()}
+    float_state = _transformer_state(build_medium_transformer(), MEDIUM_TRANSFORMER)
+    state = {key: tensor.to(torch.bfloat16) for key, tensor in float_state.items()}
+    del float_state
+    heads = _head_metadata(MEDIUM_TRANSFORMER)
+    save_tensors_atomic(state, paths["model"], metadata=heads)
+    _write_scaled_fp8(state, paths["model_fp8_scaled"], heads)
+    _write_ggufs(state, {"t2v_gguf_q8_0": paths["model_gguf"], "t2v_gguf_q4_k": paths["model_gguf_q4_k"]},
+                 MEDIUM_TRANSFORMER["num_attention_heads"])
+    _write_vae_and_text_encoder(build_tiny_models(), paths)
+    return paths
+
+
+PRESETS = {"tiny": make_tiny, "medium": make_medium}
+
+
+def make_models(directory: str | Path, preset: str = "tiny") -> dict[str, Path]:
+    """`wanmesh make-tiny DIR [--preset P]`: write preset ``preset``'s models under ``directory``."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r} is unknown; valid: {', '.join(PRESETS)}")
+    return PRESETS[preset](directory)
 
 
 def _write_loras(root: Path, t2v_state: dict[str, torch.Tensor]) -> dict[str, Path]:

@@ -30,7 +30,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..distributed.tensor_parallel import shard_index
-from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, first_names, open_files, rename_map
+from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, first_names, rename_map
+from ..models.gguf_file import open_files
 from ..models.quantized import logical_weight, quantized_layers
 from ..config import check_lora_strength
 from ..models.lora import DIFFUSERS, KOHYA, LoraHeader, LoraLayer, read_lora_header

@@ -1,7 +1,7 @@
 """The local worker process: one per device, started by the pool in a fresh interpreter (``--rank N``).
 
-It joins the pool's process group, says hello, then serves requests on its ``WorkerRuntime`` until told to
-shut down. A receiver thread reads the connection so that a cancel arrives while a request runs, and the
+It joins the pool's process group (``session.WorkerSession``, shared with the Ray actor), says hello, then
+serves requests from its connection until told to shut down. A receiver thread reads the connection so that a cancel arrives while a request runs, and the
 worker exits as soon as the driver goes away (connection EOF, parent-death signal, or a changed parent
 pid), so no worker outlives its driver.
 """
@@ -24,10 +24,9 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as P
-from ..config import MAX_HEARTBEAT_S, ParallelConfig, heartbeat_interval
-from ..distributed.mesh import init_distributed
+from ..config import ParallelConfig
 from ..transport import ShmReader, ShmWriter, pack_handed_over, remove_segments
-from .runtime import THREADS_ENV, StepReporter, WorkerRuntime, beat_forever
+from .session import WorkerSession
 
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
@@ -85,13 +84,13 @@ def remove_pool_leftovers(shm_prefix: str, pool_dir: str | None) -> None:
 class LocalWorker:
     """Serves one rank of a local pool over its connection to the driver."""
 
-    def __init__(self, runtime: WorkerRuntime, conn: Connection, shm_prefix: str,
+    def __init__(self, session: WorkerSession, conn: Connection, shm_prefix: str,
                  on_driver_gone: Callable[[], None] | None = None):
-        self.runtime = runtime
+        self.session = session
         self.conn = conn
         self.on_driver_gone = on_driver_gone or (lambda: None)
         self.reader = ShmReader(copy_on_write=True)
-        self.writer = ShmWriter(f"{shm_prefix}_r{runtime.rank}", tracked=False) if runtime.rank == 0 else None
+        self.writer = ShmWriter(f"{shm_prefix}_r{session.rank}", tracked=False) if session.rank == 0 else None
         self.shm_prefix = shm_prefix
         self._chunks_sent = 0
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -109,7 +108,7 @@ class LocalWorker:
             except (EOFError, OSError):
                 self.exit_now()
             if message.get("kind") == "cancel":
-                self.runtime.stops.cancel(message["id"])
+                self.session.cancel(message["id"])
             else:
                 self.inbox.put(message)
 
@@ -121,20 +120,16 @@ class LocalWorker:
 
     def send_heartbeat(self, fields: dict[str, Any]) -> None:
         try:
-            self.send({"kind": "heartbeat", "rank": self.runtime.rank, **fields})
+            self.send({"kind": "heartbeat", "rank": self.session.rank, **fields})
         except (OSError, ValueError):  # the driver is gone
             self.exit_now()
 
-    def serve(self, heartbeat_s: float = MAX_HEARTBEAT_S) -> None:
+    def serve(self) -> None:
         threading.Thread(target=self.receive_forever, name="wanmesh-receiver", daemon=True).start()
-        threading.Thread(target=beat_forever, args=(self.runtime.status, heartbeat_s, self.send_heartbeat),
-                         name="wanmesh-heartbeat", daemon=True).start()
+        self.session.start_heartbeats(self.send_heartbeat)
         while True:
             message = self.inbox.get()
-            request_id = message["id"]
-            outcome = self._run(message, request_id)
-            outcome["id"] = request_id
-            self.send(outcome)
+            self.send(self._run(message, message["id"]))
             if message["body"].get("kind") == P.Shutdown.kind:
                 return
 
@@ -142,17 +137,12 @@ class LocalWorker:
         # Request tensors are copy-on-write views of the driver's arena, valid while this request runs:
         # handlers must copy what they keep. Fresh mappings per request keep earlier private writes out.
         self.reader.forget_except(set())
-        progress = self._progress_sender(request_id)
-        return self.runtime.execute_wire(message["body"], request_id, self.reader.view, self._pack_reply, progress)
+        return self.session.run(message["body"], request_id, self.reader.view, self._pack_reply,
+                                lambda fields: self._send_progress(request_id, fields))
 
     def _pack_reply(self, reply: P.Reply) -> dict[str, Any]:
         self.writer.reserve(P.tensors_in(reply))
         return P.encode_message(reply, self.writer.pack)
-
-    def _progress_sender(self, request_id: int) -> StepReporter:
-        if self.runtime.rank != 0:
-            return StepReporter(None, self.runtime.status)
-        return StepReporter(lambda fields: self._send_progress(request_id, fields), self.runtime.status)
 
     def _send_progress(self, request_id: int, fields: dict[str, Any]) -> None:
         chunk = fields.get("chunk")
@@ -165,12 +155,6 @@ class LocalWorker:
         self.send({"kind": "progress", "id": request_id, **fields})
 
 
-def _configure_threads(device: torch.device, world: int) -> None:
-    if device.type == "cpu":
-        threads = int(os.environ.get(THREADS_ENV) or max(1, (os.cpu_count() or 1) // world))
-        torch.set_num_threads(threads)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a local worker process: ``argv[0]`` is the JSON settings written by the pool (``--rank N``
     follows it so that ``ps`` shows which rank a process is)."""
@@ -181,18 +165,17 @@ def main(argv: list[str] | None = None) -> None:
     rank = settings["rank"]
     try:
         config = ParallelConfig.from_dict(settings["config"])
-        device = torch.device(settings["device"])
-        _configure_threads(device, config.world)
         store = torch.distributed.FileStore(settings["store"], config.world)
-        parallel = init_distributed(config, rank, device, store, settings["pg_timeout_s"],
-                                    collective_timeout_s=settings.get("collective_timeout_s"))
-        runtime = WorkerRuntime(parallel, settings.get("diagnostics"))
+        session = WorkerSession(config, rank, torch.device(settings["device"]), store,
+                                pg_timeout_s=settings["pg_timeout_s"],
+                                collective_timeout_s=settings.get("collective_timeout_s"),
+                                diagnostics=settings.get("diagnostics"))
     except Exception as exc:
         conn.send({"kind": "error", **P.WorkerError(rank, type(exc).__name__, str(exc), traceback.format_exc()).to_wire()})
         os._exit(1)
-    worker = LocalWorker(runtime, conn, settings["shm_prefix"], leftovers)
-    worker.send({"kind": "hello", **runtime.health()})
-    worker.serve(heartbeat_interval(config.worker_timeout))
+    worker = LocalWorker(session, conn, settings["shm_prefix"], leftovers)
+    worker.send({"kind": "hello", **session.health()})
+    worker.serve()
     if worker.writer is not None:
         worker.writer.close()
     torch.distributed.destroy_process_group()

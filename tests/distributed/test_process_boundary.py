@@ -32,6 +32,7 @@ COMFYUI_SIDE = {
 }
 WORKER_IDLE = {"parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.transport",
                "parallel.distributed", "parallel.distributed.mesh", "parallel.worker", "parallel.worker.main",
+               "parallel.worker.session",
                "parallel.worker.runtime"}
 NEVER_IN_A_WORKER = ("nodes", "parallel.driver", "parallel.validation", "parallel.cli", "parallel.bench",
                      "parallel.tiny", "parallel.pool_memory")

@@ -112,3 +112,14 @@ def test_engine_checks_heads_before_reading_weights(tiny_models, monkeypatch):
                                coords={"dp": 0, "cfg": 0, "ulysses": 0, "ring": 0, "tp": 0})
     with pytest.raises(ValueError, match="4 attention heads"):
         RankExecutor("cpu", parallel=parallel).load_model(str(tiny_models["t2v"]))
+
+
+def test_causal_sequence_plan_names_modules_of_the_model(t2v):
+    from wanmesh.parallel.distributed.causal_sp import causal_sequence_plan
+
+    plan = causal_sequence_plan(t2v)
+    assert plan.blocks == tuple(f"blocks.{i}" for i in range(len(t2v.blocks)))
+    for path in (*plan.blocks, plan.gather_per_token, plan.gather):
+        t2v.get_submodule(path)  # raises when the plan names a module the model does not have
+    with pytest.raises(TypeError, match="not a Wan transformer"):
+        causal_sequence_plan(torch.nn.Linear(2, 2))

@@ -13,10 +13,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import UMT5EncoderModel
 
+from wanmesh.parallel.models.checkpoint import build_empty
+from wanmesh.parallel.models.wan import load_transformer
 from wanmesh.parallel.tiny import models as tiny
+from wanmesh.parallel.tiny.files import MEDIUM_FILES, TINY_FILES
+from wanmesh.parallel.tiny.fp8_write import write_fp8_file
 
 EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace",
-                 "t2v_gguf_q8_0", "t2v_gguf_q4_k",
+                 "t2v_gguf_q8_0", "t2v_gguf_q4_k", "t2v_fp8_scaled",
                  "lora_comfy", "lora_peft", "lora_kohya", "lora_diff", "t2v_low"}
 WAN_LATENTS_MEAN_FIRST = -0.7571
 WAN_LATENTS_STD_FIRST = 2.8184
@@ -41,7 +45,8 @@ def test_make_tiny_writes_every_model(tiny_models):
 
 def test_make_tiny_is_deterministic(tiny_models, tmp_path):
     again = tiny.make_tiny(tmp_path)
-    for name in ("t2v", "vace", "vace_module", "vae", "text_encoder", "t2v_gguf_q8_0", "t2v_gguf_q4_k"):
+    for name in ("t2v", "vace", "vace_module", "vae", "text_encoder", "t2v_gguf_q8_0", "t2v_gguf_q4_k",
+                 "t2v_fp8_scaled"):
         assert again[name].read_bytes() == tiny_models[name].read_bytes(), name
     for component in ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
         first = (tiny_models["diffusers_vace"] / component).read_bytes()
@@ -131,3 +136,73 @@ def test_tiny_models_give_useful_outputs(tiny_reference):
     assert 0.05 < prediction.std() < 20
     assert latent.shape == (1, 16, 2, 2, 2)  # 4x temporal, 8x spatial
     assert decoded.shape == video.shape and torch.isfinite(decoded).all() and decoded.std() > 1e-3
+
+
+def _forward(model: torch.nn.Module) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, 2, 8, 8, generator=generator)
+    text = torch.randn(1, 7, 64, generator=generator)
+    with torch.no_grad():
+        return model(latents, torch.tensor([500]), text, return_dict=False)[0]
+
+
+def _relative_error(model_file, reference: torch.Tensor) -> float:
+    return float((_forward(load_transformer(str(model_file))) - reference).norm() / reference.norm())
+
+
+def test_scaled_fp8_file_has_comfy_layout_and_is_close_to_the_float_model(tiny_models):
+    assert tiny_models["t2v_fp8_scaled"] == tiny_models["t2v"].parent.parent / TINY_FILES["model_fp8_scaled"]
+    stored, base = load_file(tiny_models["t2v_fp8_scaled"]), load_file(tiny_models["t2v"])
+    marker = stored.pop("scaled_fp8")
+    assert marker.dtype == torch.float8_e4m3fn and marker.numel() == 0
+    scales = {key: stored.pop(key) for key in list(stored) if key.endswith(".scale_weight")}
+    assert set(stored) == set(base)
+    fp8_keys = {key for key, tensor in stored.items() if tensor.dtype == torch.float8_e4m3fn}
+    assert "blocks.0.ffn.0.weight" in fp8_keys and "blocks.3.cross_attn.o.weight" in fp8_keys
+    assert not {key for key in fp8_keys if not key.startswith("blocks.")} and len(fp8_keys) == 4 * 10
+    assert {key.replace(".scale_weight", ".weight") for key in scales} == fp8_keys
+    for key in fp8_keys:
+        scale = scales[key.replace(".weight", ".scale_weight")]
+        assert scale.dtype == torch.float32 and scale.shape == ()
+        assert float(scale) == pytest.approx(float(base[key].abs().max()) / 448, rel=1e-6)
+    assert stored["blocks.0.norm3.weight"].dtype == torch.float32 and stored["head.modulation"].dtype == torch.float32
+    with safe_open(tiny_models["t2v_fp8_scaled"], "pt") as handle:
+        assert handle.metadata()["num_heads"] == "4"
+    reference = _forward(load_transformer(str(tiny_models["t2v"])))
+    assert _relative_error(tiny_models["t2v_fp8_scaled"], reference) < 0.05
+
+
+@pytest.mark.parametrize(("dtype", "scaled", "tolerance"), [
+    (torch.float8_e4m3fn, False, 0.05), (torch.float8_e5m2, False, 0.1), (torch.float8_e5m2, True, 0.1)])
+def test_fp8_writer_files_load_close_to_the_float_model(tiny_models, tmp_path, dtype, scaled, tolerance):
+    state = load_file(tiny_models["t2v"])
+    path = write_fp8_file(state, tmp_path / "model.safetensors", dtype, scaled=scaled, metadata={"num_heads": "4"})
+    stored = load_file(path)
+    assert stored["blocks.1.self_attn.q.weight"].dtype == dtype and stored["text_embedding.0.weight"].dtype == torch.float32
+    assert ("scaled_fp8" in stored) == scaled and ("blocks.1.self_attn.q.scale_weight" in stored) == scaled
+    reference = _forward(load_transformer(str(tiny_models["t2v"])))
+    assert _relative_error(path, reference) < tolerance
+
+
+def test_medium_preset_is_about_150m_parameters_with_the_tiny_text_dim():
+    model = build_empty(lambda: WanTransformer3DModel(**tiny.MEDIUM_TRANSFORMER))
+    config = model.config
+    assert (config.num_attention_heads, config.attention_head_dim, config.num_layers) == (16, 64, 8)
+    assert config.ffn_dim == 4 * 1024 and config.text_dim == tiny.TINY_UMT5["d_model"]
+    assert 130e6 < sum(parameter.numel() for parameter in model.parameters()) < 170e6
+
+
+def test_medium_preset_writes_every_format(tmp_path, monkeypatch, tiny_models):
+    monkeypatch.setattr(tiny, "MEDIUM_TRANSFORMER", tiny.TINY_TRANSFORMER)  # the same writers, at the tiny size
+    paths = tiny.make_models(tmp_path, "medium")
+    assert set(paths) == set(MEDIUM_FILES) and all(path.is_file() for path in paths.values())
+    assert paths["vae"].read_bytes() == tiny_models["vae"].read_bytes()
+    assert paths["text_encoder"].read_bytes() == tiny_models["text_encoder"].read_bytes()
+    bf16 = load_file(paths["model"])
+    assert {tensor.dtype for tensor in bf16.values()} == {torch.bfloat16}
+    assert load_file(paths["model_fp8_scaled"])["blocks.0.ffn.2.weight"].dtype == torch.float8_e4m3fn
+    reference = _forward(load_transformer(str(paths["model"])))
+    for name, tolerance in (("model_fp8_scaled", 0.05), ("model_gguf", 0.02), ("model_gguf_q4_k", 0.2)):
+        assert _relative_error(paths[name], reference) < tolerance, name
+    with pytest.raises(ValueError, match="preset 'huge' is unknown"):
+        tiny.make_models(tmp_path, "huge")

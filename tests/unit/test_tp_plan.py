@@ -16,6 +16,7 @@ import torch
 
 from checks import write_fp8_variant
 from wanmesh.parallel.models import checkpoint
+from wanmesh.parallel.models.quantized import read_weights
 from wanmesh.parallel.models.wan import load_transformer, transformer_weight_source
 from wanmesh.parallel.models.sharded import load_transformer_shard, weight_bytes
 from wanmesh.parallel.distributed.tensor_parallel import (
@@ -137,7 +138,7 @@ def test_a_rank_reads_and_holds_only_its_slices(tiny_models, tmp_path, monkeypat
     assert len(sharded_reads) == len(dims)
     assert all(2 * numel == whole for numel, whole in sharded_reads), "a sharded tensor was read whole"
 
-    full_state, shard_state = full.state_dict(), shard.state_dict()
+    full_state, shard_state = read_weights(full), read_weights(shard)
     for name, tensor in shard_state.items():
         expected = full_state[name]
         if name in dims:
