@@ -14,7 +14,7 @@ Files are written atomically (``video_io.written_atomically``, as the project's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -166,18 +166,23 @@ def _blocks(array: np.ndarray, *parts: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, axis=1).reshape(*array.shape[:-1], -1)
 
 
+TypeRule = Callable[[str, tuple[int, ...]], gguf.GGMLQuantizationType]
+
+
 def write_wan_gguf(
     state: Mapping[str, torch.Tensor], path: str | Path, tensor_type: gguf.GGMLQuantizationType,
-    num_heads: int | None = None,
+    num_heads: int | None = None, type_of: TypeRule | None = None,
 ) -> dict[str, gguf.GGMLQuantizationType]:
     """Write an original-layout Wan state dict as a GGUF of `tensor_type` (atomically: nothing appears under `path`
-    unless all of it was written); returns each tensor's stored type."""
+    unless all of it was written); returns each tensor's stored type. ``type_of(key, shape)``, when given, picks each
+    tensor's type instead of `gguf_storage_type` (a file that mixes types, as llama.cpp's "K_M" files do)."""
     with written_atomically(Path(path)) as temporary:
-        return _write_gguf(state, temporary, tensor_type, num_heads)
+        return _write_gguf(state, temporary, tensor_type, num_heads,
+                           type_of or (lambda key, shape: gguf_storage_type(key, shape, tensor_type)))
 
 
 def _write_gguf(state: Mapping[str, torch.Tensor], path: Path, tensor_type: gguf.GGMLQuantizationType,
-                num_heads: int | None) -> dict[str, gguf.GGMLQuantizationType]:
+                num_heads: int | None, type_of: TypeRule) -> dict[str, gguf.GGMLQuantizationType]:
     writer = gguf.GGUFWriter(str(path), arch=WAN_ARCHITECTURE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tensor_type in _FILE_TYPES:
@@ -187,7 +192,7 @@ def _write_gguf(state: Mapping[str, torch.Tensor], path: Path, tensor_type: gguf
     stored = {}
     for key, tensor in state.items():
         array = tensor.detach().to(torch.float32).numpy()
-        stored[key] = gguf_storage_type(key, array.shape, tensor_type)
+        stored[key] = type_of(key, array.shape)
         writer.add_tensor(key, quantize(array, stored[key]), raw_dtype=stored[key])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
