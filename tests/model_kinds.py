@@ -5,8 +5,8 @@ Kinds: safetensors in fp32, fp16, bf16, plain fp8 (e4m3fn, e5m2) and ComfyUI's s
 ComfyUI's ``model.diffusion_model.`` prefix, the diffusers folder ``wanmesh make-tiny`` writes, and GGUF files of
 every supported tensor type plus one mixed file as llama.cpp's Q4_K_M makes it. Each kind carries the error bar its
 sampled latents must keep against the float file's (``relative_error``), chosen from measured errors with margin.
-A kind whose writer is missing (the gguf package has no K-quant quantisers; ``tiny/gguf_write.py`` packs Q4_K
-itself) is listed with the reason instead of a file, so the tests skip it by name until the quantiser lands.
+Writers: ``tiny/fp8_write.py`` (fp8, scaled fp8) and ``tiny/gguf_write.py`` (every GGUF type; a per-tensor type
+rule for the mixed file).
 
 The files go under ``diffusion_models/kinds/`` (the diffusers kind is the tree's own ``diffusers/wan_tiny_t2v``),
 so a ComfyUI server configured with the tree lists them as ``kinds/<file>``.
@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wanmesh.parallel.models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
-from wanmesh.parallel.models.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
+from wanmesh.parallel.models.gguf_file import block_size
+from wanmesh.parallel.tiny.fp8_write import fp8_state, write_fp8_file
 from wanmesh.parallel.tiny.gguf_write import gguf_storage_type, quantize, write_wan_gguf
 from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
 
@@ -33,19 +34,22 @@ Q = gguf.GGMLQuantizationType
 KINDS_FOLDER = "diffusion_models/kinds"
 DIFFUSERS_T2V = "diffusers/wan_tiny_t2v"  # written by make-tiny: the T2V pipeline folder
 HEADS = TINY_TRANSFORMER["num_attention_heads"]
+METADATA = {"num_heads": str(HEADS)}
 
 # Relative error bars (||latents - float latents|| / ||float latents||, ``relative_error``) for 2 unipc steps at cfg 5
-# on the tiny model, 32x32, 5 frames. Measured (command line and Model Loader alike): 0 for the same float32
-# weights; fp16 3e-4, bf16 2.5e-3; fp8 e4m3fn 0.018, scaled 0.017, e5m2 0.037; Q8_0 0.007; Q5_0 0.057, Q5_1 0.049;
-# Q4_K 0.042 (on this model only ffn.2 and time_embedding.0 have whole 256-blocks, the rest is F16), Q4_1 0.10,
-# Q4_0 0.12. Another seed: 1.3. Each bar is about twice the largest error measured for its kinds.
+# on the tiny model, 32x32, 5 frames. Measured (command line and Model Loader alike, keep = dequantize): 0 for the same
+# float32 weights; fp16 3e-4, bf16 2.7e-3 (GGUF F16 2.5e-4, BF16 2.2e-3); fp8 e4m3fn 0.018, scaled 0.018, e5m2 0.037;
+# Q8_0 0.007; Q6_K 0.010, Q5_K 0.024, Q5_1 0.050, Q5_0 0.058; Q4_K 0.039, Q4_K_M 0.051, Q3_K 0.073, Q4_1 0.107,
+# Q4_0 0.111; Q2_K 0.179. Another seed: 1.3. The K types cover few tensors here: only ffn.2 and time_embedding.0 have
+# whole 256-blocks in this model (the rest falls back to F16, or Q5_0 / Q8_0 in the mixed file). Each bar is about
+# twice the largest error measured for its kinds.
 EXACT = 1e-6  # the same float32 weights (re-saved, prefixed, diffusers folder, GGUF F32)
 HALF = 0.01  # fp16 / bf16 weights
 FP8 = 0.08  # plain (e4m3fn, e5m2) and scaled fp8
 Q8 = 0.02  # Q8_0
 Q5_Q6 = 0.12  # Q6_K, Q5_K, Q5_0, Q5_1
-Q4 = 0.25  # Q4_K, Q4_0, Q4_1, the mixed Q4_K_M
-LOWEST = 0.5  # Q3_K, Q2_K: not measured yet (no quantiser); about twice what Q4 measures, to be set when they land
+Q4 = 0.25  # Q4_K, Q4_0, Q4_1, the mixed Q4_K_M, Q3_K
+Q2 = 0.4  # Q2_K
 
 
 @dataclass(frozen=True)
@@ -57,44 +61,21 @@ class ModelKind:
     bar: float
     quantized: bool  # stored quantized (fp8, GGUF quant blocks): "keep" and "dequantize" hold it differently
     write: Callable[[Mapping[str, torch.Tensor], Path], None] | None  # None: written by make-tiny already
-    gguf_types: tuple[Q, ...] = ()  # the GGUF types its tensors are quantised to (each needs a quantiser)
 
 
 def _safetensors(dtype: torch.dtype, prefix: str = ""):
     def write(state, path):
         save_file({prefix + key: tensor.to(dtype).contiguous() for key, tensor in state.items()}, path,
-                  metadata={"num_heads": str(HEADS)})
+                  metadata=METADATA)
     return write
 
 
-_BLOCK_LINEAR = re.compile(r"(vace_)?blocks\.\d+\..+\.weight")
-
-
-def write_fp8_file(state: Mapping[str, torch.Tensor], path: str | Path, fp8_dtype: torch.dtype, scaled: bool) -> None:
-    """The block linears (2-D weights under ``blocks.N`` / ``vace_blocks.N``) as fp8, the rest as given; scaled:
-    each stored as W / scale with its float32 ``scale_weight`` (absmax over the fp8 maximum) and the empty
-    ``scaled_fp8`` marker, as ComfyUI writes them."""
-    largest = torch.finfo(fp8_dtype).max
-    stored = {}
-    for key, tensor in state.items():
-        if tensor.ndim != 2 or not _BLOCK_LINEAR.fullmatch(key):
-            stored[key] = tensor.contiguous()
-            continue
-        scale = (tensor.abs().max().float() / largest).clamp_min(1e-12) if scaled else torch.tensor(1.0)
-        stored[key] = (tensor.float() / scale).clamp(-largest, largest).to(fp8_dtype)
-        if scaled:
-            stored[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(())
-    if scaled:
-        stored[SCALED_FP8_MARKER] = torch.empty(0, dtype=fp8_dtype)
-    save_file(stored, str(path), metadata={"num_heads": str(HEADS)})
-
-
 def _fp8(fp8_dtype: torch.dtype, scaled: bool):
-    return lambda state, path: write_fp8_file(state, path, fp8_dtype, scaled)
+    return lambda state, path: write_fp8_file(state, path, fp8_dtype, scaled, metadata=METADATA)
 
 
-def _gguf(tensor_type: Q):
-    return lambda state, path: write_wan_gguf(state, path, tensor_type, num_heads=HEADS)
+def _gguf(tensor_type: Q, type_of=None):
+    return lambda state, path: write_wan_gguf(state, path, tensor_type, num_heads=HEADS, type_of=type_of)
 
 
 # -- a mixed GGUF: llama.cpp's Q4_K_M choice per tensor --------------------------------------------------------
@@ -121,28 +102,8 @@ def q4_k_m_type(key: str, shape: tuple[int, ...], layers: int) -> Q:
     return target if shape[-1] % block_size(target) == 0 else _K_FALLBACK[target]
 
 
-def write_mixed_gguf(state: Mapping[str, torch.Tensor], path: str | Path,
-                     type_of: Callable[[str, tuple[int, ...]], Q], file_type: gguf.LlamaFileType) -> dict[str, Q]:
-    """A GGUF whose tensors each have the type ``type_of(key, shape)`` gives; returns the types used."""
-    writer = gguf.GGUFWriter(str(path), arch=WAN_ARCHITECTURE)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_file_type(file_type)
-    writer.add_uint32(HEAD_COUNT_FIELD.format(arch=WAN_ARCHITECTURE), HEADS)
-    types = {}
-    for key, tensor in state.items():
-        array = tensor.detach().to(torch.float32).numpy()
-        types[key] = type_of(key, array.shape)
-        writer.add_tensor(key, quantize(array, types[key]), raw_dtype=types[key])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return types
-
-
-def _q4_k_m(state, path):
-    layers = TINY_TRANSFORMER["num_layers"]
-    write_mixed_gguf(state, path, lambda key, shape: q4_k_m_type(key, shape, layers), gguf.LlamaFileType.MOSTLY_Q4_K_M)
+def _q4_k_m(key: str, shape: tuple[int, ...]) -> Q:
+    return q4_k_m_type(key, shape, TINY_TRANSFORMER["num_layers"])
 
 
 # -- the kinds -----------------------------------------------------------------------------------------------
@@ -152,7 +113,7 @@ def _file(stem: str, suffix: str) -> str:
 
 
 _GGUF_BARS = {Q.F32: EXACT, Q.F16: HALF, Q.BF16: HALF, Q.Q8_0: Q8, Q.Q6_K: Q5_Q6, Q.Q5_K: Q5_Q6, Q.Q5_0: Q5_Q6,
-              Q.Q5_1: Q5_Q6, Q.Q4_K: Q4, Q.Q4_0: Q4, Q.Q4_1: Q4, Q.Q3_K: LOWEST, Q.Q2_K: LOWEST}
+              Q.Q5_1: Q5_Q6, Q.Q4_K: Q4, Q.Q4_0: Q4, Q.Q4_1: Q4, Q.Q3_K: Q4, Q.Q2_K: Q2}
 KINDS: dict[str, ModelKind] = {kind.name: kind for kind in [
     ModelKind("fp32", _file("fp32", ".safetensors"), EXACT, False, _safetensors(torch.float32)),
     ModelKind("fp16", _file("fp16", ".safetensors"), HALF, False, _safetensors(torch.float16)),
@@ -163,10 +124,9 @@ KINDS: dict[str, ModelKind] = {kind.name: kind for kind in [
     ModelKind("prefixed", _file("prefixed", ".safetensors"), EXACT, False,
               _safetensors(torch.float32, COMFY_TRANSFORMER_PREFIX)),
     ModelKind("diffusers", DIFFUSERS_T2V, EXACT, False, None),
-    *(ModelKind(f"gguf_{t.name}", _file(t.name, ".gguf"), bar, t not in (Q.F32, Q.F16, Q.BF16), _gguf(t), (t,))
+    *(ModelKind(f"gguf_{t.name}", _file(t.name, ".gguf"), bar, t not in (Q.F32, Q.F16, Q.BF16), _gguf(t))
       for t, bar in _GGUF_BARS.items()),
-    ModelKind("gguf_Q4_K_M", _file("Q4_K_M", ".gguf"), Q4, True, _q4_k_m,
-              (Q.Q4_K, Q.Q6_K, *_K_FALLBACK.values())),
+    ModelKind("gguf_Q4_K_M", _file("Q4_K_M", ".gguf"), Q4, True, _gguf(Q.Q4_K, _q4_k_m)),
 ]}
 FLOAT_KIND = "fp32"  # the reference every kind is compared with
 
@@ -177,10 +137,9 @@ def relative_error(latents: torch.Tensor, reference: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class WrittenKinds:
-    """The kinds written into one models tree: each kind's path, or why it could not be written."""
+    """The kinds written into one models tree."""
 
     root: Path
-    missing: dict[str, str]  # kind name -> reason (a quantiser that does not exist yet)
 
     def path(self, name: str) -> Path:
         return self.root / KINDS[name].file
@@ -195,25 +154,10 @@ def write_model_kinds(root: Path, float_file: Path) -> WrittenKinds:
     """Write every kind of ``float_file`` (an original-layout T2V safetensors) under ``root``."""
     state = load_file(str(float_file))
     (root / KINDS_FOLDER).mkdir(parents=True, exist_ok=True)
-    missing = {}
     for kind in KINDS.values():
-        if kind.write is None:
-            continue
-        unavailable = [t.name for t in kind.gguf_types if not has_quantiser(t)]
-        if unavailable:
-            missing[kind.name] = (f"{kind.name} needs a {', '.join(unavailable)} quantiser, which tiny/gguf_write.py "
-                                  "does not have yet (the gguf package has no K-quant quantisers)")
-            continue
-        kind.write(state, root / kind.file)
-    return WrittenKinds(root, missing)
-
-
-def has_quantiser(tensor_type: Q) -> bool:
-    try:
-        quantize(np.zeros((1, block_size(tensor_type)), dtype=np.float32), tensor_type)
-    except NotImplementedError:
-        return False
-    return True
+        if kind.write is not None:
+            kind.write(state, root / kind.file)
+    return WrittenKinds(root)
 
 
 # -- files that must be refused before any weight is read, and one that looks odd but is fine -------------------
@@ -249,18 +193,15 @@ def _truncated_gguf(state, path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def _unsupported_type_gguf(state, path):
-    write_mixed_gguf(state, path, lambda key, shape: Q.TQ2_0 if key == UNSUPPORTED_TYPE_TENSOR
-                     else gguf_storage_type(key, shape, Q.Q8_0), gguf.LlamaFileType.MOSTLY_Q8_0)
+def _unsupported_type(key: str, shape: tuple[int, ...]) -> Q:
+    return Q.TQ2_0 if key == UNSUPPORTED_TYPE_TENSOR else gguf_storage_type(key, shape, Q.Q8_0)
 
 
 def _scaled_fp8_without(drop: Callable[[str], bool]):
     """A scaled fp8 file with the tensors ``drop`` names left out."""
     def write(state, path):
-        write_fp8_file(state, path, torch.float8_e4m3fn, scaled=True)
-        stored = load_file(str(path))
-        save_file({key: tensor for key, tensor in stored.items() if not drop(key)}, str(path),
-                  metadata={"num_heads": str(HEADS)})
+        stored = fp8_state(state, torch.float8_e4m3fn, scaled=True)
+        save_file({key: tensor for key, tensor in stored.items() if not drop(key)}, str(path), metadata=METADATA)
     return write
 
 
@@ -268,7 +209,7 @@ _BAD_WRITERS = {
     "gguf_llama": _foreign_gguf("llama", "token_embd.weight"),
     "gguf_flux": _foreign_gguf("flux", "double_blocks.0.img_attn.qkv.weight"),
     "gguf_truncated": _truncated_gguf,
-    "gguf_unsupported_type": _unsupported_type_gguf,
+    "gguf_unsupported_type": _gguf(Q.Q8_0, _unsupported_type),
     "fp8_scaled_missing_scale": _scaled_fp8_without(lambda key: key == "blocks.0.self_attn.q.scale_weight"),
 }
 

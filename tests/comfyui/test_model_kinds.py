@@ -18,7 +18,7 @@ into the session's models tree, which the ComfyUI server of this module serves.
 
 Each kind's latents stay within its error bar of the float file's (``model_kinds``: exact for the same float32
 weights, close for fp16/bf16, fp8 and Q8_0, looser for 5 bits, loosest for 4 bits and fewer); another seed lands
-far outside every bar, so the comparison can fail. A kind whose quantiser does not exist yet is skipped by name.
+far outside every bar, so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -69,14 +69,8 @@ def kinds(tiny_models_dir: Path) -> WrittenKinds:
     write_bad_model_files(tiny_models_dir, float_file)
     (tiny_models_dir / UNET_ONLY_FOLDER).mkdir(exist_ok=True)
     (tiny_models_dir / UNET_ONLY_FOLDER / UNET_ONLY_FILE).write_bytes(written.path("gguf_Q8_0").read_bytes())
-    print(f"\nmodel kinds written in {time.monotonic() - started:.1f} s; not written: {sorted(written.missing)}")
+    print(f"\nmodel kinds written in {time.monotonic() - started:.1f} s")
     return written
-
-
-def _skip_missing(kinds: WrittenKinds, *names: str) -> None:
-    for name in names:
-        if name in kinds.missing:
-            pytest.skip(kinds.missing[name])
 
 
 # == the command line =========================================================================================
@@ -109,16 +103,16 @@ def _cli_commands(kinds: WrittenKinds) -> dict[str, Any]:
                **{name: tree / vace_module_file(name) for name in VACE_MODULE_KINDS}}
     lora = ["--lora", f"{tree / 'loras' / LORA[0]}:{LORA[1]}"]
     commands = {f"{name}:keep": (lambda out, name=name: _generate(tree, out, kinds.path(name)))
-                for name in KINDS if name not in kinds.missing}
+                for name in KINDS}
     commands.update({
         f"{name}:dequantize": (lambda out, name=name: _generate(tree, out, kinds.path(name), "--weights", "dequantize"))
-        for name in CLI_DEQUANTIZE if name not in kinds.missing})
+        for name in CLI_DEQUANTIZE})
     commands.update({f"vace:{name}": (lambda out, module=module: _generate(
         tree, out, kinds.path(FLOAT_KIND), "--vace-module", str(module))) for name, module in modules.items()})
     commands.update({f"lora:{name}": (lambda out, name=name: _generate(tree, out, kinds.path(name), *lora))
                      for name in (FLOAT_KIND, *QUANTIZED_FOR_PATHS)})
     commands.update({f"stream:{name}": (lambda out, name=name: _stream(tree, out, kinds.path(name)))
-                     for name in (FLOAT_KIND, *STREAM_KINDS) if name not in kinds.missing})
+                     for name in (FLOAT_KIND, *STREAM_KINDS)})
     commands["two_experts"] = lambda out: _generate(tree, out, kinds.path(TWO_EXPERTS[0]), "--model-low",
                                                     str(kinds.path(TWO_EXPERTS[1])))
     return commands
@@ -179,7 +173,6 @@ def _latents(results: dict[str, dict], name: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_generate_runs_every_kind_close_to_the_float_file(kinds, cli, name):
-    _skip_missing(kinds, name)
     error = relative_error(_latents(cli, f"{name}:keep"), _latents(cli, f"{FLOAT_KIND}:keep"))
     print(f"wanmesh generate --model {name}: relative error {error:.3g} (bar {KINDS[name].bar})")
     assert error <= KINDS[name].bar, f"{name}: relative error {error:.3g} over its bar {KINDS[name].bar}"
@@ -187,7 +180,6 @@ def test_generate_runs_every_kind_close_to_the_float_file(kinds, cli, name):
 
 @pytest.mark.parametrize("name", CLI_DEQUANTIZE)
 def test_generate_weights_dequantize_gives_the_kept_weights_result(kinds, cli, name):
-    _skip_missing(kinds, name)
     difference = (_latents(cli, f"{name}:keep") - _latents(cli, f"{name}:dequantize")).abs().max()
     assert difference <= SAME_WEIGHTS, f"{name}: --weights keep and dequantize differ by {difference:.3g}"
 
@@ -217,7 +209,6 @@ def test_generate_applies_a_lora_to_a_quantized_model(kinds, cli, name):
 
 @pytest.mark.parametrize("name", STREAM_KINDS)
 def test_stream_runs_quantized_files(kinds, cli, name):
-    _skip_missing(kinds, name)
     error = relative_error(_latents(cli, f"stream:{name}"), _latents(cli, f"stream:{FLOAT_KIND}"))
     assert error <= KINDS[name].bar, f"{name}: relative error {error:.3g}"
     assert "chunk 1:" in cli[f"stream:{name}"]["stdout"]
@@ -308,9 +299,8 @@ def node_matrix(kinds: WrittenKinds, recent_comfyui_server: ComfyUIServer, info)
     in the unet-only folder, scales without the marker, and the float file at another seed."""
     graph = Graph(info, SINGLE_RANK_POOL)
     for name in KINDS:
-        if name not in kinds.missing:
-            for mode in _modes(name):
-                graph.add(f"{name}:{mode}", kinds.comfy_name(name), mode)
+        for mode in _modes(name):
+            graph.add(f"{name}:{mode}", kinds.comfy_name(name), mode)
     float_name = kinds.comfy_name(FLOAT_KIND)
     graph.add("other_seed", float_name, seed=SEED + 1)
     graph.add("unet_only", UNET_ONLY_FILE)
@@ -328,7 +318,7 @@ def node_matrix(kinds: WrittenKinds, recent_comfyui_server: ComfyUIServer, info)
 
 def test_the_model_loader_lists_every_kind(kinds, info):
     listed = info["WanMeshModelLoader"]["input"]["required"]["model_name"][0]
-    expected = [kinds.comfy_name(name) for name in KINDS if name not in kinds.missing]
+    expected = [kinds.comfy_name(name) for name in KINDS]
     missing = [name for name in [*expected, UNET_ONLY_FILE] if name not in listed]
     assert not missing, f"not in the Model Loader's list: {missing}"
     modules = info["WanMeshModelLoader"]["input"]["optional"]["vace_module"][0]
@@ -337,7 +327,6 @@ def test_the_model_loader_lists_every_kind(kinds, info):
 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_the_model_loader_runs_every_kind_close_to_the_float_file(kinds, node_matrix, name):
-    _skip_missing(kinds, name)
     reference = node_matrix[f"{FLOAT_KIND}:keep"]
     for mode in _modes(name):
         error = relative_error(node_matrix[f"{name}:{mode}"], reference)
@@ -404,8 +393,7 @@ def node_tp2(kinds: WrittenKinds, node_matrix, recent_comfyui_server: ComfyUISer
     """The representative kinds on a tp 2 pool (one prompt)."""
     graph = Graph(info, {**SINGLE_RANK_POOL, "devices": "cpu:2", "world": 2, "tp": 2})
     for name in TP2_KINDS:
-        if name not in kinds.missing:
-            graph.add(name, kinds.comfy_name(name))
+        graph.add(name, kinds.comfy_name(name))
     started = time.monotonic()
     latents = graph.run(recent_comfyui_server)
     print(f"\ntp 2 prompt, {len(graph.cases)} kinds: {time.monotonic() - started:.1f} s")
@@ -414,7 +402,6 @@ def node_tp2(kinds: WrittenKinds, node_matrix, recent_comfyui_server: ComfyUISer
 
 @pytest.mark.parametrize("name", TP2_KINDS)
 def test_tp2_gives_the_one_rank_latents(kinds, node_matrix, node_tp2, name):
-    _skip_missing(kinds, name)
     difference = (node_tp2[name] - node_matrix[f"{name}:keep"]).abs().max()
     assert difference <= TP_TOLERANCE, f"{name}: tp 2 differs from one rank by {difference:.3g}"
 
@@ -427,8 +414,7 @@ def node_2024(kinds: WrittenKinds, comfyui_server: ComfyUIServer) -> tuple[dict[
     info = comfyui_server.get_json("/object_info")
     graph = Graph(info, SINGLE_RANK_POOL)
     for name in TP2_KINDS:
-        if name not in kinds.missing:
-            graph.add(f"{name}:keep", kinds.comfy_name(name))
+        graph.add(f"{name}:keep", kinds.comfy_name(name))
     graph.add("unet_only", UNET_ONLY_FILE)
     return info, graph.run(comfyui_server)
 
@@ -438,7 +424,7 @@ def test_the_2024_comfyui_lists_the_kinds_and_runs_them_as_the_recent_one(kinds,
     the loader lists the files of both, and the same graph gives the recent server's latents."""
     info, latents = node_2024
     listed = info["WanMeshModelLoader"]["input"]["required"]["model_name"][0]
-    missing = [name for name in [*(kinds.comfy_name(n) for n in KINDS if n not in kinds.missing), UNET_ONLY_FILE]
+    missing = [name for name in [*map(kinds.comfy_name, KINDS), UNET_ONLY_FILE]
                if name not in listed]
     assert not missing, f"not in the 2024 Model Loader's list: {missing}"
     differing = {name: float((value - node_matrix[name]).abs().max()) for name, value in latents.items()}
