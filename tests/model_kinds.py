@@ -177,15 +177,21 @@ SCALES_WITHOUT_MARKER = f"{KINDS_FOLDER}/wan_tiny_t2v_fp8_scales_without_marker.
 UNSUPPORTED_TYPE_TENSOR = "blocks.0.ffn.2.weight"  # input 256: whole TQ2_0 blocks
 
 
+def write_gguf_tensors(path: str | Path, tensors: Mapping[str, tuple[np.ndarray, Q]], arch: str = "wan") -> str:
+    """A GGUF of ``arch`` holding ``tensors`` ({key: (float32 array, type)}), nothing else: files no converter
+    writes (another architecture, an unsupported type)."""
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    for key, (array, tensor_type) in tensors.items():
+        writer.add_tensor(key, quantize(array, tensor_type), raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
 def _foreign_gguf(arch: str, key: str):
-    def write(state, path):
-        writer = gguf.GGUFWriter(str(path), arch=arch)
-        writer.add_tensor(key, quantize(np.ones((8, 32), dtype=np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-    return write
+    return lambda state, path: write_gguf_tensors(path, {key: (np.ones((8, 32), dtype=np.float32), Q.Q8_0)}, arch)
 
 
 def _truncated_gguf(state, path):

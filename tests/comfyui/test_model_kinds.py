@@ -273,9 +273,12 @@ class Graph:
         self.cases[case] = str(self.w.node("SaveLatent", [0, 0], {"filename_prefix": f"kinds/{case}"},
                                            {"samples": (sampled, 0)}))
 
-    def run(self, server: ComfyUIServer) -> dict[str, torch.Tensor]:
-        """Run the prompt; each case's latents."""
+    def run(self, server: ComfyUIServer, what: str = "") -> dict[str, torch.Tensor]:
+        """Run the prompt (its time printed under ``what``); each case's latents."""
+        started = time.monotonic()
         result = run_successfully(server, self.w.api())
+        if what:
+            print(f"\n{what}: {len(self.cases)} loaders and samplers in one prompt, {time.monotonic() - started:.1f} s")
         return {case: _saved_latent(server, result, node_id) for case, node_id in self.cases.items()}
 
 
@@ -310,10 +313,7 @@ def node_matrix(kinds: WrittenKinds, recent_comfyui_server: ComfyUIServer, info)
     graph.add("vace:float", float_name, vace_module="wan_tiny_vace_module.safetensors")
     for name in VACE_MODULE_KINDS:
         graph.add(f"vace:{name}", float_name, vace_module=vace_module_file(name).removeprefix("diffusion_models/"))
-    started = time.monotonic()
-    latents = graph.run(recent_comfyui_server)
-    print(f"\none prompt, {len(graph.cases)} loaders and samplers: {time.monotonic() - started:.1f} s")
-    return latents
+    return graph.run(recent_comfyui_server, "one rank")
 
 
 def test_the_model_loader_lists_every_kind(kinds, info):
@@ -394,10 +394,7 @@ def node_tp2(kinds: WrittenKinds, node_matrix, recent_comfyui_server: ComfyUISer
     graph = Graph(info, {**SINGLE_RANK_POOL, "devices": "cpu:2", "world": 2, "tp": 2})
     for name in TP2_KINDS:
         graph.add(name, kinds.comfy_name(name))
-    started = time.monotonic()
-    latents = graph.run(recent_comfyui_server)
-    print(f"\ntp 2 prompt, {len(graph.cases)} kinds: {time.monotonic() - started:.1f} s")
-    return latents
+    return graph.run(recent_comfyui_server, "tp 2")
 
 
 @pytest.mark.parametrize("name", TP2_KINDS)
@@ -416,7 +413,7 @@ def node_2024(kinds: WrittenKinds, comfyui_server: ComfyUIServer) -> tuple[dict[
     for name in TP2_KINDS:
         graph.add(f"{name}:keep", kinds.comfy_name(name))
     graph.add("unet_only", UNET_ONLY_FILE)
-    return info, graph.run(comfyui_server)
+    return info, graph.run(comfyui_server, "2024 ComfyUI, one rank")
 
 
 def test_the_2024_comfyui_lists_the_kinds_and_runs_them_as_the_recent_one(kinds, node_matrix, node_2024):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from model_kinds import write_gguf_tensors
 from wanmesh.parallel.models import gguf_file
 from wanmesh.parallel.models.detect import safetensors_kind
 from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
@@ -18,17 +19,6 @@ from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import sample
 
 Q = gguf.GGMLQuantizationType
-
-
-def _write(path, tensors: dict[str, tuple[np.ndarray, Q]], arch: str = "wan") -> str:
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    for key, (array, tensor_type) in tensors.items():
-        writer.add_tensor(key, gguf.quants.quantize(array, tensor_type), raw_dtype=tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
 
 
 def _wan_like(channels: int = 16) -> dict[str, tuple[np.ndarray, Q]]:
@@ -50,14 +40,15 @@ def no_dequantisation(monkeypatch):
 def test_unsupported_type_is_refused(tmp_path, no_dequantisation):
     tensors = _wan_like()
     tensors["blocks.0.ffn.0.weight"] = (np.zeros((64, 256), dtype=np.float32), Q.TQ2_0)
-    path = _write(tmp_path / "ternary.gguf", tensors)
+    path = write_gguf_tensors(tmp_path / "ternary.gguf", tensors)
     with pytest.raises(ValueError, match=r"blocks.0.ffn.0.weight has GGUF type TQ2_0.*supported types: .*Q4_K") as error:
         load_transformer(path)
     assert "\n" not in str(error.value)
 
 
 def test_other_architecture_is_refused(tmp_path, no_dequantisation):
-    path = _write(tmp_path / "llama.gguf", {"token_embd.weight": (np.ones((8, 32), dtype=np.float32), Q.Q8_0)}, "llama")
+    tensors = {"token_embd.weight": (np.ones((8, 32), dtype=np.float32), Q.Q8_0)}
+    path = write_gguf_tensors(tmp_path / "llama.gguf", tensors, "llama")
     with pytest.raises(ValueError, match=r"architecture 'llama', not a Wan transformer"):
         load_transformer(path)
     assert safetensors_kind(path) == "unknown"
@@ -72,7 +63,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
 
 
 def test_ti2v_5b_is_refused(tmp_path, no_dequantisation):
-    path = _write(tmp_path / "ti2v.gguf", _wan_like(channels=48))
+    path = write_gguf_tensors(tmp_path / "ti2v.gguf", _wan_like(channels=48))
     with pytest.raises(ValueError, match=r"48-channel latents.*not the 48-channel Wan 2.2 TI2V 5B"):
         load_transformer(path)
 
