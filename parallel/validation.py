@@ -2,9 +2,9 @@
 in the driver (the CLI process, or ComfyUI's for the nodes).
 
 It reads file headers only (safetensors JSON headers, GGUF tensor indexes, the zip signature of PyTorch
-checkpoints) and the tokenizer bytes of a umT5 file, never model weights. The numeric checks themselves live in ``config.py``
-(one place for each check); this module applies them to a whole request and adds the file, output-path,
-prompt-length and rank checks. Errors are one-line ``ValueError``s naming the value and what is valid;
+checkpoints) and the tokenizer bytes of a umT5 file, never model weights. The numeric checks themselves live in
+``config.py`` (one place for each check); this module applies them to a whole request and adds the file,
+output-path, prompt-length and rank checks. Errors are one-line ``ValueError``s naming the value and what is valid;
 warnings come back as strings for the caller to print or log.
 """
 
