@@ -28,8 +28,8 @@ from .config import (
     check_video_size,
     ranks_over_cores_warning,
 )
-from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, read_safetensors_header
-from .models.detect import KIND_DESCRIPTIONS, detect_kind, infer_transformer_config
+from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError
+from .models.detect import KIND_DESCRIPTIONS, detect_kind, infer_transformer_config, read_header
 
 TEXT_TOKENS = 512  # Wan's text length: umT5 tokens beyond it (EOS included) are dropped
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
@@ -92,21 +92,8 @@ def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -
 
 def _read_header(location: Path) -> ModelFileInfo:
     """Shapes, stored types and metadata from a GGUF tensor index or a safetensors JSON header; no weight read."""
-    if location.suffix.lower() == ".gguf":
-        from .models.gguf_file import GGUFFile  # the gguf package loads only when a GGUF file is checked
-
-        gguf = GGUFFile(location)  # refuses another architecture, unsupported tensor types, 48-channel latents
-        try:
-            shapes, metadata = gguf.shapes(), dict(gguf.metadata)
-            dtypes = {key: gguf.tensor_type(key).name for key in gguf.keys}
-        finally:
-            gguf.close()
-    else:
-        header = read_safetensors_header(location)
-        metadata = header.pop("__metadata__", None) or {}
-        shapes = {key: tuple(entry["shape"]) for key, entry in header.items()}
-        dtypes = {key: entry["dtype"] for key, entry in header.items()}
-    return ModelFileInfo(location, detect_kind(shapes), shapes, dtypes, metadata)
+    header = read_header(location)
+    return ModelFileInfo(location, detect_kind(header.shapes), header.shapes, header.dtypes, header.metadata)
 
 
 def _inspect_folder(folder: Path, flag: str) -> ModelFileInfo:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, is_quantisation_key, read_safetensors_header
 
@@ -59,24 +61,38 @@ def detect_kind(keys: Iterable[str]) -> str:
     return "unknown"
 
 
-def safetensors_kind(path: str) -> str:
-    """``detect_kind`` of a safetensors file from its header alone (no tensor data is read); "unknown" for a
-    file that is not a readable safetensors file."""
+@dataclass(frozen=True)
+class FileHeader:
+    """What a weight file says without reading any tensor: logical shapes, stored type names (safetensors' F32,
+    F8_E4M3, ...; GGUF's Q8_0, ...) and metadata (``num_heads`` for a GGUF that carries its head count)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    metadata: dict[str, str]
+
+
+def read_header(path: str | Path) -> FileHeader:
+    """The header of a safetensors file (its JSON header) or a GGUF file (its tensor index, after ``GGUFFile``'s
+    checks: architecture, tensor types, latent channels); raises ``ModelFileError`` or ``OSError``."""
     if str(path).lower().endswith(".gguf"):
-        return _gguf_kind(path)
+        from .gguf_file import GGUFFile  # the gguf package loads only when a GGUF file is read
+
+        gguf = GGUFFile(path)
+        try:
+            return FileHeader(gguf.shapes(), {key: gguf.tensor_type(key).name for key in gguf.keys}, dict(gguf.metadata))
+        finally:
+            gguf.close()
+    header = read_safetensors_header(path)
+    metadata = header.pop("__metadata__", None) or {}
+    return FileHeader({key: tuple(entry["shape"]) for key, entry in header.items()},
+                      {key: entry["dtype"] for key, entry in header.items()}, metadata)
+
+
+def safetensors_kind(path: str) -> str:
+    """``detect_kind`` of a safetensors or GGUF file from its header alone (no tensor data is read); "unknown" for a
+    file that cannot be read as either."""
     try:
-        header = read_safetensors_header(path)
-    except (OSError, ModelFileError):
-        return "unknown"
-    return detect_kind(key for key in header if key != "__metadata__")
-
-
-def _gguf_kind(path: str) -> str:
-    """``detect_kind`` of a GGUF file from its tensor index (memory-mapped; no tensor is dequantised)."""
-    from .gguf_file import GGUFFile
-
-    try:
-        return detect_kind(GGUFFile(path).keys)
+        return detect_kind(read_header(path).shapes)
     except (OSError, ModelFileError):
         return "unknown"
 

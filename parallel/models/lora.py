@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import check_lora_strength
-from .checkpoint import COMFY_TRANSFORMER_PREFIX, first_names, read_safetensors_header
+from .checkpoint import COMFY_TRANSFORMER_PREFIX, PICKLE_SUFFIXES, first_names, read_safetensors_header
+from .detect import read_header
 
 __all__ = ["LoraHeader", "LoraLayer", "check_lora_for_model", "read_lora_header", "parse_lora_arg",
            "model_files_of_handle"]
@@ -146,7 +147,7 @@ def _model_weight_files(path: Path) -> list[Path]:
     if path.is_dir():
         folder = path / "transformer" if (path / "model_index.json").is_file() else path
         return sorted(folder.glob("*.safetensors"))
-    return [path] if path.suffix.lower() in (".safetensors", ".sft") else []
+    return [] if path.suffix.lower() in PICKLE_SUFFIXES else [path]  # safetensors or GGUF: headers tell the shapes
 
 
 def _layer_shapes(model_files: list[str]) -> set[tuple[int, int]] | None:
@@ -156,9 +157,8 @@ def _layer_shapes(model_files: list[str]) -> set[tuple[int, int]] | None:
         return None
     shapes = set()
     for file in files:
-        for key, entry in read_safetensors_header(file).items():
-            shape = entry.get("shape") if isinstance(entry, dict) else None
-            if shape and len(shape) >= 2 and key.endswith(".weight"):
+        for key, shape in read_header(file).shapes.items():
+            if len(shape) >= 2 and key.endswith(".weight"):
                 shapes.add((shape[0], math.prod(shape[1:])))
     return shapes
 

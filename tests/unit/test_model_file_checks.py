@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from model_kinds import BAD_MODEL_FILES, KINDS, WrittenKinds, write_bad_model_files, write_model_kinds
 from wanmesh.parallel.cli import main
@@ -94,6 +96,18 @@ def test_a_bad_model_file_exits_2_with_one_line_before_any_worker(tree, entry, n
     flag = entry.split()[1]
     assert lines[0].startswith(f"wanmesh: error: {flag} {tree.bad[name]}"), lines[0]
     assert BAD_MODEL_FILES[name][1] in lines[0]
+
+
+@pytest.mark.parametrize("name", ["gguf_Q8_0", "gguf_Q4_K_M", "fp8_scaled", "diffusers"])
+def test_a_lora_for_another_model_is_refused_before_any_worker_on_every_kind(tree, name, tmp_path, capsys, no_pool):
+    """The LoRA's deltas are checked against the model's layer shapes read from its header, GGUF included."""
+    other = tmp_path / "other_model_lora.safetensors"
+    save_file({"diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.ones(5120, 4),
+               "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.ones(4, 5120)}, str(other))
+    command = _command(tree, "generate --model", tree.written.path(name), tmp_path) + ["--lora", str(other)]
+    assert main(command) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "LoRA other_model_lora.safetensors does not fit this model" in line, line
 
 
 # -- the Model Loader node -----------------------------------------------------------------------------------
