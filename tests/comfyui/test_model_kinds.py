@@ -23,6 +23,8 @@ far outside every bar, so the comparison can fail.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,7 +53,7 @@ LORA = ("wan_tiny_lora_comfy.safetensors", 0.8)
 # tp 2 == one rank on these (the server's tp 2 pool): float, scaled fp8, GGUF block and K-quant, the mixed file.
 TP2_KINDS = ("bf16", "fp8_scaled", "gguf_Q8_0", "gguf_Q4_K", "gguf_Q4_K_M")
 QUANTIZED_FOR_PATHS = ("fp8_scaled", "gguf_Q8_0")  # the quantized kinds a LoRA is applied to
-CLI_DEQUANTIZE = ("fp8_scaled", "gguf_Q8_0", "gguf_Q4_K", "gguf_Q4_K_M")  # --weights dequantize on the command line
+CLI_DEQUANTIZE = ("fp8_scaled", "gguf_Q4_K_M")  # --weights dequantize on the command line (the node runs every kind)
 STREAM_KINDS = ("fp8_scaled", "gguf_Q4_K")
 TWO_EXPERTS = ("fp8_e4m3fn", "gguf_Q4_0")  # --model, --model-low
 CROSS_ROUTE = 1e-5  # the same graph through the command line and through the node, or in and out of process
@@ -140,9 +142,6 @@ class SharedPool:
 def cli(kinds: WrittenKinds, tmp_path_factory) -> dict[str, dict]:
     """Every command line run once through ``wanmesh.parallel.cli.main`` in this process, all on one one-rank pool;
     each result: exit code, stderr, stdout and the saved latents."""
-    import contextlib
-    import io
-
     from wanmesh.parallel.cli import generate, main, stream
     from wanmesh.parallel.config import ParallelConfig
     from wanmesh.parallel.driver.pool import WorkerPool
@@ -158,11 +157,16 @@ def cli(kinds: WrittenKinds, tmp_path_factory) -> dict[str, dict]:
             stdout, stderr = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                 code = main(command(out))
-            saved = out / "latents.safetensors"
             results[name] = {"code": code, "stderr": stderr.getvalue(), "stdout": stdout.getvalue(),
-                             "latents": load_file(str(saved))["latents"] if code == 0 and saved.is_file() else None}
+                             "latents": _saved_latents(out, code)}
     print(f"\n{len(results)} command lines in one process in {time.monotonic() - started:.1f} s")
     return results
+
+
+def _saved_latents(out: Path, code: int) -> torch.Tensor | None:
+    """What ``--save-latents`` wrote into ``out`` (None when the run failed)."""
+    saved = out / "latents.safetensors"
+    return load_file(str(saved))["latents"] if code == 0 and saved.is_file() else None
 
 
 def _latents(results: dict[str, dict], name: str) -> torch.Tensor:
@@ -226,9 +230,7 @@ def cli_as_a_user_runs_it(kinds: WrittenKinds, tmp_path_factory) -> dict[str, di
         out = workdir / name
         out.mkdir()
         result = run_cli(command(out), out)
-        saved = out / "latents.safetensors"
-        result["latents"] = load_file(str(saved))["latents"] if result["code"] == 0 and saved.is_file() else None
-        return name, result
+        return name, {**result, "latents": _saved_latents(out, result["code"])}
 
     with ThreadPoolExecutor(max_workers=2) as threads:
         return dict(threads.map(run, commands.items()))
