@@ -4,17 +4,15 @@ with no traceback (exit 1)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from test_validation_cli import LAUNCHER, QUICK, RUN_TIMEOUT_S, _run_cli
+from test_validation_cli import QUICK, _run_cli, sampling_cli
 from wanmesh.nodes.pool import WanMeshPool
 from wanmesh.parallel.driver import local
 from wanmesh.parallel.driver.pool import current_pool
@@ -73,15 +71,7 @@ def _rank_process(cli: subprocess.Popen, rank: int, within_s: float) -> psutil.P
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_rank_stopped_by_a_signal_is_one_line_without_traceback(models, sig, tmp_path):
-    args = ["generate", "--models", str(models), "--prompt", "a fox", "--out", str(tmp_path / "x.mp4"),
-            *QUICK[:-4], "--steps", "500", "--world", "2", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANMESH_WORKER_THREADS": "1"}
-    cli = subprocess.Popen([sys.executable, str(LAUNCHER), *args], stderr=subprocess.PIPE, env=env, cwd=tmp_path)
-    seen = b""
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while b"step 1/" not in seen and time.monotonic() < deadline and cli.poll() is None:
-        seen += os.read(cli.stderr.fileno(), 4096)
-    assert b"step 1/" in seen, seen.decode()
+    cli, seen = sampling_cli(models, tmp_path, "--world", "2")
     _rank_process(cli, 1, 10.0).send_signal(sig)
     text = (seen + cli.communicate(timeout=60)[1]).decode()
     errors = [line for line in text.replace("\r", "\n").splitlines() if line.startswith("wanmesh: error:")]
