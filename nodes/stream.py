@@ -16,7 +16,6 @@ import os
 import torch
 
 from ..parallel import MAX_SEED, Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
-from ..parallel.driver.stream_chunks import ChunkFolder
 from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
 from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, previews_enabled, raise_if_interrupted
 
@@ -29,6 +28,8 @@ class ChunkSaver:
 
     def __init__(self, filename_prefix: str, width: int, height: int, fps: float, bar, node_id):
         import folder_paths  # ComfyUI's module: only there when ComfyUI runs this node
+
+        from ..parallel.driver.stream_chunks import ChunkFolder
 
         self.folder, self.name, self.counter, self.subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
