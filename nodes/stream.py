@@ -4,11 +4,13 @@ While it runs, every chunk the workers finish is decoded there by the streaming 
 preview, written to ComfyUI's output folder as ``<prefix>_<counter>_chunk_NNN.mp4`` (atomically, by
 ``parallel/video_io.py``) and named in a ``wanmesh.chunk`` websocket message, so API clients can fetch chunks as
 they arrive; then the whole video is written like WanMesh Save Video does. Cancel stops between steps and keeps
-the chunks already written.
+the chunks already written. A chunk file the output folder cannot take (deleted meanwhile) is logged and kept,
+and written once the folder is back (at the latest with the whole video); the node fails naming any still lost.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -18,6 +20,7 @@ from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
 from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, previews_enabled, raise_if_interrupted
 
 CHUNK_EVENT = "wanmesh.chunk"
+log = logging.getLogger("wanmesh")
 
 
 class ChunkSaver:
@@ -26,10 +29,14 @@ class ChunkSaver:
     def __init__(self, filename_prefix: str, width: int, height: int, fps: float, bar, node_id):
         import folder_paths  # ComfyUI's module: only there when ComfyUI runs this node
 
+        from ..parallel.driver.stream_chunks import ChunkFolder
+
         self.folder, self.name, self.counter, self.subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), width, height)
         self.fps, self.bar, self.node_id = fps, bar, node_id
         self.files: list[str] = []
+        self.chunk_files = ChunkFolder(self.folder, lambda frames, path: write_video(frames, path, self.fps),
+                                       lambda warning: log.warning("WanMesh Stream Sampler: %s", warning))
 
     def file_info(self, filename: str) -> dict:
         codec = "h264" if video_encoder() in H264_ENCODERS else "mpeg4"
@@ -39,10 +46,11 @@ class ChunkSaver:
         if chunk.frames is None:
             return  # no VAE: nothing to show or save for this chunk
         filename = f"{self.name}_{self.counter:05}_chunk_{chunk.index:03}.mp4"
-        write_video(chunk.frames, os.path.join(self.folder, filename), self.fps)
+        written = self.chunk_files.add(filename, chunk.frames).is_file()  # else kept and reported (ChunkFolder)
         self.files.append(filename)
         self._show(chunk.frames[-1])
-        self._announce(chunk, filename)
+        if written:
+            self._announce(chunk, filename)
 
     def _show(self, frame: torch.Tensor) -> None:
         from PIL import Image
@@ -62,6 +70,7 @@ class ChunkSaver:
     def save_whole(self, frames: torch.Tensor) -> dict:
         filename = f"{self.name}_{self.counter:05}_.mp4"
         write_video(frames, os.path.join(self.folder, filename), self.fps)
+        self.chunk_files.finish(os.path.join(self.folder, filename))  # the chunks the folder lost: written, or an error
         return self.file_info(filename)
 
 

@@ -62,6 +62,14 @@ def _as_device_tuple(devices: str | list[str] | tuple[str, ...]) -> tuple[str, .
     return tuple(expanded)
 
 
+def _cpu_rank_count(devices: str | list[str] | tuple[str, ...]) -> int | None:
+    """N when the whole device spec is 'cpu:N' (N CPU ranks, which must be the world), else None."""
+    if not isinstance(devices, str):
+        return None
+    kind, sep, count = devices.strip().partition(":")
+    return int(count) if kind == "cpu" and sep and count.isdigit() and int(count) >= 1 else None
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The pool's shape. Immutable and hashable: equal configs share one pool (see ``pool.get_pool``).
@@ -84,8 +92,13 @@ class ParallelConfig:
     worker_timeout: float = DEFAULT_WORKER_TIMEOUT_S  # seconds a rank may go silent (no heartbeat) or block in a collective
 
     def __post_init__(self) -> None:
+        cpu_ranks = _cpu_rank_count(self.devices)
         object.__setattr__(self, "devices", _as_device_tuple(self.devices))
         self._check_degrees()
+        if cpu_ranks is not None and cpu_ranks != self.world:
+            raise ValueError(f"devices cpu:{cpu_ranks} asks for {cpu_ranks} CPU rank{'s' * (cpu_ranks != 1)} but "
+                             f"world={self.world}; valid: world={cpu_ranks}, or devices cpu:{self.world} (or 'cpu', "
+                             "which fits any world)")
         self._check_devices_spec()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r} is unknown; valid backends: {', '.join(BACKENDS)}")
@@ -392,6 +405,18 @@ def check_lora_strength(strength: float) -> None:
         raise ValueError(f"LoRA strength {strength} is outside {low}..{high}")
 
 
+def lora_strength_from_text(text: str, given: str) -> float:
+    """The STRENGTH of a ``FILE:STRENGTH`` value (``given``, the command line's --lora), checked."""
+    try:
+        strength = float(text)
+    except ValueError:
+        low, high = LORA_STRENGTH_RANGE
+        raise ValueError(f"LoRA strength {text!r} in {given!r} is not a number; valid: FILE or FILE:STRENGTH with a "
+                         f"number from {low:g} to {high:g}, e.g. style.safetensors:0.8") from None
+    check_lora_strength(strength)
+    return strength
+
+
 def check_model_loras(model_loras: dict) -> None:
     """The per-model LoRA lists of a sample request: (file, strength) pairs with strengths in range."""
     for handle, loras in model_loras.items():
@@ -416,7 +441,10 @@ def check_stream_options(latent_frames: int, chunk: int, kv_window: int | None, 
         raise ValueError(f"sink must be a whole number of latent frames >= 0, got {sink!r} (0 = no pinned frames)")
     if kv_window is None:
         return
-    if not _is_whole(kv_window) or kv_window < chunk:
+    if not _is_whole(kv_window) or kv_window < 1:
+        raise ValueError(f"kv_window {kv_window!r} is not valid; valid: a whole number of latent frames >= the chunk "
+                         f"({chunk}), or none for the whole video (0 in the node, the flag left out on the command line)")
+    if kv_window < chunk:
         raise ValueError(f"kv_window={kv_window!r} latent frames is smaller than a chunk of {chunk}; the window must "
                          f"hold at least one whole chunk (>= {chunk}), or leave it empty for the whole video")
     if sink > kv_window:

@@ -17,7 +17,7 @@ import torch
 from ..config import check_sampling, check_stream_layout, check_stream_options, latent_shape, parse_stream_timesteps
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
-from ..driver.stream_chunks import StreamChunk
+from ..driver.stream_chunks import ChunkFolder, StreamChunk
 from ..protocol import StreamSample
 from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
@@ -72,22 +72,30 @@ def check_stream_arguments(args) -> tuple[int, ...]:
 
 
 class ChunkWriter:
-    """``on_chunk``: writes each decoded chunk to DIR/chunk_NNN.mp4 at once and prints its latency."""
+    """``on_chunk``: writes each decoded chunk to DIR/chunk_NNN.mp4 at once and prints its latency. A chunk that
+    cannot be written there (DIR deleted or unwritable meanwhile) is a warning at once and is kept
+    (``driver/stream_chunks.ChunkFolder``); ``finish`` fails naming the chunk files DIR still lacks."""
 
     def __init__(self, folder: Path, fps: int, started: float):
         self.folder, self.fps, self.started = folder, fps, started
         self.last = started
         self.written: list[Path] = []
+        self.files = ChunkFolder(folder, lambda frames, path: write_mp4(frames, path, fps=fps),
+                                 lambda warning: print(f"wanmesh: warning: {warning}", file=sys.stderr, flush=True))
+
+    def finish(self, whole_video: Path) -> None:
+        self.files.finish(whole_video)
 
     def __call__(self, chunk: StreamChunk) -> None:
         now = time.perf_counter()
         path = self.folder / f"chunk_{chunk.index:03d}.mp4"
         if chunk.frames is not None:
-            write_mp4(chunk.frames, path, fps=self.fps)
+            self.files.add(path.name, chunk.frames)
             self.written.append(path)
+        where = path if path.is_file() else "kept in memory"
         print(f"chunk {chunk.index}: latent frames {chunk.start_frame}..{chunk.start_frame + chunk.latents.shape[2] - 1}"
               f", {0 if chunk.frames is None else chunk.frames.shape[0]} frames, {now - self.last:.2f} s "
-              f"(since start {now - self.started:.2f} s) -> {path}", flush=True)
+              f"(since start {now - self.started:.2f} s) -> {where}", flush=True)
         self.last = now
 
 
@@ -123,6 +131,7 @@ def stream(args, files: dict[str, str | None]) -> None:
     if args.save_latents:  # latents before the video, so a failed write still leaves them
         save_tensors_atomic({"latents": result.latents.float()}, args.save_latents)
     write_mp4(result.frames, args.out, fps=args.fps)
+    writer.finish(args.out)
     seconds = time.perf_counter() - started
     print(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "
           f"{config.describe()}) in {seconds:.1f} s", file=sys.stdout)

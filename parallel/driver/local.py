@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -33,7 +34,16 @@ from ..transport import (SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segm
                          segment_owner_pid, take_handed_over)
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
+# SIGTERM and SIGINT are blocked in every thread of a worker and taken by one (worker/main.py
+# guard_against_orphaning): a thread that had not blocked them would die by them, cleaning nothing. So they are
+# blocked before an import can start a thread (torch's do), and after multiprocessing's resource tracker has
+# started: starting its process unblocks both in the calling thread (which would be the worker's main thread at
+# its first shared-memory segment).
 BOOTSTRAP = (
+    "from multiprocessing import resource_tracker\n"
+    "resource_tracker.ensure_running()\n"
+    "import signal\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})\n"
     "import sys, types\n"
     "pack = types.ModuleType('wanmesh')\n"
     "pack.__path__ = [sys.argv[1]]\n"
@@ -109,9 +119,9 @@ class LocalWorkers:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         sweep_stale_pool_files()
-        self._tmpdir = tempfile.mkdtemp(prefix=POOL_DIR_PREFIX)
-        with open(os.path.join(self._tmpdir, OWNER_FILE), "w") as f:
-            f.write(str(os.getpid()))
+        # Made once the workers exist (_make_pool_folder): from then on a driver killed at any moment leaves
+        # workers that remove it.
+        self._tmpdir = os.path.join(tempfile.gettempdir(), POOL_DIR_PREFIX + secrets.token_hex(8))
         self._writer = ShmWriter(self.shm_prefix + "_d")
         self._reader = ShmReader()
         self._janitor = SegmentJanitor(self.shm_prefix)
@@ -134,11 +144,21 @@ class LocalWorkers:
         try:
             for rank in range(self.config.world):
                 self._spawn(rank)
+            self._make_pool_folder()
         except BaseException as exc:
             self._spawn_error = exc
         finally:
             self._spawned.set()
         self._release.wait()
+
+    def _make_pool_folder(self) -> None:
+        """The private folder of the ranks' file store, with its owner's pid inside (for the sweep); then each
+        worker is told it exists."""
+        os.mkdir(self._tmpdir, 0o700)  # fails on an existing name, like mkdtemp
+        with open(os.path.join(self._tmpdir, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
+        for conn in self.conns:
+            conn.send({"kind": "pool_folder_ready"})
 
     def _spawn(self, rank: int) -> None:
         ours, theirs = socket.socketpair()

@@ -41,6 +41,7 @@ EXIT_LOCK_S = 1.0  # at interpreter exit, how long to wait for a running call be
 IDLE_CHECK_S = 1.0  # how often the liveness monitor looks at idle workers
 log = logging.getLogger("wanmesh.pool")
 COOPERATIVE = (P.SampleRequest, P.Diagnostic)  # requests whose ranks check for a cancel at step boundaries
+HANDLE_FIELDS = ("handle", "handle_low", "vae_handle")  # request fields naming resident models
 
 Progress = Callable[..., None]  # (step, total), or (step, total, preview) when the request asked for previews
 
@@ -116,6 +117,8 @@ class WorkerPool:
         self.start_timeout_s = start_timeout_s
         self.pg_timeout_s = pg_timeout_s
         self.diagnostics = diagnostics
+        self.options = dict(timeout_s=timeout_s, start_timeout_s=start_timeout_s, pg_timeout_s=pg_timeout_s,
+                            diagnostics=diagnostics)  # what get_pool needs to start this pool again
         self.starts = 0  # how many times workers were started (restarts after faults count)
         self._backend = None
         self._lock = threading.RLock()
@@ -180,6 +183,16 @@ class WorkerPool:
     def running(self) -> bool:
         return self._backend is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def adopt_loads(self, other: "WorkerPool") -> None:
+        """Know the models ``other`` (a closed pool) had loaded: their handles load here on first use."""
+        with self._lock:
+            for handle, request in other._loads.items():
+                self._loads.setdefault(handle, request)
+
     def pids(self) -> list[int]:
         """Process ids of the local workers (empty for Ray or when stopped)."""
         return self._backend.pids() if self._backend is not None else []
@@ -240,11 +253,14 @@ class WorkerPool:
             self._lock.release()
 
     def _reload_if_needed(self, request: P.Request, should_cancel=None) -> None:
-        """After a restart, reload the model a request refers to, as the caller loaded it before."""
-        handle = getattr(request, "handle", None)
-        if handle and handle in self._loads and handle not in self._resident and not isinstance(request, P.Unload):
-            self._call_started(self._loads[handle], None, should_cancel, self.timeout_s)
-            self._resident.add(handle)
+        """After a restart, reload the models a request refers to, as the caller loaded them before."""
+        if isinstance(request, P.Unload):
+            return
+        for field in HANDLE_FIELDS:
+            handle = getattr(request, field, None)
+            if handle and handle in self._loads and handle not in self._resident:
+                self._call_started(self._loads[handle], None, should_cancel, self.timeout_s)
+                self._resident.add(handle)
 
     def _note_residency(self, request: P.Request, reply: P.Reply) -> None:
         if isinstance(request, P.LOADS) and isinstance(reply, P.Loaded):
@@ -418,11 +434,20 @@ def get_pool(config: ParallelConfig, **options: Any) -> WorkerPool:
     with _cache_lock:
         if _cached_pool is not None and not _cached_pool._closed and _cached_pool.config == config:
             return _cached_pool
-        if config.backend == "local":
-            config.rank_devices()  # a bad device list fails here, before the live pool is closed
+        check_can_start(config)  # what fails at once fails here, before the live pool is closed
         close_cached_pool_locked()
         _cached_pool = WorkerPool(config, **options)
         return _cached_pool
+
+
+def check_can_start(config: ParallelConfig) -> None:
+    """A device list this machine lacks (local); Ray missing, or its address not answering (ray)."""
+    if config.backend == "local":
+        config.rank_devices()
+    else:
+        from .ray_backend import check_ray_can_start
+
+        check_ray_can_start(config)
 
 
 def current_pool() -> WorkerPool | None:

@@ -91,6 +91,21 @@ def _require_ray():
     return ray
 
 
+def check_ray_devices(config: ParallelConfig) -> None:
+    if len(config.devices) > 1 or config.devices[0] not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"devices={','.join(config.devices)}: with backend='ray' use 'auto', 'cpu' or 'cuda' "
+                         "(Ray places one actor per GPU)")
+
+
+def check_ray_can_start(config: ParallelConfig) -> None:
+    """What fails at once, checked before a live pool is replaced: Ray missing, devices Ray cannot place, an
+    address that does not answer."""
+    ray = _require_ray()
+    check_ray_devices(config)
+    if not ray.is_initialized():
+        probe_address(config.ray_address or "auto")
+
+
 def _actor_class(ray):
     class RayWorker:
         """One rank. Everything it needs is imported inside, under the package name ``wanmesh``."""
@@ -172,9 +187,7 @@ class RayWorkers:
 
     def __init__(self, config: ParallelConfig, pg_timeout_s: float, diagnostics: str | None):
         self.ray = _require_ray()
-        if len(config.devices) > 1 or config.devices[0] not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"devices={','.join(config.devices)}: with backend='ray' use 'auto', 'cpu' or 'cuda' "
-                             "(Ray places one actor per GPU)")
+        check_ray_devices(config)
         self.config = config
         self.pg_timeout_s = pg_timeout_s
         self.diagnostics = os.path.abspath(diagnostics) if diagnostics else None

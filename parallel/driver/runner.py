@@ -18,11 +18,12 @@ from .pool import WorkerPool, current_pool, get_pool, set_interrupt_check
 class PoolRunner:
     """The pool's operations as methods: load, encode text, sample, decode, encode."""
 
-    def __init__(self, pool: WorkerPool, previews: bool = True):
-        self.pool = pool
+    def __init__(self, pool: WorkerPool, previews: bool = True, follows_live: bool = False):
+        self._pool = pool
         # Whether samplers using this runner ask rank 0 for per-step preview images (not part of the pool's
         # config: turning previews off or on keeps the running pool).
         self.previews = previews
+        self._follows_live = follows_live  # a closed pool is replaced by the live one, not by its own config's
 
     @classmethod
     def for_config(cls, config: ParallelConfig, previews: bool = True) -> "PoolRunner":
@@ -32,8 +33,19 @@ class PoolRunner:
     @classmethod
     def current_or_single(cls) -> "PoolRunner":
         """The live pool if there is one (so unconnected loaders join it), else a one-rank pool."""
-        pool = current_pool()
-        return cls(pool) if pool is not None else cls.for_config(ParallelConfig(world=1, devices="auto"))
+        return cls(_live_or_single_pool(), follows_live=True)
+
+    @property
+    def pool(self) -> WorkerPool:
+        """The pool, never a closed one. A runner held by a cache (ComfyUI keeps node outputs) may outlive its pool
+        (replaced by another Pool node's config, stopped by "free memory"): it then gets the process-wide pool of
+        the same settings (the live pool, for loaders with no Pool node), which knows the models the closed pool
+        had loaded and loads them again on first use."""
+        if self._pool.closed:
+            closed = self._pool
+            self._pool = _live_or_single_pool() if self._follows_live else get_pool(closed.config, **closed.options)
+            self._pool.adopt_loads(closed)
+        return self._pool
 
     @staticmethod
     def set_interrupt_check(check) -> None:
@@ -96,3 +108,7 @@ class PoolRunner:
         check_encode_inputs(request.width, request.height, request.length, request.control_video,
                             request.control_masks, request.reference_images)
         return self.pool.call(request)
+
+
+def _live_or_single_pool() -> WorkerPool:
+    return current_pool() or get_pool(ParallelConfig(world=1, devices="auto"))

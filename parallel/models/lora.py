@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+<<<<<<< HEAD
 from ..config import check_lora_strength
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, PICKLE_SUFFIXES, first_names, read_safetensors_header
 from .detect import read_header
+=======
+from ..config import lora_strength_from_text
+from .checkpoint import COMFY_TRANSFORMER_PREFIX, first_names, read_safetensors_header
+>>>>>>> helper-d
 
 __all__ = ["LoraHeader", "LoraLayer", "check_lora_for_model", "read_lora_header", "parse_lora_arg",
            "model_files_of_handle"]
@@ -190,13 +196,7 @@ def check_lora_for_model(lora_path: str | Path, model_files: list[str]) -> LoraH
 def parse_lora_arg(text: str) -> tuple[str, float]:
     """``FILE[:STRENGTH]`` (the command line's --lora) -> (file, strength); strength 1.0 when not given."""
     path, sep, tail = text.rpartition(":")
-    if sep:
-        try:
-            strength = float(tail)
-        except ValueError:
-            path, strength = text, 1.0  # a colon inside the path (a Windows drive), no strength
-    else:
-        path, strength = text, 1.0
-    check_lora_strength(strength)
-    return path, strength
+    if not sep or os.path.exists(text) or "/" in tail or "\\" in tail:  # no strength, or a colon inside the path
+        return text, 1.0
+    return path, lora_strength_from_text(tail, text)
 

@@ -1,9 +1,11 @@
 """The local worker process: one per device, started by the pool in a fresh interpreter (``--rank N``).
 
-It joins the pool's process group (``session.WorkerSession``, shared with the Ray actor), says hello, then
-serves requests from its connection until told to shut down. A receiver thread reads the connection so that a cancel arrives while a request runs, and the
-worker exits as soon as the driver goes away (connection EOF, parent-death signal, or a changed parent
-pid), so no worker outlives its driver.
+It waits for the driver's word that the pool's temp folder exists, joins the pool's process group
+(``session.WorkerSession``, shared with the Ray actor), says hello, then serves requests from its connection
+until told to shut down. A receiver thread reads the connection so that a cancel arrives while a request runs,
+and the worker exits as soon as the driver goes away (connection EOF, parent-death signal, or a changed parent
+pid), removing the pool's temp folder and shared memory, so no worker or file outlives its driver. SIGTERM or
+SIGINT sent to a rank whose driver lives ends that rank by the signal without a traceback.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from .session import WorkerSession
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
 ORPHAN_SETTLE_S = 2.0
+# Blocked in every thread (by the bootstrap, before any thread exists) and taken by one thread in ``sigwait``.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 # -- the local-backend process -------------------------------------------------------------------------
 
@@ -38,11 +42,16 @@ ORPHAN_SETTLE_S = 2.0
 def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | None = None) -> None:
     """Die with the driver: a parent-death signal (Linux) plus a thread that watches the parent pid.
 
-    The parent-death signal is SIGTERM, taken by a thread blocked in ``sigwait`` rather than by a Python
-    handler (those run only when the main thread runs Python code, and it may sit inside a collective).
-    Whichever notices first runs ``on_orphaned`` (removing what the dead driver left behind) and exits."""
+    The parent-death signal is SIGTERM. SIGTERM and SIGINT are blocked in every thread (the local backend's
+    ``BOOTSTRAP`` blocks them before any thread exists: a thread that did not block them would take the signal's
+    default action and kill the process without cleanup) and taken by one thread in ``sigwait`` (Python
+    handlers run only when the main thread runs Python code, and it may sit inside a collective). An orphaned
+    worker runs ``on_orphaned`` (removing what the dead driver left behind) and exits; a signal sent to a rank
+    whose driver lives ends the rank by that signal, quietly: the driver names the rank and the signal."""
     cleanup = on_orphaned or (lambda: None)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here on inherit the mask
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started from here on inherit the mask
+    for sig in STOP_SIGNALS:  # the action _end_by re-raises (only the main thread may set it)
+        signal.signal(sig, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -54,17 +63,20 @@ def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | N
             time.sleep(PARENT_POLL_S)
         _leave(cleanup)
 
-    def take_sigterm() -> None:
-        signal.sigwait({signal.SIGTERM})
-        # The parent-death signal comes when the driver's launcher *thread* ends, which in a dying driver
-        # is before the process is gone and this worker re-parented: give it a moment to show.
-        deadline = time.monotonic() + ORPHAN_SETTLE_S
-        while os.getppid() == parent_pid and time.monotonic() < deadline:
-            time.sleep(0.05)
-        _leave(cleanup if os.getppid() != parent_pid else (lambda: None))  # a live driver cleans up itself
+    def take_stop_signals() -> None:
+        received = signal.sigwait(STOP_SIGNALS)
+        if received == signal.SIGTERM:
+            # The parent-death signal comes when the driver's launcher *thread* ends, which in a dying driver
+            # is before the process is gone and this worker re-parented: give it a moment to show.
+            deadline = time.monotonic() + ORPHAN_SETTLE_S
+            while os.getppid() == parent_pid and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if os.getppid() != parent_pid:
+            _leave(cleanup)
+        _end_by(received)  # a live driver cleans up itself
 
     threading.Thread(target=watch, name="wanmesh-parent-watch", daemon=True).start()
-    threading.Thread(target=take_sigterm, name="wanmesh-sigterm", daemon=True).start()
+    threading.Thread(target=take_stop_signals, name="wanmesh-stop-signals", daemon=True).start()
 
 
 def _leave(cleanup: Callable[[], None], code: int = 1) -> None:
@@ -72,6 +84,25 @@ def _leave(cleanup: Callable[[], None], code: int = 1) -> None:
         cleanup()
     finally:
         os._exit(code)
+
+
+def _end_by(sig: int) -> None:
+    """End the process by ``sig``'s default action (no traceback; its exit status names the signal)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})  # this thread only
+    signal.pthread_kill(threading.get_ident(), sig)
+    time.sleep(1.0)
+    os._exit(128 + sig)
+
+
+def wait_for_pool_folder(conn: Connection, cleanup: Callable[[], None]) -> None:
+    """The driver makes the pool's temp folder only once its workers exist (so that one of them is always there to
+    remove it if the driver dies), then says so: wait for that word; a closed connection means the driver died."""
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        _leave(cleanup)
+    if message.get("kind") != "pool_folder_ready":
+        raise RuntimeError(f"expected the driver's pool_folder_ready first, got {message.get('kind')!r}")
 
 
 def remove_pool_leftovers(shm_prefix: str, pool_dir: str | None) -> None:
@@ -164,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     conn = Connection(settings["fd"])
     rank = settings["rank"]
     try:
+        wait_for_pool_folder(conn, leftovers)
         config = ParallelConfig.from_dict(settings["config"])
         store = torch.distributed.FileStore(settings["store"], config.world)
         session = WorkerSession(config, rank, torch.device(settings["device"]), store,

@@ -94,6 +94,7 @@ class ResidentModels:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        return_freed_heap()
 
     def resident_bytes(self) -> int:
         """Bytes of weights held by the resident models of this rank."""
@@ -171,6 +172,18 @@ class ResidentModels:
         model = self._get(handle, "model")
         path, vace_module = self._model_files[handle]
         apply_loras(model, loras, path=path, vace_module=vace_module)
+
+
+def return_freed_heap() -> None:
+    """Hand the heap that freed weights leave behind back to the system: glibc keeps freed memory in its arenas
+    (the process's resident size would stay near the loaded size) until ``malloc_trim`` releases it. No-op
+    where the C library has no ``malloc_trim`` (musl, macOS)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def transformer_heads(path: str, vace_module: str | None = None) -> int:

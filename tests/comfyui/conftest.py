@@ -117,6 +117,21 @@ def recent_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
     yield from _serve(RecentComfyUIServer, recent_comfyui_dir, tiny_models_dir, tmp_path_factory)
 
 
+class LruCacheComfyUIServer(RecentComfyUIServer):
+    """ComfyUI 0.3.75 with ``--cache-lru``: outputs of earlier prompts stay cached (as with the LRU and RAM caches
+    users turn on), so a cached node output can outlive the pool it holds."""
+
+    def command(self) -> list[str]:
+        return super().command() + ["--cache-lru", "64"]
+
+
+@pytest.fixture(scope="module")
+def lru_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """A running ComfyUI 0.3.75 server with the LRU node cache; it must leave no processes behind."""
+    yield from _serve(LruCacheComfyUIServer, recent_comfyui_dir, tiny_models_dir, tmp_path_factory)
+
+
 @pytest.fixture()
 def t2v_prompt() -> dict[str, Any]:
     """``workflows/api/t2v.json`` with a fresh seed."""

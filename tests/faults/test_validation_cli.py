@@ -177,16 +177,22 @@ def test_failed_decode_keeps_the_saved_latents(files, tmp_path, monkeypatch, cap
     assert load_file(latents)["latents"].shape == (1, 16, 2, 4, 4) and not out.exists()
 
 
-def test_ctrl_c_exits_130_with_one_line(files, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["generate", "--models", str(files["models"]), "--prompt", "a fox", "--out", str(tmp_path / "x.mp4"),
-            *QUICK[:-4], "--steps", "500", "--device", "cpu"]
-    proc = subprocess.Popen([sys.executable, str(LAUNCHER), *args], stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+def sampling_cli(models: Path, workdir: Path, *flags: str) -> tuple[subprocess.Popen, bytes]:
+    """A long `generate` on the tiny models, returned once it reports its first step (with its stderr so far)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANMESH_WORKER_THREADS": "1"}
+    args = ["generate", "--models", str(models), "--prompt", "a fox", "--out", str(workdir / "x.mp4"),
+            *QUICK[:-4], "--steps", "500", "--device", "cpu", *flags]
+    proc = subprocess.Popen([sys.executable, str(LAUNCHER), *args], stderr=subprocess.PIPE, env=env, cwd=workdir)
     seen = b""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while b"step 1/" not in seen and time.monotonic() < deadline and proc.poll() is None:
         seen += os.read(proc.stderr.fileno(), 4096)
     assert b"step 1/" in seen, seen.decode()
+    return proc, seen
+
+
+def test_ctrl_c_exits_130_with_one_line(files, tmp_path):
+    proc, seen = sampling_cli(files["models"], tmp_path)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=60)[1]

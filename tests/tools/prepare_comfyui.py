@@ -25,6 +25,8 @@ came from, and only the pack link (or copy) is refreshed and the requirements
 re-checked (without pip when all are met).
 
 Usage: ``python tests/tools/prepare_comfyui.py [--which 2024|recent|both] [--build-dir DIR] [--copy]``.
+``--build-dir`` defaults to ``$WANMESH_COMFYUI_BUILD_DIR``, else ``build/`` (a folder of one's own keeps
+checkouts that share a ``build/`` from relinking each other's pack).
 It prints each prepared ComfyUI folder on its own line; with ``both`` (the
 default) the recent copy comes first, so the last line is always the 2024 copy
 when that one was prepared.
@@ -37,6 +39,7 @@ import fcntl
 import hashlib
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -111,6 +114,7 @@ MARKER_NAME = ".prepared.json"
 COPY_EXCLUDES = ("build", ".git", ".venv", "__pycache__", ".pytest_cache", "*.egg-info", "bench-out", ".benchmarks")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_DIR_ENV = "WANMESH_COMFYUI_BUILD_DIR"
 
 
 def sha256_of(path: Path) -> str:
@@ -275,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--which", choices=WHICH_CHOICES, default="both",
                         help="which copy to prepare: 2024 (build/comfyui), recent (build/comfyui-recent) or both "
                              "(default; the 2024 folder is printed last)")
-    parser.add_argument("--build-dir", type=Path, default=REPO_ROOT / "build",
-                        help="ignored folder that receives the copies and the download cache (default: build/)")
+    parser.add_argument("--build-dir", type=Path, default=Path(os.environ.get(BUILD_DIR_ENV) or REPO_ROOT / "build"),
+                        help=f"ignored folder that receives the copies and the download cache (default: ${BUILD_DIR_ENV}, "
+                             "else build/)")
     parser.add_argument("--copy", action="store_true",
                         help="copy the pack into custom_nodes/ instead of linking it")
     args = parser.parse_args(argv)

@@ -28,6 +28,8 @@ POOL_INPUTS = dict(devices="cpu:2", world=2, tp=1, ulysses=1, ring=1, cfg_parall
 class RecordingPool:
     """Stands in for a started worker pool: keeps the requests it is sent and answers with zero latents."""
 
+    closed = False
+
     def __init__(self, config):
         self.config = config
         self.requests = []
