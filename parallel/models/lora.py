@@ -24,14 +24,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-<<<<<<< HEAD
-from ..config import check_lora_strength
+from ..config import check_lora_strength, lora_strength_from_text
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, PICKLE_SUFFIXES, first_names, read_safetensors_header
 from .detect import read_header
-=======
-from ..config import lora_strength_from_text
-from .checkpoint import COMFY_TRANSFORMER_PREFIX, first_names, read_safetensors_header
->>>>>>> helper-d
 
 __all__ = ["LoraHeader", "LoraLayer", "check_lora_for_model", "read_lora_header", "parse_lora_arg",
            "model_files_of_handle"]
