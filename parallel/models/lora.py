@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import check_lora_strength, lora_strength_from_text
+from ..config import lora_strength_from_text
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, PICKLE_SUFFIXES, first_names, read_safetensors_header
 from .detect import read_header
 
