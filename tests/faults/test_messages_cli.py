@@ -12,7 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_validation_cli import QUICK, _run_cli, sampling_cli
+from cli_runs import run_cli
+from test_validation_cli import QUICK, sampling_cli
 from wanmesh.nodes.pool import WanMeshPool
 from wanmesh.parallel.driver import local
 from wanmesh.parallel.driver.pool import current_pool
@@ -34,14 +35,14 @@ def _assert_refused(result: dict, message: str) -> None:
 
 def test_a_lora_strength_that_is_not_a_number_is_named(models, tmp_path):
     lora = models / TINY_LORA  # the file exists: the strength is what is wrong
-    result = _run_cli(["generate", "--models", str(models), "--prompt", "a fox", "--out", str(tmp_path / "x.mp4"),
+    result = run_cli(["generate", "--models", str(models), "--prompt", "a fox", "--out", str(tmp_path / "x.mp4"),
                        *QUICK, "--lora", f"{lora}:abc"], tmp_path)
     _assert_refused(result, f"LoRA strength 'abc' in '{lora}:abc' is not a number; valid: FILE or FILE:STRENGTH "
                             "with a number from -10 to 10")
 
 
 def test_a_negative_kv_window_says_what_is_valid(models, tmp_path):
-    result = _run_cli(["stream", "--models", str(models), "--prompt", "a fox", "--kv-window", "-1", "--device", "cpu",
+    result = run_cli(["stream", "--models", str(models), "--prompt", "a fox", "--kv-window", "-1", "--device", "cpu",
                        "--out", str(tmp_path / "x.mp4"), "--chunk-dir", str(tmp_path / "chunks")], tmp_path)
     _assert_refused(result, "kv_window -1 is not valid; valid: a whole number of latent frames >= the chunk (3), "
                             "or none for the whole video")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_validation_cli import LAUNCHER, RUN_TIMEOUT_S
+from cli_runs import LAUNCHER, RUN_TIMEOUT_S
 from wanmesh.parallel.video_io import read_video
 
 FRAMES, CHUNKS = 21, 6  # 6 latent frames in chunks of 1: 1 + 5 x 4 video frames
