@@ -28,7 +28,7 @@ from .config import (
     check_video_size,
     ranks_over_cores_warning,
 )
-from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError
+from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
 from .models.detect import KIND_DESCRIPTIONS, detect_kind, infer_transformer_config, read_header
 
 TEXT_TOKENS = 512  # Wan's text length: umT5 tokens beyond it (EOS included) are dropped
@@ -38,7 +38,6 @@ TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "diffusers_transformer")
 VAE_KINDS = ("wan_vae", "diffusers_vae")
 TEXT_ENCODER_KINDS = ("umt5",)
 VACE_MODULE_KINDS = ("vace_module", "wan_vace")
-SCALE_WEIGHT_SUFFIX = ".scale_weight"  # ComfyUI's per-layer scale of a scaled-fp8 weight
 FP8_PREFIX = "F8_"  # safetensors' fp8 dtype names: F8_E4M3, F8_E5M2
 
 
@@ -111,11 +110,11 @@ def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
         return
     linears = [key for key, shape in info.shapes.items()
                if len(shape) == 2 and key.endswith(".weight") and info.dtypes.get(key, "").startswith(FP8_PREFIX)]
-    unscaled = [key for key in linears if key.removesuffix(".weight") + SCALE_WEIGHT_SUFFIX not in info.shapes]
+    unscaled = [key for key in linears if scale_key_for(key) not in info.shapes]
     if unscaled:
         raise ValueError(
             f"{flag} {info.path} has ComfyUI's {SCALED_FP8_MARKER} marker but its fp8 weight {unscaled[0]} has no "
-            f"{unscaled[0].removesuffix('.weight')}{SCALE_WEIGHT_SUFFIX} ({len(unscaled)} of {len(linears)} fp8 "
+            f"{scale_key_for(unscaled[0])} ({len(unscaled)} of {len(linears)} fp8 "
             "linear weights lack their scale): the file is incomplete; use the complete scaled-fp8 file")
 
 

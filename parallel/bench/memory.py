@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..config import TEXT_TOKENS, latent_shape
 from ..distributed.spawn import slowest_rank_seconds
 from ..distributed.tensor_parallel import check_tp_degree, tensor_parallel_plan, tp_size_and_rank
-from ..models.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors_header
+from ..models.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors_header, scale_key_for
 from ..models.gguf_file import is_gguf_path
 from ..models.sharded import load_transformer_tp
 from ..models.wan import transformer_weight_source
@@ -121,7 +121,7 @@ def file_slice_bytes(path: str, tp: int) -> int:
         for name, ref in source.refs.items():
             sizes = stored[ref.file.path]
             share = sizes[ref.key][1] // tp if name in sharded else sizes[ref.key][1]
-            total += share + sizes.get(ref.key.removesuffix(".weight") + ".scale_weight", ("", 0))[1]
+            total += share + sizes.get(scale_key_for(ref.key), ("", 0))[1]
         return total
 
 

@@ -125,7 +125,7 @@ class CheckpointFile:
         if not self.is_quantized(key):
             return None
         data = self.raw(key, index)
-        scale_key = _scale_key_for(key)
+        scale_key = scale_key_for(key)
         scale = self.raw(scale_key).to(torch.float32) if scale_key is not None and self.has(scale_key) else None
         return StoredTensor(data, FP8, tuple(data.shape), scale)
 
@@ -196,7 +196,8 @@ def read_tensor(
     return handle.raw(original_key, index).to(dtype)
 
 
-def _scale_key_for(weight_key: str) -> str | None:
+def scale_key_for(weight_key: str) -> str | None:
+    """The key of a scaled-fp8 weight's ``scale_weight`` (None for a key that is not a weight)."""
     if not weight_key.endswith(".weight"):
         return None
     return weight_key[: -len(".weight")] + _SCALE_WEIGHT_SUFFIX
@@ -330,8 +331,9 @@ def _keeps_float32(name: str, keep_modules: Iterable[str]) -> bool:
 
 def _hold_quantized_(model: torch.nn.Module, source: WeightSource, names: set[str], dtype: torch.dtype,
                      device: str | torch.device) -> set[str]:
-    """Give each block linear stored quantized its stored data (this rank's slice); the names held. A tensor whose
-    slice cannot stay quantized (it would cut GGUF quant blocks) is left to the float path and logged."""
+    """Give each linear that may stay quantized (``quantized.keeps_quantized``) and is stored quantized its stored
+    data (this rank's slice); the names held. A tensor whose slice cannot stay quantized (it would cut GGUF quant
+    blocks) is left to the float path and logged."""
     held, cut = set(), []
     for name in sorted(names):
         module = model.get_submodule(name.rpartition(".")[0])
@@ -344,7 +346,7 @@ def _hold_quantized_(model: torch.nn.Module, source: WeightSource, names: set[st
         hold_stored_(module, stored, dtype, device)
         held.add(name)
     if cut:
-        cost = sum(math.prod(source.shape(name)) for name in cut) * torch.tensor([], dtype=dtype).element_size()
+        cost = sum(math.prod(source.shape(name)) for name in cut) * dtype.itemsize
         log.warning("%s: %d tensors (%.1f MiB) dequantized at load on this rank: its tensor-parallel slices of them "
                     "would cut their quant blocks (e.g. %s)", source.description, len(cut), cost / 2**20, cut[0])
     return held
@@ -369,7 +371,7 @@ def load_weights_into(
 
     `aliases` maps a model name to another model name sharing the same tensor (tied embeddings).
     Modules the model class lists in `_keep_in_fp32_modules` stay float32, as its own loader would do.
-    With `keep_quantized`, block linears stored quantized keep their stored data (`quantized.hold_stored_`).
+    With `keep_quantized`, linears stored quantized keep their stored data (`quantized.hold_stored_`).
     """
     aliases = dict(aliases or {})
     expected = set(model.state_dict()) - set(aliases)

@@ -133,11 +133,6 @@ class GGUFFile:
                 f"{self.path}: the model predicts {channels}-channel latents; only Wan 2.1 / 2.2 A14B transformers "
                 f"({WAN_LATENT_CHANNELS}-channel latents) are supported, not the 48-channel Wan 2.2 TI2V 5B")
 
-    def splits_on_blocks(self, key: str, parts: int) -> bool:
-        """Whether cutting the input (last) dimension of `key` into `parts` equal slices keeps whole quant blocks."""
-        width = self.shape(key)[-1]
-        return width % parts == 0 and (width // parts) % block_size(self.tensor_type(key)) == 0
-
     def is_quantized(self, key: str) -> bool:
         return self.tensor_type(key) not in FLOAT_TYPES
 

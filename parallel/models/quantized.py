@@ -1,15 +1,14 @@
 """Quantized linear weights held as stored on each rank; runs in the worker processes.
 
 A transformer or VACE block linear (attention q/k/v/out, the FFN), or the modulation or text projection, whose
-file stores it quantized (fp8 and ComfyUI
-"scaled fp8": fp8 values times one float32 ``scale_weight`` per layer; GGUF: quant blocks) keeps those bytes as a
-parameter. A parametrization on the layer's ``weight`` (``torch.nn.utils.parametrize``) dequantizes them to the
+file stores it quantized (fp8 and ComfyUI "scaled fp8": fp8 values times one float32 ``scale_weight`` per layer;
+GGUF: quant blocks) keeps those bytes as a parameter. A parametrization on the layer's ``weight`` (``torch.nn.utils.parametrize``) dequantizes them to the
 compute dtype each time the layer reads its weight, so the full-precision weight lives only for its own matmul, as
 ComfyUI's cast-on-the-fly ops and the ComfyUI GGUF loader do. The stored tensor sits under
 ``<module>.parametrizations.weight.original``; ``nn.Linear``, the tensor-parallel linears and diffusers' attention
 processors read ``.weight`` and run unchanged.
 
-Norms, biases, embeddings, modulation tables and the head are small and stay float. A LoRA on a quantized layer is
+Norms, biases, the patch and time embedders, modulation tables and the head are small and stay float. A LoRA on a quantized layer is
 another parametrization after the dequantization (``lora_merge.py``): the stored bytes are never written.
 """
 
@@ -22,7 +21,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["FP8", "Dequantize", "StoredTensor", "dequantize_stored", "hold_stored_", "is_quantized_layer",
-           "keeps_quantized", "logical_weight", "quantized_layers", "read_weights"]
+           "keeps_quantized", "logical_name", "logical_parameters", "logical_weight", "quantized_layers",
+           "read_weights"]
 
 FP8 = "fp8"  # the qtype of fp8 values (e4m3fn, e5m2), with or without a scale; GGUF tensors use gguf's type enum
 # The linears that may stay quantized, by diffusers and original (file) names: the transformer and VACE blocks (nearly
@@ -42,15 +42,10 @@ class StoredTensor:
     shape: tuple[int, ...]  # the logical (dequantized) shape
     scale: torch.Tensor | None = None  # scaled fp8: the layer's float32 scale_weight
 
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
-        return self.data.numel() * self.data.element_size() + extra
-
 
 def dequantize_stored(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype,
                       scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The float weight of stored ``data``, in ``dtype``: fp8 times its scale in float32, or GGUF blocks decoded.
+    """The float weight of stored ``data``, in ``dtype``: fp8 times its scale (in ``dtype``), or GGUF blocks decoded.
 
     The one dequantization used at load ("dequantize") and per matmul ("keep"), so both give the same weights."""
     if qtype == FP8:
@@ -116,10 +111,22 @@ def logical_weight(module: nn.Module) -> torch.Tensor:
     return module.weight
 
 
+def _by_logical_names(model: nn.Module, entries, weight_of) -> dict[str, torch.Tensor]:
+    """``entries`` ((name, tensor) of ``model``) without the stored tensors of its quantized layers, and
+    ``<layer>.weight`` = ``weight_of(layer)`` for each of those layers instead."""
+    named = {name: tensor for name, tensor in entries if ".parametrizations." not in name}
+    named.update({f"{path}.weight": weight_of(module) for path, module in quantized_layers(model).items()})
+    return named
+
+
+def logical_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by the names and shapes its layers read them: a quantized layer's weight appears as
+    ``<module>.weight`` (a meta stand-in of its dequantized shape), not as its stored tensor."""
+    return _by_logical_names(model, model.named_parameters(), logical_weight)
+
+
 @torch.no_grad()
 def read_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer by its logical name, as the layers read it (quantized weights dequantized, LoRA
     branches applied): what ``state_dict()`` would hold had the model been loaded in float."""
-    state = {name: tensor for name, tensor in model.state_dict().items() if ".parametrizations." not in name}
-    state.update({f"{path}.weight": module.weight for path, module in quantized_layers(model).items()})
-    return state
+    return _by_logical_names(model, model.state_dict().items(), lambda module: module.weight)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
+from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER, scale_key_for
 from ..models.quantized import BLOCK_PREFIXES, keeps_quantized
 from ..tensor_files import save_tensors_atomic
 
@@ -47,7 +47,7 @@ def fp8_state(state: Mapping[str, torch.Tensor], fp8_dtype: torch.dtype, scaled:
         if not is_block_linear_weight(key, tensor):
             stored[key] = tensor
         elif scaled:
-            stored[key], stored[key.removesuffix(".weight") + ".scale_weight"] = _scaled(tensor, fp8_dtype)
+            stored[key], stored[scale_key_for(key)] = _scaled(tensor, fp8_dtype)
         else:
             stored[key] = _to_fp8(tensor, fp8_dtype)
     if scaled:

@@ -32,7 +32,7 @@ from torch.nn.utils import parametrize
 from ..distributed.tensor_parallel import shard_index
 from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, first_names, rename_map
 from ..models.gguf_file import open_files
-from ..models.quantized import logical_weight, quantized_layers
+from ..models.quantized import logical_parameters, quantized_layers
 from ..config import check_lora_strength
 from ..models.lora import DIFFUSERS, KOHYA, LoraHeader, LoraLayer, read_lora_header
 
@@ -224,14 +224,6 @@ class LoraBranch(nn.Module):
         return (weight.to(torch.float32) + self.strength * self.factors.delta(self.shape)).to(weight.dtype)
 
 
-def logical_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters by the names and shapes its layers read them: a quantized layer's weight appears as
-    ``<module>.weight`` (a meta stand-in of its dequantized shape), not as its stored tensor."""
-    parameters = {name: p for name, p in model.named_parameters() if ".parametrizations." not in name}
-    parameters.update({f"{path}.weight": logical_weight(module) for path, module in quantized_layers(model).items()})
-    return parameters
-
-
 def _bias_delta(patch: LoraPatch, layer: LoraLayer, dim: int | None, rank: int, tp: int) -> torch.Tensor:
     index = None if dim is None else shard_index(layer.shapes["diff_b"], dim, rank, tp)
     return _read(patch.file, layer.keys["diff_b"], index)
@@ -258,9 +250,11 @@ def merge_patch(model: nn.Module, patch: LoraPatch) -> set[str]:
             parameter = parameters[name]
             dim, rank, tp = _shard_of(model, name)
             if kind == "weight" and module in quantized:
-                factors = _weight_factors(patch, layer, dim, rank, tp).to(quantized[module].weight.device)
+                layer_weights = quantized[module].parametrizations.weight  # its device, read without dequantizing
+                factors = _weight_factors(patch, layer, dim, rank, tp).to(layer_weights.original.device)
+                # unsafe: skips a trial dequantization; a LoRA branch keeps the weight's shape and dtype
                 parametrize.register_parametrization(quantized[module], "weight",
-                                                     LoraBranch(factors, patch.strength, parameter.shape))
+                                                     LoraBranch(factors, patch.strength, parameter.shape), unsafe=True)
             else:
                 delta = _weight_factors(patch, layer, dim, rank, tp).delta(parameter.shape) if kind == "weight" \
                     else _bias_delta(patch, layer, dim, rank, tp)
