@@ -62,7 +62,8 @@ class GGUFFile:
             self._reader = gguf.GGUFReader(str(self.path))
         except Exception as error:  # the reader raises ValueError/struct errors on foreign or truncated files
             first_line = (str(error).splitlines() or [""])[0]
-            raise ModelFileError(f"{self.path}: cannot read as GGUF ({type(error).__name__}: {first_line})") from None
+            raise ModelFileError(f"{self.path}: cannot read as GGUF: the file is truncated, corrupt or not a GGUF file "
+                                 f"({type(error).__name__}: {first_line})") from None
         self.architecture = _string_field(self._reader, gguf.Keys.General.ARCHITECTURE)
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
         self.keys: list[str] = list(self._tensors)
