@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import itertools
 import json
 import statistics
 from pathlib import Path
@@ -43,6 +42,7 @@ from ..models.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors
 from ..models.gguf_file import is_gguf_path
 from ..models.sharded import load_transformer_tp
 from ..models.wan import transformer_weight_source
+from ..worker.memory import resident_bytes
 from ..worker.residency import DTYPES
 from .common import (PeakAnonymousMemory, Timing, mib, model_config, model_path, rank_device, run_world,
                      time_interleaved, write_rank_result)
@@ -128,16 +128,6 @@ def file_slice_bytes(path: str, tp: int) -> int:
 # ------------------------------------------------------------------ inside a rank
 
 
-def storage_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the storages behind a model's parameters and buffers, each storage counted once."""
-    storages = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
-
-
 def _tp_group(world: int, tp: int, device: torch.device) -> dist.ProcessGroup | None:
     """This rank's tensor-parallel group: consecutive ranks, as in the pool's mesh (None: the whole world)."""
     if tp == world:
@@ -186,8 +176,8 @@ def _measure(settings: dict, device: torch.device, tp_group) -> dict:
     models = {"keep": keep, "dequantize": _load(settings, device, tp_group, "dequantize")}
     timings = time_interleaved({mode: _forward(model, settings, device) for mode, model in models.items()}, device,
                                settings["steps"], seconds=slowest_rank_seconds)
-    row = {"rank": dist.get_rank(), "tp_rank": tp_rank, "resident_bytes": storage_bytes(keep),
-           "resident_bytes_dequantize": storage_bytes(models["dequantize"]), "file_slice_bytes": file_slice,
+    row = {"rank": dist.get_rank(), "tp_rank": tp_rank, "resident_bytes": resident_bytes(keep),
+           "resident_bytes_dequantize": resident_bytes(models["dequantize"]), "file_slice_bytes": file_slice,
            "load_peak_bytes": load_peak}
     for mode, timing in timings.items():
         row[f"step_s_{mode}"], row[f"step_s_{mode}_spread"] = timing.median, timing.as_list()

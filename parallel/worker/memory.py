@@ -33,14 +33,16 @@ def memory_budget_bytes(budget_gb: float, device: torch.device, ranks_on_machine
 
 
 def resident_bytes(model: object) -> int:
-    """Bytes of the tensors a loaded model holds: its own parameters and buffers, or those of the modules it
-    wraps (a text encoder with its tokenizer, a VAE wrapper); shared tensors count once."""
-    seen: dict[int, int] = {}
+    """Bytes of the storages behind the tensors a loaded model holds: its own parameters and buffers (a quantized
+    layer's stored tensor included), or those of the modules it wraps (a text encoder with its tokenizer, a VAE
+    wrapper); each storage counts once, however many tensors view it."""
+    storages: dict[tuple[torch.device, int], int] = {}
     for module in _modules_of(model):
         for tensor in (*module.parameters(), *module.buffers()):
             if tensor.device.type != "meta":
-                seen.setdefault(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    return sum(seen.values())
+                storage = tensor.untyped_storage()
+                storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _modules_of(model: object) -> list[torch.nn.Module]:

@@ -12,6 +12,7 @@ import torch
 from wanmesh.parallel.bench import memory
 from wanmesh.parallel.cli import main
 from wanmesh.parallel.tiny.files import TINY_FILES
+from wanmesh.parallel.worker.memory import resident_bytes
 
 SMALL = ["--width", "32", "--height", "32", "--frames", "5", "--steps", "2"]
 
@@ -68,7 +69,7 @@ def test_file_slices_halve_the_sharded_part_at_tp_2(tiny_models, key):
 def test_storages_count_once():
     linear = torch.nn.Linear(4, 4)
     linear.register_buffer("view", linear.weight.detach()[:2])  # a view shares the weight's storage
-    assert memory.storage_bytes(linear) == (16 + 4) * 4
+    assert resident_bytes(linear) == (16 + 4) * 4
 
 
 def test_bad_settings_are_refused_before_spawning(tiny_models):
