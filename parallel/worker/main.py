@@ -65,18 +65,23 @@ def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | N
 
     def take_stop_signals() -> None:
         received = signal.sigwait(STOP_SIGNALS)
-        if received == signal.SIGTERM:
-            # The parent-death signal comes when the driver's launcher *thread* ends, which in a dying driver
-            # is before the process is gone and this worker re-parented: give it a moment to show.
-            deadline = time.monotonic() + ORPHAN_SETTLE_S
-            while os.getppid() == parent_pid and time.monotonic() < deadline:
-                time.sleep(0.05)
-        if os.getppid() != parent_pid:
+        # SIGTERM may be the parent-death signal, which comes before the driver is gone: give that a moment.
+        if driver_gone(parent_pid, settle=received == signal.SIGTERM):
             _leave(cleanup)
         _end_by(received)  # a live driver cleans up itself
 
     threading.Thread(target=watch, name="wanmesh-parent-watch", daemon=True).start()
     threading.Thread(target=take_stop_signals, name="wanmesh-stop-signals", daemon=True).start()
+
+
+def driver_gone(parent_pid: int, settle: bool = True) -> bool:
+    """Whether the driver has died (this worker was re-parented). With ``settle``, wait up to ``ORPHAN_SETTLE_S``
+    for that to show: a dying driver's parent-death signal and closed connections come when its launcher thread
+    ends, before its process is gone."""
+    deadline = time.monotonic() + (ORPHAN_SETTLE_S if settle else 0.0)
+    while os.getppid() == parent_pid and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.getppid() != parent_pid
 
 
 def _leave(cleanup: Callable[[], None], code: int = 1) -> None:
@@ -144,7 +149,8 @@ class LocalWorker:
                 self.inbox.put(message)
 
     def exit_now(self, code: int = 0) -> None:
-        """The driver is gone: leave at once, even from inside a collective that would never finish."""
+        """The connection is gone: leave at once, even from inside a collective that would never finish
+        (``on_driver_gone`` decides whether a dead driver left anything to remove)."""
         if self.writer is not None:
             self.writer.close()
         _leave(self.on_driver_gone, code)
@@ -205,7 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         conn.send({"kind": "error", **P.WorkerError(rank, type(exc).__name__, str(exc), traceback.format_exc()).to_wire()})
         os._exit(1)
-    worker = LocalWorker(session, conn, settings["shm_prefix"], leftovers)
+    # A closed connection is not always a dead driver (this worker closes its own end when it leaves, and a live
+    # driver removes its segments itself): remove the pool's leftovers only when the driver really is gone.
+    worker = LocalWorker(session, conn, settings["shm_prefix"],
+                         lambda: leftovers() if driver_gone(settings["parent_pid"]) else None)
     worker.send({"kind": "hello", **session.health()})
     worker.serve()
     if worker.writer is not None:
