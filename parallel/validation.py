@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import (
+    TEXT_TOKENS,
     ParallelConfig,
     check_head_split,
     check_seed,
@@ -31,7 +32,6 @@ from .config import (
 from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
 from .models.detect import KIND_DESCRIPTIONS, detect_kind, infer_transformer_config, read_header
 
-TEXT_TOKENS = 512  # Wan's text length: umT5 tokens beyond it (EOS included) are dropped
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
 
 TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "diffusers_transformer")

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import ParallelConfig, check_experts, check_step_range, latent_shape
+from ..config import T2V_EXPERT_BOUNDARY, ParallelConfig, check_experts, check_step_range, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
@@ -135,7 +135,7 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
 
 def _expert_fields(args) -> dict:
     """The two-expert and step-range settings of the command line (defaults when a flag is absent)."""
-    return {"boundary": getattr(args, "boundary", 0.875), "start_step": getattr(args, "start_step", 0),
+    return {"boundary": getattr(args, "boundary", T2V_EXPERT_BOUNDARY), "start_step": getattr(args, "start_step", 0),
             "guidance_scale_low": getattr(args, "guidance_scale_low", None), "end_step": getattr(args, "end_step", None)}
 
 
