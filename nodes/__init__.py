@@ -4,6 +4,7 @@ from . import errors, memory
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .lora import WanMeshLoraLoader
+from .native_model import WanMeshNativeModel
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
 from .stream import WanMeshStreamSampler
 from .vace import WanMeshTrimLatent, WanMeshVaceEncode
@@ -16,6 +17,7 @@ _NODES = {
     "WanMeshModelLoader": (WanMeshModelLoader, "WanMesh Model Loader"),
     "WanMeshVAELoader": (WanMeshVAELoader, "WanMesh VAE Loader"),
     "WanMeshLoraLoader": (WanMeshLoraLoader, "WanMesh LoRA Loader"),
+    "WanMeshNativeModel": (WanMeshNativeModel, "WanMesh Native Model"),
     "WanMeshTextEncoderLoader": (WanMeshTextEncoderLoader, "WanMesh Text Encoder Loader"),
     "WanMeshTextEncode": (WanMeshTextEncode, "WanMesh Text Encode"),
     "WanMeshEmptyLatent": (WanMeshEmptyLatent, "WanMesh Empty Latent"),

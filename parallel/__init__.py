@@ -24,8 +24,8 @@ _EXPORTS = {
     **dict.fromkeys(("check_lora_for_model", "model_files_of_handle"), "models.lora"),
     **dict.fromkeys(("stop_pool", "unload_pool_models"), "pool_memory"),
     "save_tensors_atomic": "tensor_files",
-    **dict.fromkeys(("check_model_file", "check_ranks"), "validation"),
-    **dict.fromkeys(("EncodeVace", "SampleRequest", "StreamSample"), "protocol"),
+    **dict.fromkeys(("check_model_file", "check_ranks", "has_vace_blocks"), "validation"),
+    **dict.fromkeys(("EncodeVace", "ModelForward", "SampleRequest", "StreamSample"), "protocol"),
     **dict.fromkeys(("H264_ENCODERS", "read_video", "video_encoder", "write_video"), "video_io"),
 }
 __all__ = sorted(_EXPORTS)

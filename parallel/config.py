@@ -388,6 +388,28 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
             raise ValueError(f"vace_strength[{index}] is {strength}; give a finite strength (1.0 is the default)")
 
 
+def check_model_forward(latent, timestep, context, vace_context, vace_strengths: list) -> None:
+    """One model call from a sampler in the driver's process: the timestep, context and VACE rows match the
+    latent's rows, and the VACE contexts its positions."""
+    check_latent(latent)
+    batch, _, *positions = latent.shape
+    if timestep.ndim != 1 or timestep.shape[0] != batch:
+        raise ValueError(f"the model call has {batch} latent rows but timesteps of shape {list(timestep.shape)}; "
+                         f"give one timestep per row ([{batch}])")
+    if context.ndim != 3 or context.shape[0] != batch:
+        raise ValueError(f"the model call has {batch} latent rows but a text context of shape "
+                         f"{list(context.shape)}; expected [{batch}, tokens, text width]")
+    if vace_context is None:
+        return
+    expected = [batch, len(vace_strengths), VACE_FRAME_CHANNELS + VACE_MASK_CHANNELS, *positions]
+    if list(vace_context.shape) != expected:
+        raise ValueError(f"the VACE context has shape {list(vace_context.shape)}; expected {expected} (rows, "
+                         "contexts, frames and mask channels, the latent's frames and size) as ComfyUI's VACE model "
+                         "conditioning makes it")
+    if not all(math.isfinite(strength) for strength in vace_strengths):
+        raise ValueError(f"VACE strengths {vace_strengths} must be finite numbers (1.0 is the default)")
+
+
 def check_weights_mode(mode: str) -> None:
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weights {mode!r} is unknown; valid: {', '.join(WEIGHT_MODES)} (keep: quantized weights "

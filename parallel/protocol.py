@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import (T2V_EXPERT_BOUNDARY, check_experts, check_latent, check_model_loras, check_sampling, check_step_range,
+from .config import (T2V_EXPERT_BOUNDARY, check_experts, check_latent, check_model_forward, check_model_loras, check_sampling, check_step_range,
                      check_stream_options, check_stream_timesteps, check_vace_contexts)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
@@ -167,6 +167,27 @@ class SampleRequest(Request):
 
 
 @dataclass(frozen=True)
+class ModelForward(Request):
+    """One call of a resident transformer made by a sampler that runs in the driver's process (ComfyUI's own
+    samplers on the WanMesh MODEL): the flow prediction for the model input at the given timesteps. The rows go
+    out as the sampler batched them (conditional and unconditional together); the pool's CFG-parallel and
+    data-parallel ranks split them, tensor, ring and Ulysses ranks run each row together. Tensors on the CPU."""
+
+    kind: ClassVar[str] = "model_forward"
+    handle: str
+    latent: torch.Tensor  # the model input [B, 16, T, h, w]: latents normalised as the sampler holds them
+    timestep: torch.Tensor  # [B]: the model's timestep, sigma x 1000
+    context: torch.Tensor  # [B, L, text_dim]: prompt embeddings, one row per latent row
+    vace_context: torch.Tensor | None = None  # [B, N, 96, T, h, w]: normalised VACE frames and masks, N contexts
+    vace_strengths: list[float] = field(default_factory=list)  # one per VACE context
+    loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA file, strength), merged before the call
+
+    def validate(self) -> None:
+        check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths)
+        check_model_loras({self.handle: self.loras})
+
+
+@dataclass(frozen=True)
 class StreamSample(Request):
     """One causal (chunk by chunk) streaming run: sampled with a KV cache, each finished chunk reported by rank 0
     with its raw latents and, when ``vae_handle`` names a loaded VAE, its frames decoded by the streaming VAE.
@@ -287,7 +308,8 @@ class Diagnostic(Request):
 
 REQUESTS: dict[str, type[Request]] = {
     cls.kind: cls
-    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, EncodeVace, Decode, Encode, Unload, Health, Shutdown, Diagnostic, StreamSample)
+    for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, EncodeVace, Decode, Encode, Unload, Health, Shutdown, Diagnostic, StreamSample,
+                ModelForward)
 }
 REPLIES: dict[str, type[Reply]] = {
     cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, VaceEncoded, Done, HealthReport, DiagnosticResult, Streamed)
@@ -295,7 +317,7 @@ REPLIES: dict[str, type[Reply]] = {
 REPLY_TO: dict[type[Request], type[Reply]] = {
     LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, SampleRequest: Latents, EncodeVace: VaceEncoded,
     Decode: Images, Encode: Latents, Unload: Done, Health: HealthReport, Shutdown: Done, Diagnostic: DiagnosticResult,
-    StreamSample: Streamed,
+    StreamSample: Streamed, ModelForward: Latents,
 }
 LOADS = (LoadModel, LoadVae, LoadTextEncoder)
 

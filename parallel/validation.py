@@ -102,6 +102,19 @@ def _inspect_folder(folder: Path, flag: str) -> ModelFileInfo:
     return ModelFileInfo(folder, "folder")
 
 
+def has_vace_blocks(paths: list[str]) -> bool:
+    """Whether a transformer loaded from ``paths`` (its file or folder, then its VACE module) has VACE blocks:
+    read from the headers (a VACE file or module) or a diffusers folder's config (``vace_layers``)."""
+    for path in map(Path, paths):
+        if path.is_dir():
+            config = path / "transformer" / "config.json" if (path / "model_index.json").is_file() else path / "config.json"
+            if config.is_file() and json.loads(config.read_text()).get("vace_layers"):
+                return True
+        elif path.suffix.lower() not in PICKLE_SUFFIXES and _read_header(path).kind in ("wan_vace", "vace_module"):
+            return True
+    return False
+
+
 def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
     """A file with ComfyUI's ``scaled_fp8`` marker stores each fp8 linear weight divided by its ``scale_weight``:
     one missing scale leaves that layer wrong by its factor, so such a file is refused. Scales without the

@@ -82,6 +82,12 @@ class PoolRunner:
         request.validate()
         return self.pool.call(request, progress=progress, should_cancel=should_stop)
 
+    def forward(self, request: P.ModelForward, should_stop=None) -> torch.Tensor:
+        """One model call of a sampler that runs here (ComfyUI's samplers on the WanMesh MODEL): the flow
+        prediction [B, 16, T, h, w]; raises ``Cancelled`` when ``should_stop`` asked the workers to stop."""
+        request.validate()
+        return self.pool.call(request, should_cancel=should_stop).latents
+
     def stream(self, request: P.StreamSample, on_chunk=None, progress=None, should_stop=None) -> P.Streamed:
         """A streaming run: the whole latent (and frames with a VAE); ``on_chunk(StreamChunk)`` gets each finished
         chunk as soon as rank 0 sends it, ``progress(step, total)`` every step. Raises ``Cancelled`` on cancel

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import VAE_SPATIAL_FACTOR, check_video_size
+from ..errors import Cancelled
 from ..distributed.patch_parallel import effective_patch_size
 from ..models.frames import frames_to_pixels, pixels_to_frames
 from ..models.vae_tiling import tiled_decode, tiled_encode
@@ -61,6 +62,27 @@ class RankExecutor(ResidentModels):
             guidance=self._guidance(), preview=self._previewer(request, progress, rows), low_model=low_model,
         )
         return self._gather_batch(latents, request.latent.shape[0])
+
+    @torch.no_grad()
+    def forward(self, request, should_stop=None) -> torch.Tensor:
+        """One model call of a sampler in the driver's process (``protocol.ModelForward``): the flow prediction of
+        every row. The CFG-parallel and data-parallel ranks split the rows (conditional and unconditional rows
+        batched together land on different halves); every rank gets the whole result."""
+        from ..sampling.forward import forward_rows
+
+        if should_stop is not None and should_stop():
+            raise Cancelled("the model call was cancelled before it started")
+        self.apply_loras(request.handle, request.loras)
+        model = self._get(request.handle, "model")
+        check_text_width(model, "context", [request.context[0]])
+        dtype = next(model.parameters()).dtype
+        batch = request.latent.shape[0]
+        rows = self._replica_rows(batch)
+        if len(rows):
+            prediction = forward_rows(model, request, rows, dtype, self.device)
+        else:  # a replica with no rows (fewer rows than replicas) only joins the gather
+            prediction = request.latent.new_zeros((0, *request.latent.shape[1:]))
+        return self._gather_replicas(prediction, batch)
 
     def sample_latents(self, request: SampleRequest, progress=None, should_stop=None):
         """``sample`` as the protocol's reply, with the report of which steps each expert ran."""
@@ -113,13 +135,34 @@ class RankExecutor(ResidentModels):
         dp = self._degree("dp")
         if dp == 1:
             return latents
+        return self._gather_shares(latents, batch, dp, self.parallel.dp_group)
+
+    def _gather_shares(self, share: torch.Tensor, total: int, degree: int, group) -> torch.Tensor:
+        """The ``total`` rows that the ``degree`` ranks of ``group`` hold as ``_dp_share`` shares, on every rank."""
         # all_gather needs equal shapes: pad every share to the largest, then cut by the known row ranges.
-        largest = -(-batch // dp)
-        padded = latents.new_zeros((largest, *latents.shape[1:]))
-        padded[: latents.shape[0]] = latents
-        pieces = [torch.empty_like(padded) for _ in range(dp)]
-        dist.all_gather(pieces, padded.to(self.device).contiguous(), group=self.parallel.dp_group)
-        return torch.cat([piece[: len(_dp_share(i, batch, dp))].cpu() for i, piece in enumerate(pieces)])
+        largest = -(-total // degree)
+        padded = share.new_zeros((largest, *share.shape[1:]))
+        padded[: share.shape[0]] = share
+        pieces = [torch.empty_like(padded) for _ in range(degree)]
+        dist.all_gather(pieces, padded.to(self.device).contiguous(), group=group)
+        return torch.cat([piece[: len(_dp_share(i, total, degree))].cpu() for i, piece in enumerate(pieces)])
+
+    def _replica_rows(self, batch: int) -> range:
+        """The rows of a model call this rank runs: its data-parallel share, split again over the CFG-parallel
+        pair (so a sampler's batched conditional and unconditional rows run side by side)."""
+        rows = self._batch_rows(batch)
+        cfg = self._degree("cfg")
+        if cfg == 1:
+            return rows
+        mine = _dp_share(self.parallel.coord("cfg"), len(rows), cfg)
+        return range(rows.start + mine.start, rows.start + mine.stop)
+
+    def _gather_replicas(self, share: torch.Tensor, batch: int) -> torch.Tensor:
+        """Reassemble a model call's rows from ``_replica_rows`` shares: the CFG pair first, then the replicas."""
+        cfg = self._degree("cfg")
+        if cfg > 1:
+            share = self._gather_shares(share, len(self._batch_rows(batch)), cfg, self.parallel.cfg_group)
+        return self._gather_batch(share, batch)
 
     def _tiling(self, tile_px: int | None):
         """(tile group, tile edge, whether this rank decodes tiles). The tile group is the first vae_patch ranks;
@@ -183,11 +226,16 @@ class RankExecutor(ResidentModels):
 
 def check_conditioning(model, request: SampleRequest) -> None:
     """Fail before sampling when the prompt embeddings cannot feed this model."""
-    text_dim = model.config.text_dim
     for name, embeddings in (("positive", request.positive), ("negative", request.negative)):
-        for emb in embeddings:
-            if emb.ndim != 2 or emb.shape[1] != text_dim:
-                raise ValueError(
-                    f"{name} conditioning has shape {list(emb.shape)} but this model takes text embeddings of width "
-                    f"{text_dim}; encode the prompt with the text encoder that belongs to the model"
-                )
+        check_text_width(model, name, embeddings)
+
+
+def check_text_width(model, name: str, embeddings) -> None:
+    """Each prompt embedding [L, D] has the model's text width D."""
+    text_dim = model.config.text_dim
+    for emb in embeddings:
+        if emb.ndim != 2 or emb.shape[1] != text_dim:
+            raise ValueError(
+                f"{name} conditioning has shape {list(emb.shape)} but this model takes text embeddings of width "
+                f"{text_dim}; encode the prompt with the text encoder that belongs to the model"
+            )

@@ -1,0 +1,25 @@
+"""The WanMesh Native Model node: a WanMesh model (with its LoRAs) as ComfyUI's MODEL, for ComfyUI's own samplers."""
+
+from __future__ import annotations
+
+from .pool_model import pool_model
+
+CATEGORY = "WanMesh/loaders"
+
+
+class WanMeshNativeModel:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("WANMESH_MODEL", {
+            "tooltip": "the loaded Wan T2V or VACE transformer (after any WanMesh LoRA Loader)"})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "wrap"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("ComfyUI's MODEL for a model in the worker pool: KSampler, KSamplerAdvanced, SamplerCustom"
+                   "(Advanced), guiders, sigma nodes and ModelSamplingSD3 use it as a native Wan model from "
+                   "UNETLoader; each model call runs on the pool with its parallel layout. LoRAs: WanMesh LoRA "
+                   "Loader before this node.")
+
+    def wrap(self, model):
+        return (pool_model(model),)

@@ -1,0 +1,123 @@
+"""ComfyUI's MODEL type over a transformer resident in the worker pool; runs in the ComfyUI process.
+
+ComfyUI's samplers (KSampler, KSamplerAdvanced, SamplerCustom(Advanced), the guiders, sigma and model-sampling
+nodes) drive a ``ModelPatcher`` around a ``BaseModel``. The BaseModel here is ComfyUI's own Wan model class, so
+its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and VACE context
+code are ComfyUI's; only its transformer is replaced by ``PoolTransformer``, whose every call is one
+``ModelForward`` on the pool. A call that batches conditional and unconditional rows goes out as one request,
+and the pool's CFG-parallel ranks split the rows. ComfyUI's progress bar, latent previews and interrupt work
+as with a native model (the interrupt also stops a model call that is under way).
+
+The classes subclass ComfyUI's, so they are made on first use (``comfy`` is imported only then).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_files_of_handle
+from .runtime import ResidentModel, interrupted, raise_if_interrupted
+
+log = logging.getLogger("wanmesh")
+
+LATENT_CHANNELS = 16
+# The model inputs ComfyUI's Wan conditioning can send that the pool's transformer does not take yet.
+UNSUPPORTED_INPUTS = {
+    "clip_fea": "CLIP vision image embeddings (image-to-video)",
+    "time_dim_concat": "frames concatenated in time",
+    "reference_latent": "a reference latent",
+    "control": "a ControlNet",
+}
+LORA_REFUSAL = ("ComfyUI's LoRA loaders cannot patch a WanMesh MODEL (its weights live in the worker pool); load "
+                "the LoRA with the WanMesh LoRA Loader between the WanMesh Model Loader and WanMesh Native Model")
+
+
+class PoolTransformer(torch.nn.Module):
+    """Stands in for ComfyUI's WanModel inside its BaseModel: the same call signature, run on the pool."""
+
+    def __init__(self, resident: ResidentModel, in_channels: int = LATENT_CHANNELS):
+        super().__init__()
+        self.resident = resident
+        self.dtype = torch.float32  # ComfyUI casts the model input and the text to this before calling
+        # ComfyUI's Wan conditioning reads the input width from the patch embedding (for image-to-video channels)
+        self.patch_embedding = SimpleNamespace(weight=SimpleNamespace(shape=(0, in_channels, 1, 2, 2)))
+
+    def forward(self, x, timestep, context, control=None, transformer_options=None, **extra):
+        check_supported_inputs(control, extra)
+        request = ModelForward(
+            handle=self.resident.handle, latent=x.detach().float().cpu(),
+            timestep=timestep.detach().float().cpu().reshape(-1).expand(x.shape[0]).clone(),
+            context=context.detach().float().cpu(), loras=list(self.resident.loras), **vace_inputs(extra),
+        )
+        try:
+            prediction = self.resident.runner.forward(request, should_stop=interrupted)
+        except Cancelled:
+            raise_if_interrupted()
+            raise
+        return prediction.to(device=x.device, dtype=x.dtype)
+
+
+def check_supported_inputs(control, extra: dict) -> None:
+    """Refuse, in one line, conditioning the pool's transformer would otherwise silently ignore."""
+    given = {"control": control, **extra}
+    refused = [f"{name} ({what})" for name, what in UNSUPPORTED_INPUTS.items() if given.get(name) is not None]
+    if refused:
+        raise ValueError(f"the WanMesh MODEL does not take {', '.join(refused)} yet; it takes text, and VACE "
+                         "conditioning from WanVaceToVideo or WanMesh VACE Encode")
+
+
+def vace_inputs(extra: dict) -> dict:
+    """The ModelForward fields of ComfyUI's VACE model inputs (normalised contexts and their strengths)."""
+    context = extra.get("vace_context")
+    if context is None:
+        return {}
+    strengths = extra.get("vace_strength") or [1.0] * context.shape[1]
+    return {"vace_context": context.detach().float().cpu(), "vace_strengths": [float(s) for s in strengths]}
+
+
+@functools.cache
+def comfy_classes():
+    """(the BaseModel class for T2V, for VACE, the ModelPatcher class), made from the running ComfyUI's own."""
+    import comfy.model_base
+    import comfy.model_patcher
+
+    if not hasattr(comfy.model_base, "WAN21_Vace"):
+        raise ValueError("WanMesh Native Model needs a ComfyUI with native Wan and VACE support (2025 or newer); "
+                         "update ComfyUI, or sample with the WanMesh Sampler")
+
+    class PoolMemory:
+        def memory_required(self, *args, **kwargs):
+            # The transformer runs in the pool's processes, not here: ComfyUI needs no memory for it, and with
+            # none reserved it batches the conditional and unconditional rows into one call.
+            return 0
+
+    class PoolWan(PoolMemory, comfy.model_base.WAN21):
+        pass
+
+    class PoolWanVace(PoolMemory, comfy.model_base.WAN21_Vace):
+        pass
+
+    class PoolModelPatcher(comfy.model_patcher.ModelPatcher):
+        def add_patches(self, *args, **kwargs):
+            raise ValueError(LORA_REFUSAL)
+
+    return PoolWan, PoolWanVace, PoolModelPatcher
+
+
+def pool_model(resident: ResidentModel):
+    """ComfyUI's MODEL (a ModelPatcher) over the resident transformer, configured as ComfyUI configures a Wan 2.1
+    model it loads itself (latent format, flow sampling with shift 8)."""
+    import comfy.model_management
+    import comfy.supported_models
+
+    wan, wan_vace, patcher = comfy_classes()
+    vace = has_vace_blocks(model_files_of_handle(resident.handle))
+    config = comfy.supported_models.WAN21_T2V({"image_model": "wan2.1", "disable_unet_model_creation": True})
+    device = comfy.model_management.get_torch_device()
+    model = (wan_vace if vace else wan)(config, device=device)
+    model.diffusion_model = PoolTransformer(resident)
+    return patcher(model, load_device=device, offload_device=comfy.model_management.unet_offload_device())
