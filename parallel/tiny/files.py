@@ -14,6 +14,10 @@ TINY_FILES = {
     **{f"lora_{name}": f"loras/wan_tiny_lora_{name}.safetensors" for name in ("comfy", "peft", "kohya", "diff")},
     "model_low": "diffusion_models/wan_tiny_t2v_low.safetensors",  # the tiny low-noise expert (two-expert runs)
     "model_fp8_scaled": "diffusion_models/wan_tiny_t2v_fp8_scaled.safetensors",  # ComfyUI scaled fp8
+    # Native twins: shapes ComfyUI's own Wan loader reads (heads of 128, text width 4096), with their text encoder
+    "model_native": "diffusion_models/wan_native_t2v.safetensors",
+    "vace_native": "diffusion_models/wan_native_vace.safetensors",
+    "text_encoder_native": "text_encoders/umt5_native.safetensors",
 }
 
 # `wanmesh make-tiny DIR --preset medium`: a ~150M-parameter T2V transformer in the formats users have, with the

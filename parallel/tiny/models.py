@@ -50,12 +50,18 @@ TINY_TRANSFORMER = dict(
 TINY_VACE = dict(TINY_TRANSFORMER, vace_layers=[0, 2], vace_in_channels=96)
 # The medium preset: about 143M parameters (dim 1024, 8 layers, 16 heads of 64, FFN 4x), the tiny umT5's text dim.
 MEDIUM_TRANSFORMER = dict(TINY_TRANSFORMER, num_attention_heads=16, attention_head_dim=64, ffn_dim=4096, num_layers=8)
+# What ComfyUI's own Wan loader can read (it takes heads of 128 and a text width of 4096, umT5-XXL's): the native
+# twins of the tiny T2V and VACE models and a tiny umT5 of that width, for comparisons with ComfyUI's Wan code.
+NATIVE_TRANSFORMER = dict(TINY_TRANSFORMER, num_attention_heads=2, attention_head_dim=128, text_dim=4096,
+                          ffn_dim=512, num_layers=2)
+NATIVE_VACE = dict(NATIVE_TRANSFORMER, vace_layers=[0], vace_in_channels=96)
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])
 TINY_UMT5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
                  relative_attention_num_buckets=32, relative_attention_max_distance=128, dropout_rate=0.0,
                  is_encoder_decoder=False, use_cache=False, pad_token_id=0, eos_token_id=1,
                  decoder_start_token_id=0)
+NATIVE_UMT5 = dict(TINY_UMT5, d_model=4096)
 TOKENIZER_VOCAB_SIZE = 384
 
 CORPUS = """\
@@ -354,6 +360,26 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
                         metadata=heads)
     _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
     _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
+    paths.update(make_native_twins(root, models.spiece_model))
+    return paths
+
+
+def make_native_twins(root: Path, spiece_model: bytes, seed: int = SEED + 6) -> dict[str, Path]:
+    """The models ComfyUI's own loaders read as well (``NATIVE_TRANSFORMER``, ``NATIVE_VACE``, ``NATIVE_UMT5``):
+    a T2V transformer, a VACE transformer sharing its weights, and a umT5 of text width 4096."""
+    paths = {name: root / TINY_FILES[name] for name in ("model_native", "vace_native", "text_encoder_native")}
+    t2v = WanTransformer3DModel(**NATIVE_TRANSFORMER)
+    randomise_(t2v, seed)
+    vace = WanVACETransformer3DModel(**NATIVE_VACE)
+    vace.load_state_dict(t2v.state_dict(), strict=False)
+    randomise_(vace, seed + 1, only=lambda name: name.startswith("vace_"))
+    heads = _head_metadata(NATIVE_TRANSFORMER)
+    save_tensors_atomic(_transformer_state(t2v, NATIVE_TRANSFORMER), paths["model_native"], metadata=heads)
+    save_tensors_atomic(_transformer_state(vace, NATIVE_VACE), paths["vace_native"], metadata=heads)
+    vocab_size = sentencepiece.SentencePieceProcessor(model_proto=spiece_model).get_piece_size()
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=vocab_size, **NATIVE_UMT5))
+    randomise_(text_encoder, seed + 2)
+    save_tensors_atomic(original_text_encoder_state(text_encoder.eval(), spiece_model), paths["text_encoder_native"])
     return paths
 
 

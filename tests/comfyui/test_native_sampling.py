@@ -1,0 +1,129 @@
+"""ComfyUI's own samplers on the WanMesh MODEL equal them on the same weights loaded natively (recent ComfyUI).
+
+One API prompt per pool layout holds, for each sampler/scheduler pair the issue names, two KSamplers on the same
+latent, seed and conditioning: one on native ``UNETLoader``'s model, one on ``WanMesh Native Model`` over
+``WanMesh Model Loader``'s model of the same file (the tiny native twin, which ComfyUI's Wan loader reads). ComfyUI's
+Wan code is the independent reference: world 1 must be within 1e-4 of it, and tp 2, ulysses 2 and cfg_parallel 2
+equal world 1. Different samplers' latents differ far beyond the tolerance, so the comparison would catch a difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
+from safetensors.torch import load_file
+from test_comfyui_server import run_successfully
+
+MODEL_FILE, VACE_FILE = "wan_native_t2v.safetensors", "wan_native_vace.safetensors"
+TEXT_ENCODER_FILE = "umt5_native.safetensors"
+SAMPLERS = (("euler", "simple"), ("uni_pc", "simple"), ("dpmpp_2m", "beta"), ("lcm", "sgm_uniform"),
+            ("euler_ancestral", "normal"))
+LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2": dict(devices="cpu:2", world=2, tp=2),
+           "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
+           "cfg_parallel2": dict(devices="cpu:2", world=2, cfg_parallel=True)}
+SEED, STEPS, CFG = 1234, 4, 5.0
+TOLERANCE = 1e-4
+WIDTH, HEIGHT, LENGTH = 48, 32, 5
+
+
+def pool_inputs(layout: dict[str, Any]) -> dict[str, Any]:
+    base = dict(devices="cpu:1", world=1, tp=1, ulysses=1, ring=1, cfg_parallel=False, vae_patch=1, backend="local",
+                ray_address="", worker_timeout=60.0, previews=False, memory_budget_gb=0.0)
+    return {**base, **layout}
+
+
+def ksampler(model: list, positive: list, negative: list, latent: list, sampler: str, scheduler: str,
+             seed: int) -> dict[str, Any]:
+    return {"class_type": "KSampler", "inputs": {
+        "model": model, "positive": positive, "negative": negative, "latent_image": latent, "seed": seed,
+        "steps": STEPS, "cfg": CFG, "sampler_name": sampler, "scheduler": scheduler, "denoise": 1.0}}
+
+
+def twin_prompt(layout: dict[str, Any], model_file: str = MODEL_FILE, pairs=SAMPLERS, seed: int = SEED) -> dict[str, Any]:
+    """Native and WanMesh KSamplers side by side; node ``n{i}`` / ``w{i}`` save the latents of pair i."""
+    prompt: dict[str, Any] = {
+        "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
+        "te": {"class_type": "WanMeshTextEncoderLoader",
+               "inputs": {"text_encoder_name": TEXT_ENCODER_FILE, "dtype": "fp32", "pool": ["pool", 0]}},
+        "pos": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "a red fox in snow"}},
+        "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}},
+        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": model_file, "weight_dtype": "default"}},
+        "wm": {"class_type": "WanMeshModelLoader",
+               "inputs": {"model_name": model_file, "dtype": "fp32", "pool": ["pool", 0]}},
+        "wmodel": {"class_type": "WanMeshNativeModel", "inputs": {"model": ["wm", 0]}},
+        "latent": {"class_type": "EmptyHunyuanLatentVideo",
+                   "inputs": {"width": WIDTH, "height": HEIGHT, "length": LENGTH, "batch_size": 1}},
+    }
+    for index, (sampler, scheduler) in enumerate(pairs):
+        for side, model in (("n", ["unet", 0]), ("w", ["wmodel", 0])):
+            prompt[f"{side}k{index}"] = ksampler(model, ["pos", 0], ["neg", 0], ["latent", 0], sampler, scheduler, seed)
+            prompt[f"{side}{index}"] = {"class_type": "SaveLatent", "inputs": {
+                "samples": [f"{side}k{index}", 0], "filename_prefix": f"native_sampling/{side}{index}"}}
+    return prompt
+
+
+def saved(server: ComfyUIServer, result: PromptResult, node_id: str) -> torch.Tensor:
+    (item,) = result.outputs[node_id]["latents"]
+    return load_file(str(server.output_dir / item["subfolder"] / item["filename"]))["latent_tensor"].float()
+
+
+def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def layout_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, torch.Tensor]]:
+    """Every layout's latents: {layout: {"n0": native pair 0, "w0": WanMesh pair 0, ...}}."""
+    latents = {}
+    for name, layout in LAYOUTS.items():
+        result = run_successfully(recent_comfyui_server, twin_prompt(layout))
+        latents[name] = {node: saved(recent_comfyui_server, result, node)
+                         for side in "nw" for node in (f"{side}{i}" for i in range(len(SAMPLERS)))}
+    return latents
+
+
+@pytest.mark.parametrize("pair", range(len(SAMPLERS)), ids=[f"{s}-{k}" for s, k in SAMPLERS])
+def test_native_ksampler_on_wanmesh_model_equals_native_model(layout_latents, pair: int) -> None:
+    native, wanmesh = layout_latents["world1"][f"n{pair}"], layout_latents["world1"][f"w{pair}"]
+    assert native.abs().max().item() > 0.1, "the native latent is flat: the comparison proves nothing"
+    difference = largest_difference(native, wanmesh)
+    assert difference <= TOLERANCE, f"{SAMPLERS[pair]}: WanMesh MODEL is {difference:.3g} from the native model"
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "world1"])
+def test_parallel_layouts_equal_one_rank(layout_latents, layout: str) -> None:
+    for pair in range(len(SAMPLERS)):
+        difference = largest_difference(layout_latents[layout][f"w{pair}"], layout_latents["world1"][f"w{pair}"])
+        assert difference <= TOLERANCE, f"{layout} {SAMPLERS[pair]}: {difference:.3g} from world 1"
+
+
+def test_the_comparison_is_sensitive(layout_latents) -> None:
+    """Two samplers' latents differ far beyond the tolerance, so equal latents above are not an accident."""
+    pairs = layout_latents["world1"]
+    assert largest_difference(pairs["w0"], pairs["w1"]) > 100 * TOLERANCE
+    assert largest_difference(pairs["n0"], pairs["n4"]) > 100 * TOLERANCE
+
+
+def test_vace_conditioning_through_the_wanmesh_model_equals_native(recent_comfyui_server: ComfyUIServer) -> None:
+    """A VACE model with no VACE encode (the native default context) on both sides: the same latents."""
+    prompt = twin_prompt(LAYOUTS["world1"], VACE_FILE, pairs=SAMPLERS[:1])
+    result = run_successfully(recent_comfyui_server, prompt)
+    difference = largest_difference(saved(recent_comfyui_server, result, "n0"),
+                                    saved(recent_comfyui_server, result, "w0"))
+    assert difference <= TOLERANCE, f"VACE model: WanMesh MODEL is {difference:.3g} from the native model"
+
+
+def test_native_lora_loader_on_wanmesh_model_is_refused_in_one_line(recent_comfyui_server: ComfyUIServer,
+                                                                   tiny_models_dir) -> None:
+    prompt = twin_prompt(LAYOUTS["world1"], pairs=SAMPLERS[:1])
+    lora = next(iter(sorted((tiny_models_dir / "loras").glob("*.safetensors")))).name
+    prompt["lora"] = {"class_type": "LoraLoaderModelOnly",
+                      "inputs": {"model": ["wmodel", 0], "lora_name": lora, "strength_model": 1.0}}
+    prompt["wk0"]["inputs"]["model"] = ["lora", 0]
+    result = recent_comfyui_server.run(prompt, 300)
+    assert not isinstance(result, RejectedPrompt) and result.status == "error", "the LoRA was not refused"
+    assert "WanMesh LoRA Loader" in result.error_text(), result.error_text()
