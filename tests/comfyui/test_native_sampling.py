@@ -15,7 +15,8 @@ import pytest
 import torch
 from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
 from safetensors.torch import load_file
-from test_comfyui_server import run_successfully
+from test_comfyui_server import assert_video, run_successfully, saved_video
+from workflow_graph import load_workflow, node_of_type
 
 MODEL_FILE, VACE_FILE = "wan_native_t2v.safetensors", "wan_native_vace.safetensors"
 TEXT_ENCODER_FILE = "umt5_native.safetensors"
@@ -127,3 +128,14 @@ def test_native_lora_loader_on_wanmesh_model_is_refused_in_one_line(recent_comfy
     result = recent_comfyui_server.run(prompt, 300)
     assert not isinstance(result, RejectedPrompt) and result.status == "error", "the LoRA was not refused"
     assert "WanMesh LoRA Loader" in result.error_text(), result.error_text()
+
+
+@pytest.mark.parametrize("name", ["t2v_native_ksampler", "wan22_native_ksampler_advanced"])
+def test_native_sampler_workflows_run_as_api_prompts(recent_comfyui_server: ComfyUIServer, name: str) -> None:
+    """The example workflows (WanMesh models into native KSampler / two chained KSamplerAdvanced, native VAE
+    decode) run as API prompts and write an MP4 of the latent's frames."""
+    prompt = load_workflow(f"native/api/{name}.json")
+    latent = node_of_type(prompt, "EmptyHunyuanLatentVideo")["inputs"]
+    result = run_successfully(recent_comfyui_server, prompt)
+    assert_video(saved_video(recent_comfyui_server, result, prompt), latent["length"], latent["width"],
+                 latent["height"])

@@ -293,6 +293,67 @@ def vace_wanmesh(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+# ---- native samplers on the WanMesh MODEL (recent ComfyUI only) -------------------------------------------
+
+def native_latent_and_decode(w: WorkflowBuilder) -> tuple[int, int]:
+    """Native EmptyHunyuanLatentVideo and VAELoader (the Wan 2.1 latent and VAE nodes ComfyUI's templates use)."""
+    latent = w.node("EmptyHunyuanLatentVideo", [COLUMNS[2], 460],
+                    {"width": 64, "height": 64, "length": 5, "batch_size": 1})
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    return latent, vae
+
+
+def native_model(w: WorkflowBuilder, model: int, y: int, shift: float = 3.0) -> int:
+    """WanMesh Native Model -> native ModelSamplingSD3 (the shift, as ComfyUI's Wan templates set it)."""
+    wrapped = w.node("WanMeshNativeModel", [COLUMNS[2], y], {}, {"model": (model, 0)})
+    return w.node("ModelSamplingSD3", [COLUMNS[3], y], {"shift": shift}, {"model": (wrapped, 0)})
+
+
+def native_tail(w: WorkflowBuilder, sampled: int, vae: int, name: str) -> None:
+    decode = w.node("VAEDecode", [COLUMNS[5], 40], {}, {"samples": (sampled, 0), "vae": (vae, 0)})
+    save_video(w, 6, decode, name)
+
+
+def t2v_native_ksampler(info: dict[str, Any]) -> WorkflowBuilder:
+    """A native text-to-video graph whose model comes from the pool: WanMesh loaders and Native Model, then
+    ComfyUI's ModelSamplingSD3, KSampler (uni_pc / simple) and VAEDecode; CFG parallel on two CPU ranks."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, cfg_parallel=True)
+    positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
+    latent, vae = native_latent_and_decode(w)
+    sampled = w.node("KSampler", [COLUMNS[4], 40],
+                     {"seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "uni_pc", "scheduler": "simple",
+                      "denoise": 1.0},
+                     {"model": (native_model(w, model, 620), 0), "positive": (positive, 0),
+                      "negative": (negative, 0), "latent_image": (latent, 0)})
+    native_tail(w, sampled, vae, "t2v_native_ksampler")
+    return w
+
+
+def wan22_native_ksampler_advanced(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.2's two experts as native workflows chain them: two KSamplerAdvanced, the high-noise expert for
+    steps 0-2 keeping its leftover noise, the low-noise one for steps 2-6 adding none; both models on one pool."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, tp=2)
+    positive, negative, high = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
+    low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
+                 {"model_name": "wan_tiny_t2v_low.safetensors", "dtype": "auto", "vace_module": "none"},
+                 {"pool": (pool_id, 0)}, title="Low-noise expert")
+    latent, vae = native_latent_and_decode(w)
+    common = {"noise_seed": 42, "steps": 6, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple"}
+    texts = {"positive": (positive, 0), "negative": (negative, 0)}
+    first = w.node("KSamplerAdvanced", [COLUMNS[4], 40],
+                   {**common, "add_noise": "enable", "start_at_step": 0, "end_at_step": 2,
+                    "return_with_leftover_noise": "enable"},
+                   {"model": (native_model(w, high, 620), 0), **texts, "latent_image": (latent, 0)})
+    second = w.node("KSamplerAdvanced", [COLUMNS[4], 520],
+                    {**common, "add_noise": "disable", "start_at_step": 2, "end_at_step": 10000,
+                     "return_with_leftover_noise": "disable"},
+                    {"model": (native_model(w, low, 760), 0), **texts, "latent_image": (first, 0)})
+    native_tail(w, second, vae, "wan22_native_ksampler_advanced")
+    return w
+
+
 # (sub-folder of workflows/, name, which /object_info, builder)
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
@@ -308,6 +369,8 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("", "vace_extend", "2024", vace_extend),
     ("native", "vace_native", "recent", vace_native),
     ("native", "vace_wanmesh", "recent", vace_wanmesh),
+    ("native", "t2v_native_ksampler", "recent", t2v_native_ksampler),
+    ("native", "wan22_native_ksampler_advanced", "recent", wan22_native_ksampler_advanced),
 ]
 
 
