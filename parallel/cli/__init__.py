@@ -139,6 +139,7 @@ BENCHMARKS = {
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),
     "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
     "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
+    "native-model": ("native", "ComfyUI's KSampler on the WanMesh MODEL against the WanMesh Sampler: step time"),
     "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
 }
 
