@@ -9,6 +9,7 @@ equal world 1. Different samplers' latents differ far beyond the tolerance, so t
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -16,7 +17,9 @@ import torch
 from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
 from safetensors.torch import load_file
 from test_comfyui_server import assert_video, run_successfully, saved_video
-from workflow_graph import load_workflow, node_of_type
+from test_progress_and_cancel import (INTERRUPT_DEADLINE_S, LONG_RUN_STEPS, is_interruption_of, progress_of,
+                                      submit_with_events)
+from workflow_graph import MAX_SEED, load_workflow, node_of_type, with_inputs
 
 MODEL_FILE, VACE_FILE = "wan_native_t2v.safetensors", "wan_native_vace.safetensors"
 TEXT_ENCODER_FILE = "umt5_native.safetensors"
@@ -139,3 +142,27 @@ def test_native_sampler_workflows_run_as_api_prompts(recent_comfyui_server: Comf
     result = run_successfully(recent_comfyui_server, prompt)
     assert_video(saved_video(recent_comfyui_server, result, prompt), latent["length"], latent["width"],
                  latent["height"])
+
+
+def test_interrupt_stops_native_ksampler_on_the_wanmesh_model_and_the_pool_stays(
+        recent_comfyui_server: ComfyUIServer) -> None:
+    """ComfyUI's progress events come from its own KSampler; POST /interrupt ends the prompt as interrupted long
+    before its last step, and the same workers serve the next prompt."""
+    prompt = load_workflow("native/api/t2v_native_ksampler.json")
+    long_prompt = with_inputs(prompt, "KSampler", steps=LONG_RUN_STEPS)
+    sampler_id = next(node_id for node_id, node in long_prompt.items() if node["class_type"] == "KSampler")
+    server = recent_comfyui_server
+    with server.listen() as listener:
+        prompt_id = submit_with_events(server, long_prompt, listener)
+        listener.wait_for(lambda event: bool(progress_of([event], prompt_id, sampler_id)), 420.0,
+                          "progress event from KSampler")
+        workers_before = {proc.pid for proc in server.descendants()}
+        server.interrupt()
+        listener.wait_for(is_interruption_of(prompt_id), INTERRUPT_DEADLINE_S, "execution_interrupted event")
+        result = server.wait_for(prompt_id, INTERRUPT_DEADLINE_S)
+        progress = progress_of(listener.events(), prompt_id, sampler_id)
+    assert result.status == "error" and not [k for k, _ in result.messages if k == "execution_error"], (
+        result.error_text())
+    assert progress[-1]["value"] < LONG_RUN_STEPS // 2, f"KSampler went on to step {progress[-1]['value']}"
+    run_successfully(server, with_inputs(prompt, "KSampler", seed=random.randint(0, MAX_SEED)))
+    assert {proc.pid for proc in server.descendants()} == workers_before, "the interrupt replaced the worker pool"
