@@ -64,8 +64,28 @@ def twin_prompt(layout: dict[str, Any], model_file: str = MODEL_FILE, pairs=SAMP
     for index, (sampler, scheduler) in enumerate(pairs):
         for side, model in (("n", ["unet", 0]), ("w", ["wmodel", 0])):
             prompt[f"{side}k{index}"] = ksampler(model, ["pos", 0], ["neg", 0], ["latent", 0], sampler, scheduler, seed)
-            prompt[f"{side}{index}"] = {"class_type": "SaveLatent", "inputs": {
-                "samples": [f"{side}k{index}", 0], "filename_prefix": f"native_sampling/{side}{index}"}}
+            prompt[f"{side}{index}"] = save_latent(f"{side}k{index}", f"{side}{index}")
+    return prompt
+
+
+def save_latent(source: str, name: str) -> dict[str, Any]:
+    return {"class_type": "SaveLatent", "inputs": {"samples": [source, 0], "filename_prefix": f"native_sampling/{name}"}}
+
+
+def with_custom_sampling(prompt: dict[str, Any], seed: int = SEED) -> dict[str, Any]:
+    """Adds SamplerCustomAdvanced with RandomNoise, CFGGuider, KSamplerSelect (dpmpp_2m) and BasicScheduler
+    (karras) on each side; ``nc`` / ``wc`` save the native and WanMesh latents."""
+    prompt = {**prompt, "noise": {"class_type": "RandomNoise", "inputs": {"noise_seed": seed}},
+              "select": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "dpmpp_2m"}}}
+    for side, model in (("n", ["unet", 0]), ("w", ["wmodel", 0])):
+        prompt[f"{side}guider"] = {"class_type": "CFGGuider", "inputs": {
+            "model": model, "positive": ["pos", 0], "negative": ["neg", 0], "cfg": CFG}}
+        prompt[f"{side}sigmas"] = {"class_type": "BasicScheduler", "inputs": {
+            "model": model, "scheduler": "karras", "steps": STEPS, "denoise": 1.0}}
+        prompt[f"{side}custom"] = {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["noise", 0], "guider": [f"{side}guider", 0], "sampler": ["select", 0],
+            "sigmas": [f"{side}sigmas", 0], "latent_image": ["latent", 0]}}
+        prompt[f"{side}c"] = save_latent(f"{side}custom", f"{side}c")
     return prompt
 
 
@@ -84,9 +104,9 @@ def layout_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, 
     """Every layout's latents: {layout: {"n0": native pair 0, "w0": WanMesh pair 0, ...}}."""
     latents = {}
     for name, layout in LAYOUTS.items():
-        result = run_successfully(recent_comfyui_server, twin_prompt(layout))
+        result = run_successfully(recent_comfyui_server, with_custom_sampling(twin_prompt(layout)))
         latents[name] = {node: saved(recent_comfyui_server, result, node)
-                         for side in "nw" for node in (f"{side}{i}" for i in range(len(SAMPLERS)))}
+                         for side in "nw" for node in (*(f"{side}{i}" for i in range(len(SAMPLERS))), f"{side}c")}
     return latents
 
 
@@ -98,11 +118,16 @@ def test_native_ksampler_on_wanmesh_model_equals_native_model(layout_latents, pa
     assert difference <= TOLERANCE, f"{SAMPLERS[pair]}: WanMesh MODEL is {difference:.3g} from the native model"
 
 
+def test_sampler_custom_advanced_with_a_guider_on_wanmesh_model_equals_native_model(layout_latents) -> None:
+    difference = largest_difference(layout_latents["world1"]["nc"], layout_latents["world1"]["wc"])
+    assert difference <= TOLERANCE, f"SamplerCustomAdvanced: WanMesh MODEL is {difference:.3g} from the native model"
+
+
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "world1"])
 def test_parallel_layouts_equal_one_rank(layout_latents, layout: str) -> None:
-    for pair in range(len(SAMPLERS)):
-        difference = largest_difference(layout_latents[layout][f"w{pair}"], layout_latents["world1"][f"w{pair}"])
-        assert difference <= TOLERANCE, f"{layout} {SAMPLERS[pair]}: {difference:.3g} from world 1"
+    for node in (*(f"w{pair}" for pair in range(len(SAMPLERS))), "wc"):
+        difference = largest_difference(layout_latents[layout][node], layout_latents["world1"][node])
+        assert difference <= TOLERANCE, f"{layout} {node}: {difference:.3g} from world 1"
 
 
 def test_the_comparison_is_sensitive(layout_latents) -> None:
