@@ -122,3 +122,15 @@ def test_loras_on_kept_weights_equal_loras_merged_into_dequantized_ones(files, t
     for path, layer in quantized_layers(kept).items():
         assert len(layer.parametrizations.weight) == 1 and torch.equal(layer.parametrizations.weight.original,
                                                                        stored[path]), path
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_table_decode_is_bit_identical_to_torch_cast_for_every_byte(fp8_dtype, dtype) -> None:
+    from wanmesh.parallel.models.quantized import fp8_values
+
+    every_byte = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).reshape(16, 16)
+    for data in (every_byte, every_byte.t()):  # a transposed (non-contiguous) slice too
+        decoded, cast = fp8_values(data, dtype), data.to(dtype)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert decoded.dtype == dtype and torch.equal(decoded.view(bits), cast.view(bits))
