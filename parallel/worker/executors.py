@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..config import VAE_SPATIAL_FACTOR, check_video_size
 from ..distributed.patch_parallel import effective_patch_size
 from ..models.frames import frames_to_pixels, pixels_to_frames
-from ..models.vae_tiling import tiled_decode, tiled_encode
+from ..models.vae_tiling import decode_raw, tiled_decode, tiled_encode
 from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace
@@ -137,7 +137,8 @@ class RankExecutor(ResidentModels):
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         """Raw latents [B, 16, T, h, w] -> frames [B*F, H, W, 3] in 0..1 on the first rank (None on the others).
 
-        With a tile edge (or vae_patch > 1) the frames are cut into overlapping tiles spread over the tile ranks."""
+        With a tile edge (or vae_patch > 1) the frames are cut into overlapping tiles spread over the tile ranks.
+        Pixels stay raw (tiles blended unclamped) and are clamped once, as they become frames."""
         vae = self._get(handle, "vae")
         if latents.ndim != 5 or latents.shape[1] != vae.config.z_dim:
             raise ValueError(f"expected Wan latents [B, {vae.config.z_dim}, T, h, w], got shape {list(latents.shape)}")
@@ -145,7 +146,7 @@ class RankExecutor(ResidentModels):
         if not takes_part:
             return None
         if tile_px is None:
-            pixels = vae.decode(latents.to(self.device, vae.dtype), return_dict=False)[0]
+            pixels = decode_raw(vae, latents.to(self.device, vae.dtype))
         else:
             pixels = tiled_decode(vae, latents, tile_px=tile_px, overlap_px=overlap_px, group=group)
         return None if pixels is None else pixels_to_frames(pixels)
