@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..config import check_video_size, resolve_tile_options
+from ..config import check_encode_frames, check_frame_size, resolve_tile_options
 from ..distributed.patch_parallel import Coord, TileTask, run_patch_parallel
 from .vae_stream import StreamingVaeDecoder
 
@@ -169,7 +169,8 @@ def tiled_encode(
     overlap_px: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """Encode pixels ``[B, 3, F, H, W]`` in -1..1 (F = 1 + 4n) to raw latents (the posterior mode), tile by tile.
+    """Encode pixels ``[B, 3, F, H, W]`` in -1..1 (sizes multiples of 8; any F, encoded as 1 + (F - 1) // 4 latent
+    frames as the causal encoder does) to raw latents (the posterior mode), tile by tile.
 
     The tiles overlap by ``overlap_px`` pixels and are blended in latent space. With a process group the tiles run on
     all its ranks and the latents are broadcast so every rank returns them.
@@ -206,7 +207,8 @@ def _check_pixels(vae: AutoencoderKLWan, pixels: Tensor, ratio: int) -> None:
     if pixels.ndim != 5 or pixels.shape[1] != channels:
         raise ValueError(f"pixels must be [B, {channels}, F, H, W] in -1..1, got shape {tuple(pixels.shape)}")
     frames, height, width = pixels.shape[2:]
-    check_video_size(width, height, frames, multiple=ratio)
+    check_encode_frames(width, height, frames)
+    check_frame_size(width, height, multiple=ratio)
 
 
 def _spatial_ratio(vae: AutoencoderKLWan) -> int:

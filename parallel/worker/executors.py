@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import VAE_SPATIAL_FACTOR, check_video_size
+from ..config import encode_geometry
 from ..distributed.patch_parallel import effective_patch_size
 from ..models.frames import frames_to_pixels, pixels_to_frames
 from ..models.vae_tiling import decode_raw, tiled_decode, tiled_encode
@@ -155,10 +155,14 @@ class RankExecutor(ResidentModels):
     def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         """Frames [F, H, W, 3] in 0..1 -> raw latents [1, 16, T, h, w] (the posterior mode, as Wan uses).
 
-        Tiling works as in `decode`; the merged latents reach every tile rank."""
+        As native VAEEncode, sizes that are not multiples of 8 are cut around the centre and frames past the last
+        4k+1 are dropped (``config.encode_geometry``). Tiling works as in `decode`; the merged latents reach every
+        tile rank."""
         vae = self._get(handle, "vae")
-        pixels = frames_to_pixels(frames)
-        check_video_size(pixels.shape[4], pixels.shape[3], pixels.shape[2], multiple=VAE_SPATIAL_FACTOR)
+        if frames.ndim != 4:
+            raise ValueError(f"expected frames [F, H, W, 3], got shape {list(frames.shape)}")
+        rows, cols, count = encode_geometry(frames.shape[2], frames.shape[1], frames.shape[0])
+        pixels = frames_to_pixels(frames[:count, rows, cols])
         group, tile_px, takes_part = self._tiling(tile_px)
         if not takes_part:
             return None
