@@ -1,4 +1,5 @@
-"""WanMesh's VAE decode and encode beside the recent ComfyUI's native nodes, on the tiny Wan VAE file.
+"""WanMesh's VAE decode and encode, and its transformer at odd latent sizes, beside the recent ComfyUI's native code
+on the tiny model files.
 
 The native side runs in a subprocess inside the recent ComfyUI copy (its ``VAELoader`` path: ``comfy.sd.VAE`` on the
 file's state dict, then the ``VAEDecode`` / ``VAEDecodeTiled`` / ``VAEEncode`` node classes); the WanMesh side is one
@@ -7,11 +8,14 @@ rank's executor in this process. Both get the same latents and frames:
 * whole-frame decode equals native ``VAEDecode`` (1e-4 in 0..1 pixels), also at an odd latent height;
 * tiled decode is no further from the whole-frame decode than native ``VAEDecodeTiled`` is from native ``VAEDecode``
   at the same tile and overlap (tiles are blended raw and clamped once, as native does);
-* encoding a 10-frame video (not 4k+1) at a size that is not a multiple of 8 gives native ``VAEEncode``'s latent.
+* encoding a 10-frame video (not 4k+1) at a size that is not a multiple of 8 gives native ``VAEEncode``'s latent;
+* the transformer on a latent of odd height and width (not a multiple of its 2x2 patches) gives native ``WanModel``'s
+  prediction: both pad the latent to the patch grid the same way and crop the output back.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +49,34 @@ save_file({
 """
 
 
+NATIVE_TRANSFORMER = r"""
+import json, sys
+model_file, io_file, sizes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import torch, comfy.ops, comfy.utils
+from comfy.ldm.wan.model import WanModel
+from safetensors.torch import load_file, save_file
+# Built from the file's sizes: the loader's detection assumes umT5's 4096-wide text embeddings, the tiny model's are narrower.
+model = WanModel(operations=comfy.ops.disable_weight_init, **sizes).eval()
+missing, unexpected = model.load_state_dict(comfy.utils.load_torch_file(model_file), strict=False)
+assert not unexpected and all(not key.startswith("blocks") for key in missing), (missing, unexpected)
+inputs = load_file(io_file)
+with torch.no_grad():
+    out = model(inputs["latents"], inputs["timestep"], inputs["context"])
+save_file({"prediction": out.float().contiguous()}, io_file)
+"""
+ODD_LATENT_SHAPE = (1, 16, 2, 5, 7)  # 56x40 px: odd latent height and width
+PREDICTION_TOLERANCE = 1e-4
+
+
+def _run_native(script: str, comfy_dir: Path, *args) -> None:
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=comfy_dir, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def inputs() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
@@ -61,9 +93,7 @@ def vae_file(tiny_models_dir: Path) -> Path:
 def native(recent_comfyui_dir: Path, vae_file: Path, inputs, tmp_path_factory) -> dict[str, torch.Tensor]:
     io_file = tmp_path_factory.mktemp("native_vae") / "io.safetensors"
     save_file(inputs, str(io_file))
-    done = subprocess.run([sys.executable, "-c", NATIVE, str(vae_file), str(io_file), str(TILE_PX), str(OVERLAP_PX)],
-                          cwd=recent_comfyui_dir, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_native(NATIVE, recent_comfyui_dir, vae_file, io_file, TILE_PX, OVERLAP_PX)
     return load_file(str(io_file))
 
 
@@ -98,3 +128,28 @@ def test_tiled_decode_is_no_further_from_whole_frames_than_native_tiling(native,
 def test_encoding_ten_frames_of_an_odd_size_equals_native_vae_encode(native, wanmesh) -> None:
     assert native["encoded"].shape == (1, 16, 3, 44 // 8, 53 // 8)
     assert _largest(wanmesh["encoded"], native["encoded"]) <= LATENT_TOLERANCE
+
+
+def test_transformer_on_an_odd_latent_size_equals_native_wan_model(recent_comfyui_dir, tiny_models_dir, tmp_path):
+    from wanmesh.parallel.models.wan import load_transformer
+
+    model_file = tiny_models_dir / "diffusion_models" / "wan_tiny_t2v.safetensors"
+    model = load_transformer(str(model_file))
+    generator = torch.Generator().manual_seed(3)
+    inputs = {"latents": torch.randn(*ODD_LATENT_SHAPE, generator=generator), "timestep": torch.tensor([500.0]),
+              "context": torch.randn(1, 8, model.config.text_dim, generator=generator)}
+    with torch.no_grad():
+        ours = model(hidden_states=inputs["latents"], timestep=inputs["timestep"],
+                     encoder_hidden_states=inputs["context"], return_dict=False)[0]
+    io_file = tmp_path / "io.safetensors"
+    save_file(inputs, str(io_file))
+    config = model.config
+    sizes = {"dim": config.num_attention_heads * config.attention_head_dim, "ffn_dim": config.ffn_dim,
+             "freq_dim": config.freq_dim, "text_dim": config.text_dim, "num_heads": config.num_attention_heads,
+             "num_layers": config.num_layers, "eps": config.eps, "in_dim": config.in_channels,
+             "out_dim": config.out_channels, "cross_attn_norm": config.cross_attn_norm}
+    _run_native(NATIVE_TRANSFORMER, recent_comfyui_dir, model_file, io_file, json.dumps(sizes))
+    native = load_file(str(io_file))["prediction"]
+    assert ours.shape == native.shape == ODD_LATENT_SHAPE
+    assert float(native.std()) > 0.05
+    assert _largest(ours, native) <= PREDICTION_TOLERANCE
