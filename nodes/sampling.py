@@ -46,8 +46,10 @@ class WanMeshEmptyLatent:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16, "tooltip": "video width (multiple of 16)"}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16, "tooltip": "video height (multiple of 16)"}),
+                "width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16,
+                                  "tooltip": "video width; any multiple of 8 (the widget steps by 16, as native's)"}),
+                "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16,
+                                   "tooltip": "video height; any multiple of 8 (the widget steps by 16, as native's)"}),
                 "length": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4, "tooltip": "frames, 4k+1"}),
                 "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "videos per run"}),
             }

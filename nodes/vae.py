@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..parallel import WorkerError, check_video_size
+from ..parallel import WorkerError, check_encode_frames
 from .convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
 from .errors import keep_latents, worker_error
 
@@ -43,7 +43,7 @@ class WanMeshVAEEncode:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"vae": ("WANMESH_VAE", {"tooltip": "the loaded Wan VAE"}),
-                             "pixels": ("IMAGE", {"tooltip": "frames to encode, 4k+1 of them"})}, "optional": TILE_OPTIONS}
+                             "pixels": ("IMAGE", {"tooltip": "frames to encode; as native VAEEncode, sizes are cut to multiples of 8 around the centre and frames past the last 4k+1 are dropped"})}, "optional": TILE_OPTIONS}
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"
@@ -51,6 +51,6 @@ class WanMeshVAEEncode:
     DESCRIPTION = "Encodes frames to raw Wan latents on the pool (tiles shared by the pool's vae_patch ranks)."
 
     def encode(self, vae, pixels, tile_px=0, overlap_px=64):
-        check_video_size(pixels.shape[2], pixels.shape[1], pixels.shape[0])  # Wan's sizes, before any worker work
+        check_encode_frames(pixels.shape[2], pixels.shape[1], pixels.shape[0])  # native's sizes, before any worker work
         latents = vae.runner.encode(vae.handle, image_to_frames(pixels), **_tiles(tile_px, overlap_px))
         return (tensor_to_latent(latents),)

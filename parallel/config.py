@@ -30,7 +30,7 @@ I2V_EXPERT_BOUNDARY = 0.9  # the same for Wan 2.2 I2V A14B
 # How a quantized transformer file (fp8, scaled fp8, GGUF) is held on each rank: "keep" holds the stored blocks and
 # dequantizes each linear weight for its own matmul; "dequantize" expands every weight to the compute dtype at load.
 WEIGHT_MODES = ("keep", "dequantize")
-SPATIAL_STRIDE = 16  # VAE 8x times the transformer's 2x2 patches
+SPATIAL_STRIDE = 16  # VAE 8x times the transformer's 2x2 patches (VACE sizes; other sizes are padded to patches)
 VAE_SPATIAL_FACTOR = 8
 TEMPORAL_STRIDE = 4  # frames are 4k + 1
 LATENT_CHANNELS = 16
@@ -296,8 +296,9 @@ def check_frame_size(width: int, height: int, multiple: int = SPATIAL_STRIDE, wh
         raise ValueError("; ".join(problems))
 
 
-def check_video_size(width: int, height: int, frames: int, multiple: int = SPATIAL_STRIDE) -> None:
-    """Reject sizes Wan cannot handle, naming the nearest valid values, before any work starts."""
+def check_video_size(width: int, height: int, frames: int, multiple: int = VAE_SPATIAL_FACTOR) -> None:
+    """Reject sizes Wan cannot make exactly (sizes multiples of 8, 4k+1 frames), naming the nearest valid values,
+    before any work starts."""
     problems = []
     for check in (lambda: check_frame_size(width, height, multiple), lambda: check_frame_count(frames)):
         try:
@@ -308,21 +309,44 @@ def check_video_size(width: int, height: int, frames: int, multiple: int = SPATI
         raise ValueError("; ".join(problems))
 
 
+def check_encode_frames(width: int, height: int, frames: int) -> None:
+    """Frames a VAE encode takes, as native VAEEncode: at least one frame of at least 8x8 pixels (a size that is not
+    a multiple of 8 is centre-cropped, frames past the last 4k+1 are dropped: ``encode_geometry``)."""
+    problems = [f"{name} {value!r} is smaller than the VAE's {VAE_SPATIAL_FACTOR} pixels (valid: {VAE_SPATIAL_FACTOR} "
+                f"or more)" for name, value in (("width", width), ("height", height))
+                if not _is_whole(value) or value < VAE_SPATIAL_FACTOR]
+    if not _is_whole(frames) or frames < 1:
+        problems.append(f"frame count {frames!r} is not a positive number of frames (valid: 1 or more)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def encode_geometry(width: int, height: int, frames: int) -> tuple[slice, slice, int]:
+    """(rows, columns, frames) a VAE encode uses of a video, as native VAEEncode: each size cut to a multiple of 8
+    around the centre (offset: half the remainder, rounded down) and the first 1 + 4k frames, the most the causal
+    encoder's 1, 4, 4, ... frame chunks take."""
+    check_encode_frames(width, height, frames)
+
+    def centre(size: int) -> slice:
+        kept = size // VAE_SPATIAL_FACTOR * VAE_SPATIAL_FACTOR
+        start = (size - kept) // 2
+        return slice(start, start + kept)
+
+    return centre(height), centre(width), (frames - 1) // TEMPORAL_STRIDE * TEMPORAL_STRIDE + 1
+
+
 def latent_shape(width: int, height: int, frames: int, batch: int = 1) -> tuple[int, int, int, int, int]:
     """The raw Wan latent shape [B, 16, T, H/8, W/8] of a video; bad sizes are refused first."""
     check_video_size(width, height, frames)
-    return (batch, LATENT_CHANNELS, (frames - 1) // TEMPORAL_STRIDE + 1, height // 8, width // 8)
+    return (batch, LATENT_CHANNELS, (frames - 1) // TEMPORAL_STRIDE + 1, height // VAE_SPATIAL_FACTOR,
+            width // VAE_SPATIAL_FACTOR)
 
 
 def check_latent(latent) -> None:
-    """A latent the transformer can take: [B, 16, T, h, w] with even h and w (2x2 patches)."""
+    """A latent the transformer can take: [B, 16, T, h, w] of any positive size (the model pads h and w to its 2x2
+    patches and crops its output back, as native Wan does)."""
     if latent.ndim != 5 or latent.shape[1] != LATENT_CHANNELS or min(latent.shape) < 1:
         raise ValueError(f"latent must be [B, 16, T, H/8, W/8] raw Wan latents, got shape {list(latent.shape)}")
-    h, w = latent.shape[-2:]
-    if h % 2 or w % 2:
-        raise ValueError(
-            f"latent spatial size {h}x{w} must be even (video size a multiple of 16); got a {w * 8}x{h * 8} video"
-        )
 
 
 def resolve_tile_options(tile_px: int, overlap_px: int | None, ratio: int = VAE_SPATIAL_FACTOR) -> tuple[int, int]:

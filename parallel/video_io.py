@@ -42,7 +42,7 @@ def check_fps(fps: float) -> Fraction:
 
 
 def check_even_frame_size(width: int, height: int) -> None:
-    """yuv420p halves the colour planes, so both sides must be even (Wan sizes are multiples of 16)."""
+    """yuv420p halves the colour planes, so both sides must be even (Wan sizes are multiples of 8)."""
     if width < 2 or height < 2 or width % 2 or height % 2:
         raise ValueError(f"frame size {width}x{height} (width x height) cannot be written as H.264 yuv420p; "
                          f"valid: even sizes of at least 2, e.g. {_even(width)}x{_even(height)}")

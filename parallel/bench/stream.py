@@ -28,8 +28,8 @@ ROWS = (("world 1", 1, True), ("SP fused all-to-all", 2, True), ("SP three gathe
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of `wanmesh bench stream`."""
-    parser.add_argument("--width", type=int, default=256, help="video width (multiple of 16)")
-    parser.add_argument("--height", type=int, default=256, help="video height (multiple of 16)")
+    parser.add_argument("--width", type=int, default=256, help="video width (multiple of 8)")
+    parser.add_argument("--height", type=int, default=256, help="video height (multiple of 8)")
     parser.add_argument("--frames", type=int, default=33, help="video frames (4k+1)")
     parser.add_argument("--chunk", type=int, default=3, help="latent frames per chunk")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import protocol as P
-from ..config import (VAE_SPATIAL_FACTOR, ParallelConfig, check_stream_layout, check_tiles, check_video_size,
-                      check_weights_mode)
+from ..config import ParallelConfig, check_encode_frames, check_stream_layout, check_tiles, check_weights_mode
 from ..vace.encode import check_encode_inputs
 from .pool import WorkerPool, current_pool, get_pool, set_interrupt_check
 
@@ -105,7 +104,7 @@ class PoolRunner:
     def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         check_tiles(tile_px, overlap_px)
         if frames.ndim == 4:
-            check_video_size(frames.shape[2], frames.shape[1], frames.shape[0], multiple=VAE_SPATIAL_FACTOR)
+            check_encode_frames(frames.shape[2], frames.shape[1], frames.shape[0])
         return self.pool.call(P.Encode(handle=handle, frames=frames, tile_px=tile_px, overlap_px=overlap_px)).latents
 
     def encode_vace(self, request: P.EncodeVace) -> P.VaceEncoded:

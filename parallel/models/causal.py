@@ -90,6 +90,8 @@ class CausalRope:
         if frames // patch_t > model.rope.max_seq_len:
             raise ValueError(f"the video has {frames} latent frames but the model's RoPE covers "
                              f"{model.rope.max_seq_len}; stream at most {model.rope.max_seq_len} latent frames")
+        # The model pads the latent to its patches (``wan.pad_inputs_to_patches``): the table covers the padded grid.
+        height, width = -(-height // patch_h) * patch_h, -(-width // patch_w) * patch_w
         probe = torch.empty((1, 1, frames, height, width), device="meta")
         # Called unbound: hooks on model.rope (the stream's own, context parallel's) must not touch the table.
         cos, sin = type(model.rope).forward(model.rope, probe)

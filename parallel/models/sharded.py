@@ -23,7 +23,7 @@ from torch import nn
 
 from .checkpoint import TensorSlice, WeightSource, build_empty, load_weights_into
 from .quantized import StoredTensor, logical_name
-from .wan import transformer_weight_source
+from .wan import pad_inputs_to_patches, transformer_weight_source
 from ..distributed.tensor_parallel import (
     TensorParallelPlan,
     check_tp_degree,
@@ -90,7 +90,8 @@ def load_transformer_shard(
             plan = tensor_parallel_plan(model)
             shard_modules_(model, plan, tp_rank, tp_size, tp_group)
             source = ShardedWeightSource(source, plan.shard_dims(), tp_rank, tp_size)
-        return load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
+        model = load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
+        return pad_inputs_to_patches(model)
 
 
 def load_transformer_tp(

@@ -39,8 +39,9 @@ def _decoder_conv_count(vae) -> int:
 class StreamingVaeDecoder:
     """Decodes consecutive latent chunks of one video with the VAE's causal feature cache kept between chunks.
 
-    ``decode_pixels(chunk)`` takes raw latents [B, 16, n, h, w] and returns pixels [B, 3, F, H, W] in -1..1;
-    ``decode_frames`` returns frames [B*F, H, W, 3] in 0..1. Start a new decoder (or ``reset``) per video.
+    ``decode_pixels(chunk)`` takes raw latents [B, 16, n, h, w] and returns the decoder's raw pixels [B, 3, F, H, W]
+    (about -1..1, not clamped: clamping happens once, when pixels become frames); ``decode_frames`` returns frames
+    [B*F, H, W, 3] in 0..1. Start a new decoder (or ``reset``) per video.
     """
 
     def __init__(self, vae, device: str | torch.device | None = None):
@@ -71,7 +72,7 @@ class StreamingVaeDecoder:
             from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
             out = unpatchify(out, patch_size=self.vae.config.patch_size)
-        return out.clamp(-1.0, 1.0)
+        return out
 
     def decode_frames(self, latents: torch.Tensor) -> torch.Tensor:
         return pixels_to_frames(self.decode_pixels(latents))

@@ -2,7 +2,8 @@
 
 Decode cuts the raw latent ``[B, 16, T, h, w]`` into overlapping spatial tiles; each tile is decoded over all frames by
 diffusers' ``AutoencoderKLWan`` (its causal temporal cache included) and the pixel tiles are blended where they
-overlap. Encode does the same from pixels ``[B, 3, F, H, W]`` (the VAE chunks frames as 1 + 4n) and blends in latent
+overlap. Tiles are decoded and blended raw; nothing is clamped here, so the output can leave -1..1 a little where
+the decoder overshoots, as a whole-frame decode does, and is clamped once when it becomes frames. Encode does the same from pixels ``[B, 3, F, H, W]`` (the VAE chunks frames as 1 + 4n) and blends in latent
 space. The split and merge are ours (rather than diffusers' ``enable_tiling``) so that tiles can run on different
 ranks; the result does not depend on how many ranks run them.
 
@@ -22,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..config import check_video_size, resolve_tile_options
+from ..config import check_encode_frames, check_frame_size, resolve_tile_options
 from ..distributed.patch_parallel import Coord, TileTask, run_patch_parallel
+from .vae_stream import StreamingVaeDecoder
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
@@ -116,6 +118,16 @@ def merge_blended(results: dict[Coord, Tensor], grid: TileGrid) -> Tensor:
     return (out / weight_sum).to(first.dtype)
 
 
+def decode_raw(vae: AutoencoderKLWan, latents: Tensor) -> Tensor:
+    """Decode raw latents ``[B, z, T, h, w]`` over whole frames without the clamp diffusers' ``decode`` applies.
+
+    The same per-frame causal loop as diffusers' decode (``StreamingVaeDecoder`` on one chunk), so the pixels equal
+    diffusers' before its clamp; tiles blended from these values match native tiled decoding, which clamps only after
+    blending.
+    """
+    return StreamingVaeDecoder(vae).decode_pixels(latents)
+
+
 def tiled_decode(
     vae: AutoencoderKLWan,
     latents: Tensor,
@@ -124,7 +136,8 @@ def tiled_decode(
     overlap_px: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Tensor | None:
-    """Decode raw Wan latents ``[B, z, T, h, w]`` to pixels ``[B, 3, 1 + 4(T - 1), 8h, 8w]`` in -1..1, tile by tile.
+    """Decode raw Wan latents ``[B, z, T, h, w]`` to raw pixels ``[B, 3, 1 + 4(T - 1), 8h, 8w]`` (about -1..1, not
+    clamped), tile by tile.
 
     ``tile_px`` / ``overlap_px`` are the tile edge and overlap in pixels. With a process group the tiles run on all its
     ranks and the pixels are returned on group rank 0; the other ranks get ``None``.
@@ -135,7 +148,7 @@ def tiled_decode(
     latents = latents.to(device=_device(vae), dtype=_dtype(vae))
 
     def decode_tile(task: TileTask) -> Tensor:
-        return vae.decode(task.inputs[0].contiguous()).sample
+        return decode_raw(vae, task.inputs[0].contiguous())
 
     with torch.no_grad(), _without_builtin_tiling(vae):
         return run_patch_parallel(
@@ -156,7 +169,8 @@ def tiled_encode(
     overlap_px: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """Encode pixels ``[B, 3, F, H, W]`` in -1..1 (F = 1 + 4n) to raw latents (the posterior mode), tile by tile.
+    """Encode pixels ``[B, 3, F, H, W]`` in -1..1 (sizes multiples of 8; any F, encoded as 1 + (F - 1) // 4 latent
+    frames as the causal encoder does) to raw latents (the posterior mode), tile by tile.
 
     The tiles overlap by ``overlap_px`` pixels and are blended in latent space. With a process group the tiles run on
     all its ranks and the latents are broadcast so every rank returns them.
@@ -193,7 +207,8 @@ def _check_pixels(vae: AutoencoderKLWan, pixels: Tensor, ratio: int) -> None:
     if pixels.ndim != 5 or pixels.shape[1] != channels:
         raise ValueError(f"pixels must be [B, {channels}, F, H, W] in -1..1, got shape {tuple(pixels.shape)}")
     frames, height, width = pixels.shape[2:]
-    check_video_size(width, height, frames, multiple=ratio)
+    check_encode_frames(width, height, frames)
+    check_frame_size(width, height, multiple=ratio)
 
 
 def _spatial_ratio(vae: AutoencoderKLWan) -> int:

@@ -39,8 +39,8 @@ from .wan_vace import WanVaceMultiContext
 from .detect import (WAN21_LATENT_CHANNELS, check_latent_channels, describe_kind, detect_kind, infer_transformer_config,
                      infer_vae_config)
 
-__all__ = ["ModelFileError", "TextEncoder", "load_text_encoder", "load_transformer", "load_vae",
-           "resolve_model_location", "transformer_weight_source"]
+__all__ = ["ModelFileError", "TextEncoder", "load_text_encoder", "load_transformer", "load_vae", "pad_to_patches",
+           "pad_inputs_to_patches", "resolve_model_location", "transformer_weight_source"]
 
 # diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support.
 TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext}
@@ -164,7 +164,55 @@ def load_transformer(
     with contextlib.ExitStack() as stack:
         model_class, config, source = transformer_weight_source(path, vace_module, stack)
         model = build_empty(lambda: model_class.from_config(config))
-        return load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
+        model = load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
+        return pad_inputs_to_patches(model)
+
+
+# -- latents of any size: padded to the patch grid, the output cropped back ----------------------------------------
+
+PATCH_PADDING_MODE = "circular"  # as native ComfyUI's WanModel pads the latent before its patch embedding
+PADDED_INPUTS = ("hidden_states", "control_hidden_states")  # the video latent and the VACE contexts
+
+
+def pad_to_patches(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """``x[..., T, h, w]`` padded at the end of each of its last three axes to a multiple of ``patch``, wrapping
+    around (circular). Leading axes beyond batch and channel (several VACE contexts) are folded for the pad."""
+    pad: list[int] = []
+    for size, step in zip(reversed(x.shape[-3:]), reversed(patch)):
+        pad += [0, -size % step]
+    if not any(pad):
+        return x
+    folded = x.reshape(-1, *x.shape[-4:])
+    padded = torch.nn.functional.pad(folded, pad, mode=PATCH_PADDING_MODE)
+    return padded.reshape(*x.shape[:-3], *padded.shape[-3:])
+
+
+def pad_inputs_to_patches(model: torch.nn.Module) -> torch.nn.Module:
+    """Let ``model`` take latents of any size, as native Wan does: each forward pads the video latent (and the VACE
+    contexts) to the patch grid and crops the output back to the latent's size. In place; returns the model."""
+    patch = tuple(model.config.patch_size)
+    sizes: list[tuple[int, ...]] = []
+
+    def pad_inputs(module, args, kwargs):
+        if args:  # diffusers' forward takes the latent first; keyword calls are the rule here
+            kwargs = {"hidden_states": args[0], **kwargs}
+            args = args[1:]
+        sizes.append(tuple(kwargs["hidden_states"].shape[-3:]))
+        for name in PADDED_INPUTS:
+            if isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = pad_to_patches(kwargs[name], patch)
+        return args, kwargs
+
+    def crop_output(module, args, kwargs, output):
+        t, h, w = sizes.pop()
+        if isinstance(output, tuple):
+            return (output[0][..., :t, :h, :w], *output[1:])
+        output.sample = output.sample[..., :t, :h, :w]
+        return output
+
+    model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
+    model.register_forward_hook(crop_output, with_kwargs=True)
+    return model
 
 
 def _strip_first_matching_prefix(keys: list[str], prefixes: tuple[str, ...]) -> dict[str, str]:

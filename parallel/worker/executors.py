@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import VAE_SPATIAL_FACTOR, check_video_size
+from ..config import encode_geometry
 from ..errors import Cancelled
 from ..distributed.patch_parallel import effective_patch_size
 from ..models.frames import frames_to_pixels, pixels_to_frames
-from ..models.vae_tiling import tiled_decode, tiled_encode
+from ..models.vae_tiling import decode_raw, tiled_decode, tiled_encode
 from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace
@@ -180,7 +180,8 @@ class RankExecutor(ResidentModels):
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         """Raw latents [B, 16, T, h, w] -> frames [B*F, H, W, 3] in 0..1 on the first rank (None on the others).
 
-        With a tile edge (or vae_patch > 1) the frames are cut into overlapping tiles spread over the tile ranks."""
+        With a tile edge (or vae_patch > 1) the frames are cut into overlapping tiles spread over the tile ranks.
+        Pixels stay raw (tiles blended unclamped) and are clamped once, as they become frames."""
         vae = self._get(handle, "vae")
         if latents.ndim != 5 or latents.shape[1] != vae.config.z_dim:
             raise ValueError(f"expected Wan latents [B, {vae.config.z_dim}, T, h, w], got shape {list(latents.shape)}")
@@ -188,7 +189,7 @@ class RankExecutor(ResidentModels):
         if not takes_part:
             return None
         if tile_px is None:
-            pixels = vae.decode(latents.to(self.device, vae.dtype), return_dict=False)[0]
+            pixels = decode_raw(vae, latents.to(self.device, vae.dtype))
         else:
             pixels = tiled_decode(vae, latents, tile_px=tile_px, overlap_px=overlap_px, group=group)
         return None if pixels is None else pixels_to_frames(pixels)
@@ -197,10 +198,14 @@ class RankExecutor(ResidentModels):
     def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         """Frames [F, H, W, 3] in 0..1 -> raw latents [1, 16, T, h, w] (the posterior mode, as Wan uses).
 
-        Tiling works as in `decode`; the merged latents reach every tile rank."""
+        As native VAEEncode, sizes that are not multiples of 8 are cut around the centre and frames past the last
+        4k+1 are dropped (``config.encode_geometry``). Tiling works as in `decode`; the merged latents reach every
+        tile rank."""
         vae = self._get(handle, "vae")
-        pixels = frames_to_pixels(frames)
-        check_video_size(pixels.shape[4], pixels.shape[3], pixels.shape[2], multiple=VAE_SPATIAL_FACTOR)
+        if frames.ndim != 4:
+            raise ValueError(f"expected frames [F, H, W, 3], got shape {list(frames.shape)}")
+        rows, cols, count = encode_geometry(frames.shape[2], frames.shape[1], frames.shape[0])
+        pixels = frames_to_pixels(frames[:count, rows, cols])
         group, tile_px, takes_part = self._tiling(tile_px)
         if not takes_part:
             return None

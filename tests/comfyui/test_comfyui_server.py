@@ -205,10 +205,10 @@ def test_bad_width_fails_clearly_and_server_keeps_serving(comfyui_server: ComfyU
     outcome = comfyui_server.run(bad_prompt, PROMPT_TIMEOUT_S)
 
     if isinstance(outcome, PromptResult):
-        assert outcome.status == "error", "a width of 100 (not a multiple of 16) was accepted"
+        assert outcome.status == "error", "a width of 100 (not a multiple of 8) was accepted"
     message = outcome.error_text()
-    assert "width" in message and "96" in message and "112" in message, (
-        f"the error should name the input and the valid neighbours 96 and 112:\n{message}")
+    assert "width" in message and "96" in message and "104" in message, (
+        f"the error should name the input and the valid neighbours 96 and 104:\n{message}")
     run_successfully(comfyui_server, t2v_prompt)
 
 

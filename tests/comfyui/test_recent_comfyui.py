@@ -157,6 +157,25 @@ def run_twin(server: ComfyUIServer, prompt: dict[str, Any]) -> tuple[torch.Tenso
     return saved_latent(server, result), read_png_frames(saved_images(server, result, save_node_id_of(prompt)))
 
 
+def test_t2v_at_a_size_that_is_not_a_multiple_of_16_decodes_like_native(recent_comfyui_server: ComfyUIServer,
+                                                                       t2v_prompt: dict[str, Any]) -> None:
+    """72x40 px (a 5x9 latent, odd both ways) samples through the nodes, as native Wan does (the transformer pads to its
+    patches), and native ``VAEDecode`` of that latent gives WanMesh's frames."""
+    wanmesh_save_id = node_id_of(t2v_prompt, "SaveImage")
+    prompt = with_native_decode(t2v_prompt)
+    latent = node_of_type(prompt, "WanMeshEmptyLatent")["inputs"]
+    latent.update(width=72, height=40)
+
+    result = run_successfully(recent_comfyui_server, prompt)
+
+    native = read_png_frames(saved_images(recent_comfyui_server, result, NATIVE_SAVE_ID))
+    wanmesh = read_png_frames(saved_images(recent_comfyui_server, result, wanmesh_save_id))
+    assert native.shape == (latent["length"] * latent["batch_size"], 40, 72, 3)
+    assert int(native.max()) - int(native.min()) > 8 * PIXEL_TOLERANCE
+    difference = largest_pixel_difference(native, wanmesh)
+    assert difference <= PIXEL_TOLERANCE, f"native and WanMesh decodes of one latent differ by up to {difference}/255"
+
+
 def test_native_vace_workflows_match_node_definitions(recent_comfyui_server: ComfyUIServer) -> None:
     """Widget inputs in declared order, no undeclared inputs (as ``test_api_workflow_matches_node_definitions``)."""
     info = recent_comfyui_server.get_json("/object_info")

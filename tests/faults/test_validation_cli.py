@@ -45,8 +45,8 @@ def _explicit(f, model=None, vae=None, text=None) -> list[str]:
 
 # (case id, extra flags (function of the file paths), message the one line must contain)
 BAD_INPUTS = [
-    ("width-not-16", lambda f: ["--width", "100"], "width 100 is not a positive multiple of 16 (nearest valid: 96 or 112)"),
-    ("height-zero", lambda f: ["--height", "0"], "height 0 is not a positive multiple of 16 (nearest valid: 16)"),
+    ("width-not-8", lambda f: ["--width", "100"], "width 100 is not a positive multiple of 8 (nearest valid: 96 or 104)"),
+    ("height-zero", lambda f: ["--height", "0"], "height 0 is not a positive multiple of 8 (nearest valid: 8)"),
     ("frames-negative", lambda f: ["--frames", "-5"], "frame count -5 is not of the form 4k+1 (nearest valid: 1)"),
     ("frames-not-4k+1", lambda f: ["--frames", "16"], "frame count 16 is not of the form 4k+1 (nearest valid: 13 or 17)"),
     ("steps-zero", lambda f: ["--steps", "0"], "steps must be an integer of at least 1, got 0"),

@@ -53,7 +53,7 @@ def test_generate_writes_video_latents_and_frames_deterministically(tiny_models,
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--width", "100"], "width 100 is not a positive multiple of 16 (nearest valid: 96 or 112)"),
+        (["--width", "100"], "width 100 is not a positive multiple of 8 (nearest valid: 96 or 104)"),
         (["--frames", "10"], "frame count 10 is not of the form 4k+1 (nearest valid: 9 or 13)"),
         (["--world", "3", "--device", "cpu", "--tp", "2"], "world=3 is not a multiple of cfg x ulysses x ring x tp"),
         (["--vae-tile", "60"], "tile_px must be a positive multiple of the VAE's spatial factor 8, got 60"),

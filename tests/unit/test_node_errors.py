@@ -76,8 +76,8 @@ def test_a_failed_decode_saves_the_latents_and_says_where(output_folder):
     assert torch.equal(load_file(saved)["latents"], latents)
 
 
-def test_vae_encode_refuses_sizes_that_are_not_multiples_of_16_before_the_worker():
+def test_vae_encode_refuses_frames_smaller_than_the_vae_before_the_worker():
     runner = FailingRunner(WorkerError(0, "RuntimeError", "must not be reached"))
-    with pytest.raises(ValueError, match=r"width 40 is not a positive multiple of 16 \(nearest valid: 32 or 48\)"):
-        NODE_CLASS_MAPPINGS["WanMeshVAEEncode"]().encode(ResidentModel(runner, "vae|x"), torch.zeros(5, 32, 40, 3))
+    with pytest.raises(ValueError, match=r"width 4 is smaller than the VAE's 8 pixels \(valid: 8 or more\)"):
+        NODE_CLASS_MAPPINGS["WanMeshVAEEncode"]().encode(ResidentModel(runner, "vae|x"), torch.zeros(5, 32, 4, 3))
     assert runner.calls == []

@@ -156,3 +156,21 @@ def test_window_bounds_the_cache_and_restores_the_model(model, contexts):
         kept = [cache.frame_ids for cache in causal.caches["positive"]]
     assert kept == [[0, 5, 6, 7]] * len(model.blocks)  # sink frame 0 pinned, then the 3 most recent frames
     assert model.blocks[0].attn1.processor is own_processor and model.rope is own_rope
+
+
+def test_odd_latent_size_streams_with_the_cache_as_without():
+    """A latent of odd height and width: the loaded model pads it to its patches (as native Wan) and the causal RoPE
+    and frame masks cover the padded grid, so the cache still equals recomputation and the shape comes back."""
+    from wanmesh.parallel.models.wan import pad_inputs_to_patches
+
+    torch.manual_seed(0)
+    t2v = WanTransformer3DModel(**TINY_TRANSFORMER)
+    randomise_(t2v, 11)
+    padded = pad_inputs_to_patches(t2v.eval().requires_grad_(False))
+    generator = torch.Generator().manual_seed(5)
+    positive = torch.randn(1, 512, TINY_TRANSFORMER["text_dim"], generator=generator)
+    options = dict(positive=positive, negative=None, latent_shape=(1, 16, 4, 5, 7), seed=3, sigmas=SIGMAS, chunk=2)
+    cached = sample_stream(padded, **options)
+    uncached = sample_stream(padded, use_cache=False, **options)
+    assert cached.shape == (1, 16, 4, 5, 7)
+    assert torch.allclose(cached, uncached, atol=TOLERANCE), (cached - uncached).abs().max()

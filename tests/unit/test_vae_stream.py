@@ -41,7 +41,7 @@ def test_streamed_chunks_join_to_the_whole_decode(vae, latents, whole, sizes):
         start += size
     joined = torch.cat(pieces, dim=2)
     assert joined.shape == whole.shape == (1, 3, 4 * 8 - 3, 32, 48)
-    torch.testing.assert_close(joined, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(joined.clamp(-1, 1), whole, rtol=1e-5, atol=1e-5)  # raw chunks; diffusers clamps
     if len(sizes) > 1:  # the carried cache matters: chunk 1 after another chunk 0 comes out different
         cold = StreamingVaeDecoder(vae)
         cold.decode_pixels(torch.zeros_like(latents[:, :, : sizes[0]]))
