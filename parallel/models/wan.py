@@ -194,10 +194,10 @@ def pad_inputs_to_patches(model: torch.nn.Module) -> torch.nn.Module:
     sizes: list[tuple[int, ...]] = []
 
     def pad_inputs(module, args, kwargs):
-        if args:  # diffusers' forward takes the latent first; keyword calls are the rule here
-            kwargs = {"hidden_states": args[0], **kwargs}
-            args = args[1:]
-        sizes.append(tuple(kwargs["hidden_states"].shape[-3:]))
+        latent = args[0] if args else kwargs["hidden_states"]  # diffusers' forward takes the latent first
+        sizes.append(tuple(latent.shape[-3:]))
+        if args:
+            args = (pad_to_patches(args[0], patch), *args[1:])
         for name in PADDED_INPUTS:
             if isinstance(kwargs.get(name), torch.Tensor):
                 kwargs[name] = pad_to_patches(kwargs[name], patch)
