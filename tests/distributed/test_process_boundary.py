@@ -22,6 +22,7 @@ from wanmesh.parallel.protocol import Diagnostic
 MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "cv2", "av", "ray", "matplotlib")
 COMFYUI_SIDE = {
     "nodes", "nodes.convert", "nodes.errors", "nodes.files", "nodes.loaders", "nodes.lora", "nodes.memory",
+    "nodes.native_model", "nodes.pool_model",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video",
     "parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.pool_memory",

@@ -21,7 +21,8 @@ from wanmesh.parallel.tiny.fp8_write import write_fp8_file
 
 EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace",
                  "t2v_gguf_q8_0", "t2v_gguf_q4_k", "t2v_fp8_scaled",
-                 "lora_comfy", "lora_peft", "lora_kohya", "lora_diff", "t2v_low"}
+                 "lora_comfy", "lora_peft", "lora_kohya", "lora_diff", "t2v_low",
+                 "model_native", "vace_native", "text_encoder_native"}
 WAN_LATENTS_MEAN_FIRST = -0.7571
 WAN_LATENTS_STD_FIRST = 2.8184
 
@@ -46,7 +47,7 @@ def test_make_tiny_writes_every_model(tiny_models):
 def test_make_tiny_is_deterministic(tiny_models, tmp_path):
     again = tiny.make_tiny(tmp_path)
     for name in ("t2v", "vace", "vace_module", "vae", "text_encoder", "t2v_gguf_q8_0", "t2v_gguf_q4_k",
-                 "t2v_fp8_scaled"):
+                 "t2v_fp8_scaled", "model_native", "vace_native", "text_encoder_native"):
         assert again[name].read_bytes() == tiny_models[name].read_bytes(), name
     for component in ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
         first = (tiny_models["diffusers_vace"] / component).read_bytes()
