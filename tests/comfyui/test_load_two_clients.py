@@ -1,0 +1,122 @@
+"""Load held: two clients queue 40 prompts of mixed workflows on one real ComfyUI server (the 2024 copy).
+
+T2V, LoRA, VACE (two references), streaming and two-expert prompts, each with its own seed, from two client
+threads at once; after the first 20 a ``/free`` with ``unload_models`` and a Pool setting change (Ulysses 2 ->
+tensor parallel 2, which restarts the workers) before the last 20. Every prompt must succeed and every file it
+lists must be complete (images readable, each MP4 decodable); the workers' summed resident memory after the run
+is within 5% of its size after the first round; after ``/free`` with ``free_memory`` no worker process and no new
+pool temp folder is left. Steps are cut to 2 so the 40 prompts stay within a few minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from comfyui_server import ComfyUIServer, PromptResult
+from PIL import Image
+from test_free_memory import post_free, worker_rss, workers
+from workflow_graph import MAX_SEED, load_workflow
+
+from wanmesh.parallel import read_video
+
+WORKFLOWS = ("t2v", "t2v_lora", "vace_r2v", "stream_t2v", "wan22_two_experts")
+PROMPTS_PER_CLIENT_AND_ROUND = 10  # two clients, two rounds: 40 prompts
+FIRST_POOL = dict(devices="cpu:2", world=2, tp=1, ulysses=2, ring=1, cfg_parallel=False, vae_patch=1)
+SECOND_POOL = dict(FIRST_POOL, tp=2, ulysses=1)  # the setting changed in the middle: new workers
+PROMPT_TIMEOUT_S = 600.0
+MEMORY_GROWTH = 0.05
+EXIT_DEADLINE_S = 60.0
+SAMPLER_TYPES = ("WanMeshSampler", "WanMeshStreamSampler")
+
+
+def prepared(name: str, pool: dict[str, Any], seed: int) -> dict[str, Any]:
+    """An example workflow's API prompt on ``pool`` with ``seed``; samplers cut to 2 steps (the two-expert chain
+    keeps its own step split)."""
+    prompt = load_workflow(f"api/{name}.json")
+    for node in prompt.values():
+        inputs = node["inputs"]
+        if node["class_type"] == "WanMeshPool":
+            inputs.update(pool)
+        if node["class_type"] in SAMPLER_TYPES:
+            inputs["seed"] = seed
+            if name != "wan22_two_experts":
+                inputs["steps"] = 2
+    return prompt
+
+
+def queue_round(server: ComfyUIServer, pool: dict[str, Any], rng: random.Random) -> list[tuple[str, str]]:
+    """Two client threads submit PROMPTS_PER_CLIENT_AND_ROUND prompts each; (workflow, prompt id) of all."""
+    plans = [[(WORKFLOWS[(client + i) % len(WORKFLOWS)], rng.randint(0, MAX_SEED))
+              for i in range(PROMPTS_PER_CLIENT_AND_ROUND)] for client in range(2)]
+    submitted: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def client(plan: list[tuple[str, int]]) -> None:
+        client_id = f"load-client-{threading.get_ident()}"
+        for name, seed in plan:
+            prompt_id = server.submit(prepared(name, pool, seed), client_id=client_id)
+            assert isinstance(prompt_id, str), f"{name} rejected: {prompt_id.error_text()}"
+            with lock:
+                submitted.append((name, prompt_id))
+
+    threads = [threading.Thread(target=client, args=(plan,)) for plan in plans]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120.0)
+    assert len(submitted) == 2 * PROMPTS_PER_CLIENT_AND_ROUND, f"only {len(submitted)} prompts were queued"
+    return submitted
+
+
+def assert_outputs_complete(server: ComfyUIServer, name: str, result: PromptResult) -> None:
+    assert result.status == "success", f"{name} failed:\n{result.error_text()}"
+    files = [item for output in result.outputs.values() for items in output.values() if isinstance(items, list)
+             for item in items if isinstance(item, dict) and "filename" in item]
+    assert files, f"{name} listed no output file"
+    for item in files:
+        path = server.output_dir / item["subfolder"] / item["filename"]
+        assert path.is_file() and path.stat().st_size > 0, f"{name}: {path} is missing or empty"
+        if path.suffix == ".mp4":
+            assert len(read_video(path)) > 0, f"{name}: {path.name} holds no frame"
+        elif path.suffix == ".png":
+            with Image.open(path) as image:
+                image.verify()
+
+
+def finish_round(server: ComfyUIServer, submitted: list[tuple[str, str]]) -> None:
+    for name, prompt_id in submitted:
+        assert_outputs_complete(server, name, server.wait_for(prompt_id, PROMPT_TIMEOUT_S))
+
+
+def pool_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("wanmesh-pool-*"))
+
+
+def test_two_clients_forty_mixed_prompts_with_free_and_a_pool_change(comfyui_server: ComfyUIServer) -> None:
+    folders_before = pool_folders()
+    rng = random.Random(2026)
+    finish_round(comfyui_server, queue_round(comfyui_server, FIRST_POOL, rng))
+    after_first_round = worker_rss(comfyui_server)
+
+    post_free(comfyui_server, unload_models=True)
+    finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng))
+    after_run = worker_rss(comfyui_server)
+    growth = (after_run - after_first_round) / after_first_round
+    print(f"\nworkers' summed RSS: {after_first_round / 2**20:.0f} MiB after the first round, "
+          f"{after_run / 2**20:.0f} MiB after the run ({growth:+.1%})")
+    assert abs(growth) <= MEMORY_GROWTH, (
+        f"the workers' summed RSS went from {after_first_round / 2**20:.0f} MiB after the first round to "
+        f"{after_run / 2**20:.0f} MiB after the run ({growth:+.1%})")
+
+    post_free(comfyui_server, unload_models=True, free_memory=True)
+    deadline = time.monotonic() + EXIT_DEADLINE_S
+    while (workers(comfyui_server) or pool_folders() - folders_before) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not workers(comfyui_server), "workers outlived free_memory"
+    left = pool_folders() - folders_before
+    assert not left, f"pool temp folders left behind: {left}"
