@@ -34,6 +34,9 @@ from ..transport import pack_for_ray, unpack_from_ray
 RAY_CONNECT_TIMEOUT_S = 30.0
 
 
+IDLE_PING_TIMEOUT_S = 5.0  # the idle liveness check's wait for an actor's answer
+
+
 def _unreachable(address: str, why: str) -> P.WorkerError:
     return P.WorkerError(None, "RayUnreachable", f"the Ray cluster at {address!r} {why}; check the address "
                          "(host:port of the head node's GCS, e.g. 10.0.0.5:6379) and that the cluster is up")
@@ -252,6 +255,18 @@ class RayWorkers:
             except self.ray.exceptions.RayActorError as exc:
                 raise RankDied(rank, f"the Ray actor died: {exc}") from None
         return messages
+
+    def check_alive(self) -> None:
+        """Raise RankDied for the first actor that is gone (the idle liveness check: one cheap call per actor;
+        an actor too busy to answer within the check's time is not taken for dead)."""
+        refs = [actor.pid.remote() for actor in self.actors]
+        for rank, ref in enumerate(refs):
+            try:
+                self.ray.get(ref, timeout=IDLE_PING_TIMEOUT_S)
+            except self.ray.exceptions.RayActorError:
+                raise RankDied(rank, "its Ray actor died") from None
+            except self.ray.exceptions.GetTimeoutError:
+                continue
 
     def take_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
         return chunk  # its arrays came through Ray's object store already

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from wanmesh.parallel.driver.pool import Cancelled, WorkerError, WorkerPool  # n
 
 DIAGNOSTICS = str(Path(__file__).with_name("pool_diagnostics.py"))
 DEADLINE_S = 300
+NOTICED_WITHIN_S = 30.0  # a deadline for the idle check, not a measurement
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +54,20 @@ def test_ray_pool_results_progress_cancel_and_a_dead_actor(local_ray):
         again = pool.call(P.Diagnostic("scaled_gather", tensors=[x]))
         torch.testing.assert_close(again.tensors[0], x * 2 + 1, rtol=0, atol=0)
         assert pool.starts == 2
+
+
+def test_a_ray_actor_killed_while_idle_is_named_at_the_next_call(local_ray):
+    """The liveness monitor pings idle actors: a killed one stops the pool within seconds and the next call raises
+    WorkerDied naming its rank; the call after runs on fresh actors."""
+    config = ParallelConfig(world=2, devices="cpu", backend="ray")
+    with WorkerPool(config, diagnostics=DIAGNOSTICS, timeout_s=120, start_timeout_s=240) as pool:
+        pool.call(P.Diagnostic("echo"))
+        os.kill(pool._backend.actor_pids()[1], signal.SIGKILL)
+        deadline = time.monotonic() + NOTICED_WITHIN_S
+        while pool.running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pool.running, f"the monitor did not notice the dead actor within {NOTICED_WITHIN_S:g} s"
+        with pytest.raises(WorkerError) as error:
+            pool.call(P.Diagnostic("echo"))
+        assert error.value.rank == 1 and error.value.error_type == "WorkerDied" and "idle" in str(error.value)
+        assert pool.call(P.Diagnostic("echo")).info["rank"] == 0
