@@ -442,7 +442,7 @@ def check_weights_mode(mode: str) -> None:
 
 # -- LoRAs -------------------------------------------------------------------------------------------------
 
-LORA_STRENGTH_RANGE = (-10.0, 10.0)
+LORA_STRENGTH_RANGE = (-100.0, 100.0)  # native LoraLoaderModelOnly's range
 
 
 def check_lora_strength(strength: float) -> None:

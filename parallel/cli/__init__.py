@@ -104,7 +104,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--save-frames", type=Path, help="write the frames [F,H,W,3] 0..1 as tensor 'frames'")
     p.add_argument("--lora", action="append", default=[], metavar="FILE[:STRENGTH]",
                    help="LoRA merged into the model on the workers (repeatable, applied in order; strength 1.0 when "
-                        "not given, -10..10)")
+                        "not given, -100..100 as ComfyUI's LoRA loader)")
     add_vace_arguments(p)
 
 

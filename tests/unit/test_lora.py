@@ -248,8 +248,9 @@ def test_lora_header_and_command_line_argument():
     assert parse_lora_arg("style.safetensors") == ("style.safetensors", 1.0)
     assert parse_lora_arg("style.safetensors:0.5") == ("style.safetensors", 0.5)
     assert parse_lora_arg(r"C:\loras\style.safetensors") == (r"C:\loras\style.safetensors", 1.0)
-    with pytest.raises(ValueError, match="outside -10.0..10.0"):
-        parse_lora_arg("style.safetensors:11")
+    assert parse_lora_arg("style.safetensors:50") == ("style.safetensors", 50.0)  # native's range is +-100
+    with pytest.raises(ValueError, match="outside -100.0..100.0"):
+        parse_lora_arg("style.safetensors:101")
 
 
 def test_every_format_reads_as_forty_layers(tiny_models):
@@ -264,8 +265,8 @@ def test_protocol_round_trips_the_loras():
     back = P.decode_message(P.encode_message(request, lambda t: t), lambda t: t)
     assert [tuple(entry) for entry in back.model_loras["model|a|b|c"]] == [("x.safetensors", 0.5)]
     bad = P.SampleRequest("model|a|b|c", torch.zeros(1, 16, 2, 4, 4), [torch.zeros(1, 64)], [torch.zeros(1, 64)],
-                          seed=1, steps=1, guidance_scale=1.0, shift=1.0, model_loras={"model|a|b|c": [("x", 12.0)]})
-    with pytest.raises(ValueError, match="LoRA strength 12.0 is outside -10.0..10.0"):
+                          seed=1, steps=1, guidance_scale=1.0, shift=1.0, model_loras={"model|a|b|c": [("x", 150.0)]})
+    with pytest.raises(ValueError, match="LoRA strength 150.0 is outside -100.0..100.0"):
         bad.validate()
 
 
@@ -295,7 +296,7 @@ def test_twenty_switches_keep_no_copy_of_any_weight(engine, tiny_models):
     assert {name: p.data_ptr() for name, p in _model(engine).named_parameters()} == pointers  # merged in place
 
 
-@pytest.mark.parametrize("lora_arg, message", [("{other}", "does not fit this model"), ("{comfy}:12", "outside"),
+@pytest.mark.parametrize("lora_arg, message", [("{other}", "does not fit this model"), ("{comfy}:120", "outside"),
                                                ("{model}", "is not a LoRA")])
 def test_command_line_refuses_a_bad_lora_before_the_pool_starts(lora_arg, message, tiny_models, tmp_path, capsys):
     from wanmesh.parallel.cli import main

@@ -51,7 +51,7 @@ def test_chained_loaders_send_the_ordered_list_with_the_sample(comfy_stubs, tiny
     model = ResidentModel(runner, handle)
     spec = WanMeshLoraLoader.INPUT_TYPES()["required"]
     assert "wan_tiny_lora_peft.safetensors" in spec["lora_name"][0]
-    assert (spec["strength"][1]["min"], spec["strength"][1]["max"], spec["strength"][1]["default"]) == (-10, 10, 1.0)
+    assert (spec["strength"][1]["min"], spec["strength"][1]["max"], spec["strength"][1]["default"]) == (-100, 100, 1.0)  # native LoraLoaderModelOnly's range
     (first,) = WanMeshLoraLoader().load(model, "wan_tiny_lora_comfy.safetensors", 0.8)
     (second,) = WanMeshLoraLoader().load(first, "wan_tiny_lora_peft.safetensors", -0.5)
     assert model.loras == () and first.loras == ((str(comfy_stubs / "wan_tiny_lora_comfy.safetensors"), 0.8),)
