@@ -9,6 +9,7 @@ from .convert import latent_to_tensor, tensor_to_latent, with_vace
 
 CATEGORY = "WanMesh/vace"
 SIZE = {"min": 16, "max": 8192, "step": 16}
+REFERENCE_CHOICES = ("first", "all")
 
 
 class WanMeshVaceEncode:
@@ -30,7 +31,12 @@ class WanMeshVaceEncode:
             "optional": {
                 "control_video": ("IMAGE", {"tooltip": "video to follow or edit (grey = generate freely)"}),
                 "control_masks": ("MASK", {"tooltip": "1 = generate, 0 = keep the control video"}),
-                "reference_image": ("IMAGE", {"tooltip": "reference images; each frame is one reference"}),
+                "reference_image": ("IMAGE", {"tooltip": "reference image(s); see reference_images"}),
+                # after every older input, so saved workflows keep their widget order
+                "reference_images": (list(REFERENCE_CHOICES), {
+                    "default": REFERENCE_CHOICES[0],
+                    "tooltip": "first: only the first reference image, as native WanVaceToVideo; all: every frame of "
+                               "reference_image is its own reference (one latent frame each), beyond native"}),
             },
         }
 
@@ -39,11 +45,16 @@ class WanMeshVaceEncode:
     FUNCTION = "encode"
     CATEGORY = CATEGORY
     DESCRIPTION = ("VACE conditioning exactly as ComfyUI's WanVaceToVideo makes it (the two nodes are "
-                   "interchangeable), VAE-encoded on the worker pool; several references and chained encodes "
-                   "(several contexts) are supported.")
+                   "interchangeable: first reference only, control video and masks cut or padded to length), "
+                   "VAE-encoded on the worker pool; several references (reference_images: all) and chained "
+                   "encodes (several contexts) are supported.")
 
     def encode(self, positive, negative, vae, width, height, length, batch_size, strength,
-               control_video=None, control_masks=None, reference_image=None):
+               control_video=None, control_masks=None, reference_image=None, reference_images="first"):
+        if reference_images not in REFERENCE_CHOICES:
+            raise ValueError(f"reference_images {reference_images!r} is unknown; valid: {', '.join(REFERENCE_CHOICES)}")
+        if reference_image is not None and reference_images == "first":
+            reference_image = reference_image[:1]
         encoded = vae.runner.encode_vace(EncodeVace(
             handle=vae.handle, width=width, height=height, length=length, control_video=_cpu(control_video),
             control_masks=_cpu(control_masks), reference_images=_cpu(reference_image)))

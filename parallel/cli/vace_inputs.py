@@ -22,6 +22,7 @@ frame count (rounded down to 4k+1). Everything is read and checked here before a
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from ..models.detect import KIND_DESCRIPTIONS, safetensors_kind
 from ..protocol import EncodeVace, VaceEncoded
 from ..tensor_files import save_tensors_atomic
 from ..vace import builders
-from ..vace.encode import check_encode_inputs
+from ..vace.encode import check_encode_inputs, frame_count_changes
 from .media import read_frames, read_image, read_mask
 
 # The flags that ask for a VACE context (dest name -> flag), in the order errors name them.
@@ -158,6 +159,8 @@ class VaceSources:
         if self.references:
             references = torch.cat([builders.reference_images(image, width, height) for image in self.references])
         check_encode_inputs(width, height, length, video, masks, references)
+        for change in frame_count_changes(length, video, masks):
+            print(f"wanmesh: VACE: {change}, as ComfyUI's WanVaceToVideo does", file=sys.stderr, flush=True)
         inputs = VaceInputs(video, masks, references, self.strength, self.save_path)
         inputs.check_fits(width, height, length)
         return inputs

@@ -3,8 +3,10 @@
 Inputs follow ComfyUI: IMAGE `[F, H, W, C]` and MASK `[F, H, W]` in 0..1 (mask 1 = generate, 0 = keep).
 Outputs are in the **raw** Wan VAE latent space: `frames [1, 32, R+T, h, w]` (inactive | reactive latents,
 references prepended in time), `mask [1, 64, R+T, h, w]` (each 8x8 pixel block folded onto channels) and
-`trim_latent = R`. With at most one reference the result equals the native node's; several references each
-become their own latent frame, prepended in order (as the official VACE does).
+`trim_latent = R`. A control video or masks of another frame count than the length are cut or padded (grey frames,
+ones) as native does. With at most one reference the result equals the native node's (the nodes pass only the
+first reference unless asked for all); several references each become their own latent frame, prepended in
+order (as the official VACE does): an extension beyond native.
 The VAE encode is supplied by the caller (`encode_frames`), so a tiled or patch-parallel encode fits unchanged.
 """
 
@@ -179,12 +181,20 @@ def _check_masks(control_masks: torch.Tensor) -> None:
         raise ValueError(f"VACE control_masks values must lie in 0..1, got min {low:g} and max {high:g}")
 
 
-def _check_frame_counts(length: int, control_video: torch.Tensor, control_masks: torch.Tensor) -> None:
-    video_frames, mask_frames = min(control_video.shape[0], length), min(control_masks.shape[0], length)
-    if video_frames != mask_frames:
-        raise ValueError(f"VACE control_video has {control_video.shape[0]} frames but control_masks has "
-                         f"{control_masks.shape[0]} (length {length}); give both the same count, or both at "
-                         f"least {length}")
+def frame_count_changes(length: int, control_video: Optional[torch.Tensor] = None,
+                        control_masks: Optional[torch.Tensor] = None) -> list[str]:
+    """What ``control_inputs`` does to inputs whose frame count is not ``length``, as native WanVaceToVideo does:
+    longer ones are cut, shorter ones padded (the video with grey frames, the masks with ones: generate)."""
+    changes = []
+    for name, tensor, filler in (("control video has", control_video, "grey frames"),
+                                 ("control masks have", control_masks, "ones (generate)")):
+        if tensor is None or tensor.shape[0] == length:
+            continue
+        if tensor.shape[0] > length:
+            changes.append(f"the {name} {tensor.shape[0]} frames: cut to the first {length}")
+        else:
+            changes.append(f"the {name} {tensor.shape[0]} frames: padded to {length} with {filler}")
+    return changes
 
 
 def check_encode_inputs(width: int, height: int, length: int, control_video: Optional[torch.Tensor] = None,
@@ -196,7 +206,5 @@ def check_encode_inputs(width: int, height: int, length: int, control_video: Opt
         _check_image("control_video", control_video)
     if control_masks is not None:
         _check_masks(control_masks)
-    if control_video is not None and control_masks is not None:
-        _check_frame_counts(length, control_video, control_masks)
     if reference_images is not None:
         _check_image("reference_images", reference_images)

@@ -177,11 +177,13 @@ def stream_t2v(info: dict[str, Any]) -> WorkflowBuilder:
 # ---- VACE --------------------------------------------------------------------------------------------------
 
 def vace_tail(w: WorkflowBuilder, texts: tuple[int, int, int], vae: int, name: str, size: tuple[int, int],
-              length: int, vace_links: dict[str, Output], seed: int, tile: tuple[int, int] = (0, 64)) -> None:
+              length: int, vace_links: dict[str, Output], seed: int, tile: tuple[int, int] = (0, 64),
+              reference_images: str = "first") -> None:
     """WanMesh VACE encode -> sampler -> trim -> decode -> save video."""
     positive, negative, model = texts
     encode = w.node("WanMeshVaceEncode", [COLUMNS[4], 40],
-                    {"width": size[0], "height": size[1], "length": length, "batch_size": 1, "strength": 1.0},
+                    {"width": size[0], "height": size[1], "length": length, "batch_size": 1, "strength": 1.0,
+                     "reference_images": reference_images},
                     {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0), **vace_links})
     sampled = sampler(w, 5, model, (encode, 0), (encode, 1), (encode, 2), seed=seed, steps=3)
     trim = w.node("WanMeshTrimLatent", [COLUMNS[6], 40], {}, {"samples": (sampled, 0), "trim_amount": (encode, 3)})
@@ -209,7 +211,8 @@ def vace_r2v(info: dict[str, Any]) -> WorkflowBuilder:
     batch = w.node("ImageBatch", [COLUMNS[3], 420], {}, {"image1": (circle, 0), "image2": (texture, 0)})
     references = w.node("WanMeshVaceReference", [COLUMNS[3], 540], {"width": WIDTH, "height": HEIGHT},
                         {"images": (batch, 0)})
-    vace_tail(w, texts, vae, "vace_r2v", (WIDTH, HEIGHT), 5, {"reference_image": (references, 0)}, 101)
+    vace_tail(w, texts, vae, "vace_r2v", (WIDTH, HEIGHT), 5, {"reference_image": (references, 0)}, 101,
+              reference_images="all")
     return w
 
 

@@ -177,3 +177,14 @@ def test_bench_dit_vace_prints_the_step_and_encode_rows(tiny_models, capsys):
                                                                  flags=re.M)}
     assert encode_rows == {("1", "1", "whole", "-"), ("1", "1", "32", "8"), ("2", "2", "32", "8"),
                            ("1", "1", "64", "16"), ("2", "2", "64", "16")}
+
+
+def test_a_control_video_shorter_than_frames_is_padded_with_grey_and_said_once(tiny_models, media, tmp_path, capsys):
+    """As native WanVaceToVideo: the 5-frame video is padded with grey frames to --frames 9, in one stderr line."""
+    _generate(tiny_models, tmp_path / "long.mp4", "--vace-video", str(media / "clip.mp4"), "--frames", "9",
+              "--save-vace", str(tmp_path / "vace.safetensors"))
+    said = [line for line in capsys.readouterr().err.splitlines() if "VACE:" in line]
+    assert said == ["wanmesh: VACE: the control video has 5 frames: padded to 9 with grey frames, as ComfyUI's "
+                    "WanVaceToVideo does"], said
+    assert load_file(tmp_path / "vace.safetensors")["vace_frames"].shape == (1, 32, 3, 6, 8)
+    assert len(_read_mp4_rgb(tmp_path / "long.mp4")) == 9

@@ -267,7 +267,6 @@ BAD_INPUTS = {
     "mask_above_one": (dict(control_masks=torch.full((5, 16, 16), 1.5)), "1.5"),
     "mask_below_zero": (dict(control_masks=torch.full((5, 16, 16), -0.25)), "-0.25"),
     "mask_shape": (dict(control_masks=torch.ones(5, 16, 16, 1)), "(5, 16, 16, 1)"),
-    "frame_counts": (dict(control_video=torch.rand(5, 16, 16, 3), control_masks=torch.ones(3, 16, 16)), "5 frames"),
     "reference_channels": (dict(reference_images=torch.rand(1, 16, 16, 2)), "(1, 16, 16, 2)"),
     "video_channels": (dict(control_video=torch.rand(5, 16, 16, 1)), "(5, 16, 16, 1)"),
 }
@@ -290,7 +289,23 @@ def test_bad_inputs_raise_one_line_value_errors_before_encoding(name, latent_sta
         encode_vace(encode_must_not_run, latents_mean=latent_stats[0], **arguments)
 
 
-def test_frame_count_error_names_both_counts():
-    with pytest.raises(ValueError, match=r"5 frames.*has 3"):
-        check_encode_inputs(WIDTH, HEIGHT, 9, torch.rand(5, 16, 16, 3), torch.ones(3, 16, 16), None)
+def test_frame_counts_that_differ_from_each_other_and_from_length_are_accepted_as_native_does():
+    check_encode_inputs(WIDTH, HEIGHT, 9, torch.rand(5, 16, 16, 3), torch.ones(3, 16, 16), None)
     check_encode_inputs(WIDTH, HEIGHT, 9, torch.rand(11, 16, 16, 3), torch.ones(13, 16, 16), None)
+
+
+def test_control_video_and_masks_of_other_frame_counts_are_cut_or_padded_as_native():
+    """Native WanVaceToVideo cuts each to length and pads each on its own: the video with grey, the masks with ones."""
+    from wanmesh.parallel.vace.encode import control_inputs, frame_count_changes
+
+    video, masks = torch.rand(3, 16, 16, 3), torch.zeros(12, 16, 16)
+    padded_video, cut_masks = control_inputs(16, 16, 9, video, masks)
+    assert padded_video.shape == (9, 16, 16, 3) and cut_masks.shape == (9, 16, 16)
+    assert torch.equal(padded_video[:3], video) and torch.all(padded_video[3:] == 0.5)
+    assert torch.all(cut_masks == 0)
+    _, padded_masks = control_inputs(16, 16, 9, None, torch.zeros(4, 16, 16))
+    assert torch.all(padded_masks[:4] == 0) and torch.all(padded_masks[4:] == 1)
+    assert frame_count_changes(9, video, masks) == [
+        "the control video has 3 frames: padded to 9 with grey frames",
+        "the control masks have 12 frames: cut to the first 9"]
+    assert frame_count_changes(9, torch.rand(9, 16, 16, 3), None) == []
