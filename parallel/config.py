@@ -22,7 +22,13 @@ from typing import Any
 
 BACKENDS = ("local", "ray")
 MESH_DIMS = ("dp", "cfg", "ulysses", "ring", "tp")  # outermost first; tp varies fastest; cfg = the CFG-parallel split
-SAMPLERS = ("unipc", "euler")
+# Samplers the workers run. euler .. lcm equal ComfyUI's same-named samplers with the scheduler chosen from
+# SCHEDULERS (ComfyUI's names); wan_unipc is Wan's reference flow UniPC (its own schedule, shift only), and
+# "unipc", its older name, still selects it.
+WAN_UNIPC, WAN_UNIPC_ALIAS = "wan_unipc", "unipc"
+COMFY_SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "lcm")
+SAMPLERS = (WAN_UNIPC_ALIAS, *COMFY_SAMPLERS, WAN_UNIPC)
+SCHEDULERS = ("simple", "normal", "beta", "sgm_uniform", "karras")
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 TEXT_TOKENS = 512  # Wan's text length: prompt embeddings are padded (or cut) to it; tokens past it are dropped
 T2V_EXPERT_BOUNDARY = 0.875  # Wan 2.2 A14B: steps with timestep >= boundary x 1000 run the high-noise expert (T2V)
@@ -373,13 +379,16 @@ def check_tiles(tile_px: int | None, overlap_px: int | None) -> None:
 # -- sampling settings -------------------------------------------------------------------------------------
 
 
-def check_sampling(*, sampler: str, steps: int, shift: float, denoise: float, guidance_scale: float = 1.0) -> None:
+def check_sampling(*, sampler: str, steps: int, shift: float, denoise: float, guidance_scale: float = 1.0,
+                   scheduler: str = SCHEDULERS[0]) -> None:
     """The denoising settings, before any worker work."""
     if not math.isfinite(guidance_scale) or guidance_scale < 0:
         raise ValueError(f"the guidance scale (cfg) must be a finite number >= 0, got {guidance_scale}; 1 runs a "
                          "single pass, Wan's default is 5")
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler {scheduler!r} is unknown; valid schedulers: {', '.join(SCHEDULERS)}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if not 0.0 < denoise <= 1.0:

@@ -136,8 +136,9 @@ class SampleRequest(Request):
     steps: int
     guidance_scale: float
     shift: float
-    sampler: str = "unipc"
+    sampler: str = "unipc"  # config.SAMPLERS
     denoise: float = 1.0
+    scheduler: str = "simple"  # config.SCHEDULERS: the sigma schedule of ComfyUI-named samplers (not wan_unipc)
     # VACE contexts in ComfyUI's native raw format, one entry per context (chained VACE encodes):
     vace_frames: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 32, T, h, w]
     vace_masks: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 64, T, h, w]
@@ -156,7 +157,7 @@ class SampleRequest(Request):
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
         check_sampling(sampler=self.sampler, steps=self.steps, shift=self.shift, denoise=self.denoise,
-                       guidance_scale=self.guidance_scale)
+                       guidance_scale=self.guidance_scale, scheduler=self.scheduler)
         check_latent(self.latent)
         if not self.positive or not self.negative:
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")

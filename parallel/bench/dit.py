@@ -112,7 +112,7 @@ def _step_inputs(shape, text_dim: int, device, dtype) -> StepInputs:
     generator = torch.Generator("cpu").manual_seed(0)
     latents = torch.randn(shape, generator=generator).to(device)
     context = torch.randn(2, 512, text_dim, generator=generator).to(device, dtype)
-    scheduler = make_scheduler("euler", 5.0)
+    scheduler = make_scheduler("flow_euler", 5.0)
     scheduler.set_timesteps(1000, device="cpu")
     return StepInputs(latents, context[:1], context[1:], scheduler.timesteps[500], scheduler, dtype)
 

@@ -1,8 +1,11 @@
-"""The flow-matching denoising loop for Wan 2.1 and VACE (schedulers, denoise < 1); runs in the workers.
+"""The flow-matching denoising loop for Wan 2.1 and VACE (samplers, schedules, denoise < 1); runs in the workers.
 
 Latents enter and leave as raw Wan VAE latents (ComfyUI's convention); the loop works on latents normalised with the
-Wan 2.1 latent mean/std (``latents.py``); guidance is ``guidance.py``'s. The schedulers are diffusers' own, configured as Wan's reference code samples.
-The model is any callable with the diffusers Wan transformer signature, so parallel wrappers plug in unchanged.
+Wan 2.1 latent mean/std (``latents.py``); guidance is ``guidance.py``'s. Two families of samplers: ComfyUI's
+(``solvers.py`` on a ``schedules.py`` sigma schedule, each model call turned into a clean-latent estimate, the start
+noise and the leftover-noise result scaled as ComfyUI's KSampler does), and Wan's reference flow UniPC (diffusers'
+scheduler configured as Wan's code samples). The model is any callable with the diffusers Wan transformer signature,
+so parallel wrappers plug in unchanged.
 """
 
 from __future__ import annotations
@@ -13,24 +16,27 @@ from typing import Callable
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from ..config import SAMPLERS, TEXT_TOKENS
+from ..config import COMFY_SAMPLERS, SAMPLERS, TEXT_TOKENS, WAN_UNIPC, WAN_UNIPC_ALIAS
 from ..errors import Cancelled
 from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
 from .preview import denoised_estimate, preview_image
+from .schedules import TIMESTEP_SCALE, run_sigmas
+from .solvers import solve
 from .latents import LATENTS_MEAN, LATENTS_STD, check_finite, denormalize_latents, normalize_latents, seeded_noise
 
 
 
 def make_scheduler(sampler: str, shift: float):
-    """A fresh diffusers scheduler for Wan flow matching with the given shift."""
-    if sampler == "unipc":
+    """A fresh diffusers scheduler for Wan flow matching with the given shift: Wan's reference UniPC, or the plain
+    flow Euler the benchmarks time."""
+    if sampler in (WAN_UNIPC, WAN_UNIPC_ALIAS):
         return UniPCMultistepScheduler(
             num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift
         )
-    if sampler == "euler":
+    if sampler == "flow_euler":
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
     raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
 
@@ -78,8 +84,15 @@ def _schedule(request: SampleRequest) -> _Schedule:
 
 def schedule_timesteps(request: SampleRequest) -> tuple[torch.Tensor, int]:
     """(the timesteps a request steps through, the step number of the first): what the expert report needs."""
+    if request.sampler in COMFY_SAMPLERS:
+        return run_sigmas_of(request)[:-1] * TIMESTEP_SCALE, request.start_step
     schedule = _schedule(request)
     return schedule.timesteps, schedule.first_step
+
+
+def run_sigmas_of(request: SampleRequest) -> torch.Tensor:
+    return run_sigmas(request.scheduler, request.steps, request.shift, request.denoise, request.start_step,
+                      request.end_step)
 
 
 def initial_latents(request: SampleRequest, start_sigma: float, rows: range) -> torch.Tensor:
@@ -115,6 +128,10 @@ def sample(
     RGB image of the denoised estimate at every step, before that step's progress call. `low_model` is the
     low-noise expert of a two-expert run (``experts.py`` says which steps it runs); both share one architecture.
     Progress counts the steps this run covers (start_step up to end_step)."""
+    if request.sampler in COMFY_SAMPLERS:
+        return sample_with_solver(model, request, device=device, dtype=dtype, progress=progress,
+                                  should_stop=should_stop, rows=rows, guidance=guidance, preview=preview,
+                                  low_model=low_model)
     schedule = _schedule(request)
     experts = Experts.for_request(model, low_model, request)
     rows = range(request.latent.shape[0]) if rows is None else rows
@@ -142,6 +159,64 @@ def sample(
         if progress is not None:
             progress(index + 1, run_steps)
     return denormalize_latents(latents).cpu()
+
+
+def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype, progress, should_stop, rows,
+                       guidance, preview, low_model) -> torch.Tensor:
+    """``sample`` for ComfyUI's samplers, as ComfyUI's KSampler runs them: the start latent noised to the first
+    sigma (``sigma * noise + (1 - sigma) * latent``), one clean-latent estimate per step, the result divided by
+    ``1 - sigma`` of the last sigma (leftover noise of an ``end_step`` run), raw latents out."""
+    batch = request.latent.shape[0]
+    rows = range(batch) if rows is None else rows
+    sigmas = run_sigmas_of(request)
+    if len(sigmas) < 2:  # start_step at or past the end: nothing to run, the input comes back (as ComfyUI's)
+        return request.latent[rows.start : rows.stop].float().cpu()
+    experts = Experts.for_request(model, low_model, request)
+    positive = _rows(text_context(request.positive, batch, dtype, device), rows)
+    negative = (_rows(text_context(request.negative, batch, dtype, device), rows)
+                if experts.needs_negative else None)
+    extra = vace_model_inputs(model, request, rows, dtype, device)
+    start = normalize_latents(request.latent[rows.start : rows.stop]).to(device)
+    noise = (seeded_noise(tuple(request.latent.shape), request.seed)[rows.start : rows.stop].to(device)
+             if request.add_noise else torch.zeros_like(start))
+    x = sigmas[0] * noise + (1.0 - sigmas[0]) * start
+    step_noise = ancestral_noise(request.seed, tuple(request.latent.shape), rows, device)
+    run_steps = len(sigmas) - 1
+
+    def denoise(index: int, latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        step = request.start_step + index + 1  # 1-based over the whole schedule, for messages
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"sampling cancelled before step {step} of {request.steps}")
+        if not len(rows):
+            progress is not None and progress(index + 1, run_steps)
+            return latents
+        t = (sigma * TIMESTEP_SCALE).reshape(1).to(device)
+        expert = experts.at(t)
+        prediction = (guidance or guided_prediction)(
+            expert.model, latents.to(dtype), t, positive, negative if expert.guidance_scale != 1.0 else None,
+            expert.guidance_scale, extra).float()
+        denoised = latents - prediction * sigma.to(device)
+        check_finite(denoised, step, request.steps)
+        if preview is not None:
+            preview(preview_image(denoised))
+        if progress is not None:
+            progress(index + 1, run_steps)
+        return denoised
+
+    x = solve(request.sampler, denoise, x, sigmas.to(device), step_noise)
+    check_finite(x, request.start_step + run_steps, request.steps)
+    return denormalize_latents(x / (1.0 - sigmas[-1])).cpu()
+
+
+def ancestral_noise(seed: int, shape: tuple[int, ...], rows: range, device) -> Callable[[], torch.Tensor]:
+    """Noise for the steps of ancestral samplers, drawn as ComfyUI draws it: a generator on the latent's device seeded
+    with the sampler seed, the whole batch each time (so a replica's rows match one device's), float32."""
+    generator = torch.Generator(device=device).manual_seed(int(seed))
+
+    def draw() -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)[rows.start : rows.stop]
+
+    return draw
 
 
 def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
+from diffusers import UniPCMultistepScheduler, WanPipeline
 
 from wanmesh.parallel.worker.executors import RankExecutor
 from wanmesh.parallel.models.wan import load_transformer, load_vae
@@ -39,14 +39,13 @@ def t2v(tiny_models):
 
 
 def _diffusers_scheduler(sampler: str, shift: float):
-    if sampler == "unipc":
-        return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
-    return FlowMatchEulerDiscreteScheduler(shift=shift)
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
 
 
-@pytest.mark.parametrize("sampler", ["unipc", "euler"])
+@pytest.mark.parametrize("sampler", ["unipc", "wan_unipc"])
 def test_matches_diffusers_wan_pipeline(tiny_models, t2v, sampler):
-    """Same weights, scheduler, seed and prompt embeddings: WanMesh's latents equal WanPipeline's."""
+    """Same weights, scheduler, seed and prompt embeddings: WanMesh's latents equal WanPipeline's with Wan's
+    reference flow UniPC (its name and its older alias). ComfyUI's samplers are compared with ComfyUI's."""
     request = _request(t2v.config.text_dim, sampler=sampler)
     ours = sample(t2v, request)
 
@@ -88,7 +87,8 @@ def test_small_denoise_stays_near_the_input_latent(t2v):
     light = sample(t2v, _request(t2v.config.text_dim, latent=source, sampler="euler", steps=2, denoise=0.05))
     ignored = sample(t2v, _request(t2v.config.text_dim, latent=source * 0, sampler="euler", steps=2))
     assert torch.equal(full, ignored), "denoise 1 must not depend on the input latent"
-    assert (light - source).abs().mean() < 0.1 * (full - source).abs().mean()
+    # ComfyUI's denoise: the last 2 of int(2 / 0.05) = 40 steps, starting near sigma 0.14 at shift 3
+    assert (light - source).abs().mean() < 0.2 * (full - source).abs().mean()
 
 
 def test_vace_strength_zero_equals_t2v_and_context_matters(tiny_models, t2v):

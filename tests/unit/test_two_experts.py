@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from diffusers import UniPCMultistepScheduler
+
 
 from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.models.checkpoint import ModelFileError
 from wanmesh.parallel.models.detect import infer_transformer_config
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import pad_to_wan_text_length, sample
+from wanmesh.parallel.sampling.schedules import schedule
 from wanmesh.parallel.worker.executors import RankExecutor
 
 WIDTH, HEIGHT, FRAMES, STEPS, SHIFT = 64, 48, 5, 6, 3.0
@@ -31,12 +33,12 @@ def _request(**overrides) -> SampleRequest:
 
 
 def _reference_timesteps(sampler: str) -> list[float]:
-    """The schedule's timesteps straight from diffusers, configured as Wan samples (independent of the loop)."""
-    if sampler == "unipc":
-        scheduler = UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
-                                            use_flow_sigmas=True, flow_shift=SHIFT)
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
+    """The schedule's timesteps, independent of the loop: straight from diffusers for Wan's UniPC, from the simple
+    sigma schedule (itself compared with ComfyUI's in test_comfy_samplers.py) for ComfyUI's euler."""
+    if sampler != "unipc":
+        return (schedule("simple", STEPS, SHIFT)[:-1] * 1000).tolist()  # float32, as the model gets them
+    scheduler = UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
+                                        use_flow_sigmas=True, flow_shift=SHIFT)
     scheduler.set_timesteps(STEPS)
     return [float(t) for t in scheduler.timesteps]
 
@@ -137,17 +139,17 @@ def test_chained_unipc_is_close_and_says_it_restarts_its_history(engine):
 
 
 def test_start_step_with_noise_added_matches_a_hand_noised_latent(engine):
-    """add_noise at start_step k mixes the seeded noise in at sigma_k (ComfyUI's noise scaling for flow models)."""
+    """add_noise at start_step k mixes the seeded noise in at sigma_k (ComfyUI's noise scaling for flow models). A
+    latent given without added noise is scaled by 1 - sigma_k, so a hand-noised one is handed over divided by it,
+    as ComfyUI's KSamplerAdvanced returns a leftover-noise latent."""
     _, high, _ = engine
     from wanmesh.parallel.sampling.latents import denormalize_latents, normalize_latents, seeded_noise
 
     source = torch.randn(latent_shape(WIDTH, HEIGHT, FRAMES), generator=torch.Generator().manual_seed(3))
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SHIFT)
-    scheduler.set_timesteps(STEPS)
-    sigma = float(scheduler.sigmas[2])
+    sigma = float(schedule("simple", STEPS, SHIFT)[2])
     noised = sigma * seeded_noise(tuple(source.shape), 7) + (1 - sigma) * normalize_latents(source)
     added, _ = _run(engine, handle=high, latent=source, start_step=2, sampler="euler")
-    given, _ = _run(engine, handle=high, latent=denormalize_latents(noised), start_step=2, add_noise=False,
+    given, _ = _run(engine, handle=high, latent=denormalize_latents(noised / (1 - sigma)), start_step=2, add_noise=False,
                     sampler="euler")
     torch.testing.assert_close(added, given, rtol=1e-5, atol=1e-5)  # raw <-> normalised round trip
 

@@ -28,6 +28,6 @@ def test_bad_two_expert_flags_exit_2_before_the_pool_starts(tiny_models, tmp_pat
 
 def test_generate_with_a_low_noise_expert_reports_the_split(tiny_models, tmp_path, capsys):
     _generate(tiny_models, tmp_path, "--model-low", str(tiny_models["t2v_low"]), "--boundary", "0.875")
-    # euler, shift 3 (the tiny default), 4 steps: timesteps 1000, 858, 602, 9 -> one step at or above 875
-    assert "high-noise expert: step 0, low-noise expert: steps 1-3" in capsys.readouterr().err
+    # euler / simple, shift 3 (the tiny default), 4 steps: timesteps 1000, 900, 750, 500 -> two at or above 875
+    assert "high-noise expert: steps 0-1, low-noise expert: steps 2-3" in capsys.readouterr().err
     assert (tmp_path / "x.mp4").stat().st_size > 0
