@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from ..parallel import (I2V_EXPERT_BOUNDARY, MAX_SEED, SAMPLERS, T2V_EXPERT_BOUNDARY, Cancelled, SampleRequest,
-                        latent_shape)
+from ..parallel import (COMFY_SAMPLERS, I2V_EXPERT_BOUNDARY, MAX_SEED, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY,
+                        Cancelled, SampleRequest, latent_shape)
 from ..parallel.validation import prompt_length_warning
 from .convert import (
     check_same_vace,
@@ -65,6 +65,30 @@ class WanMeshEmptyLatent:
 
 
 END_STEP_TO_THE_END = 10000  # ComfyUI's advanced sampler default for "run to the last step"
+
+
+def _comfy_names(attribute: str) -> list[str]:
+    """ComfyUI's own sampler or scheduler names, when ComfyUI is at hand (empty otherwise)."""
+    try:
+        import comfy.samplers
+    except ImportError:
+        return []
+    return list(getattr(comfy.samplers.KSampler, attribute, []))
+
+
+def sampler_choices() -> list[str]:
+    """The workers' samplers (Wan's UniPC first, the default of saved workflows), then ComfyUI's other samplers."""
+    return list(dict.fromkeys([*SAMPLERS, *_comfy_names("SAMPLERS")]))
+
+
+def scheduler_choices() -> list[str]:
+    return list(dict.fromkeys([*SCHEDULERS, *_comfy_names("SCHEDULERS")]))
+
+
+def runs_in_the_workers(sampler_name: str, scheduler: str) -> bool:
+    """Whether the workers run this sampler and scheduler themselves (the whole loop in one request); otherwise
+    ComfyUI's own sampler runs here on the pool MODEL (``comfy_sampling.py``)."""
+    return sampler_name in SAMPLERS and (sampler_name not in COMFY_SAMPLERS or scheduler in SCHEDULERS)
 TWO_EXPERT_INPUTS = {
     "model_low_noise": ("WANMESH_MODEL", {"tooltip": "Wan 2.2 A14B: the low-noise expert (model is then the "
                                                      "high-noise one); none: model runs every step"}),
@@ -83,6 +107,8 @@ TWO_EXPERT_INPUTS = {
                               "tooltip": "off for a second chained sampler: the latent already holds the "
                                          "noise of start_step"}),
 }
+SCHEDULER_TOOLTIP = ("sigma schedule, ComfyUI's names and numbers (wan_unipc / unipc keep Wan's own schedule); "
+                     "simple, normal, beta, sgm_uniform and karras run in the workers, the others through ComfyUI")
 
 
 class WanMeshSampler:
@@ -100,11 +126,16 @@ class WanMeshSampler:
                                   "tooltip": "classifier-free guidance scale; 1 runs one pass per step"}),
                 "shift": ("FLOAT", {"default": 5.0, "min": 0.01, "max": 100.0, "step": 0.1,
                                     "tooltip": "flow-matching timestep shift (5 for 720p/480p Wan 2.1)"}),
-                "sampler_name": (list(SAMPLERS), {"tooltip": "unipc (Wan's default) or euler"}),
+                "sampler_name": (sampler_choices(), {
+                    "tooltip": "unipc / wan_unipc: Wan's reference flow UniPC; every other name is ComfyUI's sampler "
+                               "of that name with the same numbers (euler, euler_ancestral, dpmpp_2m and lcm run "
+                               "in the workers, the others through ComfyUI's own code on the pool)"}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
                                       "tooltip": "1 starts from noise; less keeps part of the input latent"}),
             },
-            "optional": TWO_EXPERT_INPUTS,  # after every older input, so saved workflows keep their widget order
+            # after every older input, so saved workflows keep their widget order
+            "optional": {**TWO_EXPERT_INPUTS,
+                         "scheduler": (scheduler_choices(), {"default": SCHEDULERS[0], "tooltip": SCHEDULER_TOOLTIP})},
         }
 
     RETURN_TYPES = ("LATENT",)
@@ -115,16 +146,22 @@ class WanMeshSampler:
 
     def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise,
                model_low_noise=None, boundary=T2V_EXPERT_BOUNDARY, cfg_low_noise=-1.0, start_step=0,
-               end_step=END_STEP_TO_THE_END, add_noise=True):
+               end_step=END_STEP_TO_THE_END, add_noise=True, scheduler=SCHEDULERS[0]):
+        check_same_pool(model, model_low_noise)
+        end = None if end_step >= steps else end_step
+        if not runs_in_the_workers(sampler_name, scheduler):
+            from .comfy_sampling import ComfySampling, sample_with_comfyui
+
+            settings = ComfySampling(seed, steps, shift, sampler_name, scheduler, denoise, start_step, end, add_noise)
+            return (sample_with_comfyui(model, positive, negative, latent_image, cfg, settings, model_low_noise,
+                                        boundary, None if cfg_low_noise < 0 else cfg_low_noise),)
         conditional = read_conditioning(positive, "positive")
         unconditional = read_conditioning(negative, "negative")
         check_same_vace(conditional, unconditional)
-        check_same_pool(model, model_low_noise)
-        end = None if end_step >= steps else end_step
         request = SampleRequest(
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
-            sampler=sampler_name, denoise=denoise, vace_frames=conditional.vace_frames,
+            sampler=sampler_name, scheduler=scheduler, denoise=denoise, vace_frames=conditional.vace_frames,
             vace_masks=conditional.vace_masks, vace_strengths=conditional.vace_strengths, preview=previews_enabled(model.runner),
             model_loras={expert.handle: list(expert.loras) for expert in (model, model_low_noise) if expert is not None},
             handle_low=None if model_low_noise is None else model_low_noise.handle, boundary=boundary,

@@ -16,6 +16,7 @@ import importlib
 # public name -> the module (relative to this package) that defines it
 _EXPORTS = {
     **dict.fromkeys(("BACKENDS", "DTYPE_NAMES", "I2V_EXPERT_BOUNDARY", "LORA_STRENGTH_RANGE", "MAX_SEED", "SAMPLERS",
+                     "SCHEDULERS", "COMFY_SAMPLERS",
                      "T2V_EXPERT_BOUNDARY", "TEXT_TOKENS", "WEIGHT_MODES", "ParallelConfig", "check_encode_frames",
                      "check_video_size",
                      "latent_shape", "parse_stream_timesteps"), "config"),

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config import DEFAULT_WORKER_TIMEOUT_S, T2V_EXPERT_BOUNDARY, WEIGHT_MODES
+from ..config import DEFAULT_WORKER_TIMEOUT_S, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, WEIGHT_MODES
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
@@ -83,7 +83,12 @@ def _add_generate(sub) -> None:
                    help="classifier-free guidance scale (ComfyUI's cfg); 1 runs a single pass")
     p.add_argument("--shift", type=float)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sampler", choices=["unipc", "euler"], default="unipc")
+    p.add_argument("--sampler", choices=SAMPLERS, default="unipc",
+                   help="euler, euler_ancestral, dpmpp_2m, lcm: ComfyUI's samplers of those names (same numbers); "
+                        "wan_unipc (or unipc, the default): Wan's reference flow UniPC")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default="simple",
+                   help="sigma schedule of ComfyUI's samplers, as ComfyUI's schedulers of those names (wan_unipc "
+                        "keeps its own)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     experts = p.add_argument_group("two experts (Wan 2.2 A14B) and step ranges")
     experts.add_argument("--boundary", type=float, default=T2V_EXPERT_BOUNDARY,

@@ -116,7 +116,8 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
         shape = (*shape[:2], encoded.frames.shape[2], *shape[3:])
     request = SampleRequest(
         handle="", latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
-        steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler, **fields,
+        steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler,
+        scheduler=args.scheduler, **fields,
         **_expert_fields(args),
     )
     model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype, weights=args.weights)

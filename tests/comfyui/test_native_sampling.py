@@ -28,6 +28,10 @@ SAMPLERS = (("euler", "simple"), ("uni_pc", "simple"), ("dpmpp_2m", "beta"), ("l
 LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2": dict(devices="cpu:2", world=2, tp=2),
            "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
            "cfg_parallel2": dict(devices="cpu:2", world=2, cfg_parallel=True)}
+# The WanMesh Sampler with ComfyUI's names: the first five run in the workers, uni_pc through ComfyUI on the MODEL.
+NODE_SAMPLERS = (("euler", "simple"), ("euler_ancestral", "normal"), ("dpmpp_2m", "beta"), ("lcm", "sgm_uniform"),
+                 ("euler", "karras"), ("uni_pc", "simple"))
+NATIVE_SHIFT = 8.0  # ComfyUI's Wan 2.1 model sampling shift (what KSampler uses without ModelSamplingSD3)
 SEED, STEPS, CFG = 1234, 4, 5.0
 TOLERANCE = 1e-4
 WIDTH, HEIGHT, LENGTH = 48, 32, 5
@@ -68,6 +72,21 @@ def twin_prompt(layout: dict[str, Any], model_file: str = MODEL_FILE, pairs=SAMP
     return prompt
 
 
+def with_wanmesh_sampler(prompt: dict[str, Any], seed: int = SEED) -> dict[str, Any]:
+    """Adds, per NODE_SAMPLERS pair, native KSampler (``nn{i}``) and the WanMesh Sampler on the WanMesh model
+    (``s{i}``), with the same seed, steps, cfg and shift."""
+    prompt = dict(prompt)
+    for index, (sampler, scheduler) in enumerate(NODE_SAMPLERS):
+        prompt[f"nnk{index}"] = ksampler(["unet", 0], ["pos", 0], ["neg", 0], ["latent", 0], sampler, scheduler, seed)
+        prompt[f"nn{index}"] = save_latent(f"nnk{index}", f"nn{index}")
+        prompt[f"sk{index}"] = {"class_type": "WanMeshSampler", "inputs": {
+            "model": ["wm", 0], "positive": ["pos", 0], "negative": ["neg", 0], "latent_image": ["latent", 0],
+            "seed": seed, "steps": STEPS, "cfg": CFG, "shift": NATIVE_SHIFT, "sampler_name": sampler, "denoise": 1.0,
+            "scheduler": scheduler}}
+        prompt[f"s{index}"] = save_latent(f"sk{index}", f"s{index}")
+    return prompt
+
+
 def save_latent(source: str, name: str) -> dict[str, Any]:
     return {"class_type": "SaveLatent", "inputs": {"samples": [source, 0], "filename_prefix": f"native_sampling/{name}"}}
 
@@ -104,9 +123,10 @@ def layout_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, 
     """Every layout's latents: {layout: {"n0": native pair 0, "w0": WanMesh pair 0, ...}}."""
     latents = {}
     for name, layout in LAYOUTS.items():
-        result = run_successfully(recent_comfyui_server, with_custom_sampling(twin_prompt(layout)))
-        latents[name] = {node: saved(recent_comfyui_server, result, node)
-                         for side in "nw" for node in (*(f"{side}{i}" for i in range(len(SAMPLERS))), f"{side}c")}
+        result = run_successfully(recent_comfyui_server, with_wanmesh_sampler(with_custom_sampling(twin_prompt(layout))))
+        nodes = [f"{side}{i}" for side in "nw" for i in range(len(SAMPLERS))] + ["nc", "wc"]
+        nodes += [f"{side}{i}" for side in ("nn", "s") for i in range(len(NODE_SAMPLERS))]
+        latents[name] = {node: saved(recent_comfyui_server, result, node) for node in nodes}
     return latents
 
 
@@ -123,9 +143,16 @@ def test_sampler_custom_advanced_with_a_guider_on_wanmesh_model_equals_native_mo
     assert difference <= TOLERANCE, f"SamplerCustomAdvanced: WanMesh MODEL is {difference:.3g} from the native model"
 
 
+@pytest.mark.parametrize("pair", range(len(NODE_SAMPLERS)), ids=[f"{s}-{k}" for s, k in NODE_SAMPLERS])
+def test_wanmesh_sampler_with_comfyui_names_equals_native_ksampler(layout_latents, pair: int) -> None:
+    native, wanmesh = layout_latents["world1"][f"nn{pair}"], layout_latents["world1"][f"s{pair}"]
+    difference = largest_difference(native, wanmesh)
+    assert difference <= TOLERANCE, f"WanMesh Sampler {NODE_SAMPLERS[pair]} is {difference:.3g} from native KSampler"
+
+
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "world1"])
 def test_parallel_layouts_equal_one_rank(layout_latents, layout: str) -> None:
-    for node in (*(f"w{pair}" for pair in range(len(SAMPLERS))), "wc"):
+    for node in (*(f"w{pair}" for pair in range(len(SAMPLERS))), "wc", *(f"s{i}" for i in range(len(NODE_SAMPLERS)))):
         difference = largest_difference(layout_latents[layout][node], layout_latents["world1"][node])
         assert difference <= TOLERANCE, f"{layout} {node}: {difference:.3g} from world 1"
 
