@@ -12,7 +12,7 @@ import torch
 
 from ..protocol import ModelForward
 from ..vace.context import default_vace_context
-from .guidance import _flow_prediction
+from .guidance import flow_prediction
 from .latents import LATENTS_MEAN, LATENTS_STD
 
 
@@ -27,14 +27,20 @@ def vace_call_inputs(contexts: torch.Tensor, strengths: list[float], layer_count
             "control_hidden_states_scale": torch.tensor([float(s) for s in strengths], device=device, dtype=dtype)}
 
 
+def vace_layers_of(model, given_contexts: bool) -> list[int] | None:
+    """The model's VACE layers; None for a model without VACE blocks, which refuses VACE contexts."""
+    vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
+    if vace_layers is None and given_contexts:
+        raise ValueError("the conditioning carries VACE contexts but the model has no VACE blocks; load a VACE model "
+                         "(or a T2V model with a VACE module), or sample without VACE conditioning")
+    return vace_layers
+
+
 def forward_vace_inputs(model, request: ModelForward, rows: range, dtype, device) -> dict:
     """VACE inputs of a model call: the given contexts, or the native default (zero latents, ones mask) for a VACE
     model called without them; none for a model without VACE blocks (which refuses VACE contexts)."""
-    vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
+    vace_layers = vace_layers_of(model, request.vace_context is not None)
     if vace_layers is None:
-        if request.vace_context is not None:
-            raise ValueError("the model call carries VACE contexts but the model has no VACE blocks; load a VACE model "
-                             "(or a T2V model with a VACE module), or sample without VACE conditioning")
         return {}
     if request.vace_context is None:
         _, _, frames, h, w = request.latent.shape
@@ -50,4 +56,4 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
     timestep = request.timestep[rows.start : rows.stop].to(device)
     context = request.context[rows.start : rows.stop].to(device=device, dtype=dtype)
     extra = forward_vace_inputs(model, request, rows, dtype, device)
-    return _flow_prediction(model, latents, timestep, context, extra).float().cpu()
+    return flow_prediction(model, latents, timestep, context, extra).float().cpu()

@@ -14,24 +14,25 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["combine_guidance", "guided_prediction", "cfg_parallel_prediction", "guidance_for"]
+__all__ = ["combine_guidance", "flow_prediction", "guided_prediction", "cfg_parallel_prediction", "guidance_for"]
 
 
 def combine_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, guidance_scale: float) -> torch.Tensor:
     return unconditional + guidance_scale * (conditional - unconditional)
 
 
-def _flow_prediction(model, latents, t, context, extra: dict) -> torch.Tensor:
+def flow_prediction(model, latents, t, context, extra: dict) -> torch.Tensor:
+    """One model call: the flow prediction of ``latents`` at timestep ``t`` (one value, or one per row)."""
     timestep = t.expand(latents.shape[0]).to(latents.device)
     return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=context, return_dict=False, **extra)[0]
 
 
 def guided_prediction(model, latents, t, positive, negative, guidance_scale: float, extra: dict) -> torch.Tensor:
     """One classifier-free-guided flow prediction (a single pass when there is no negative context)."""
-    conditional = _flow_prediction(model, latents, t, positive, extra)
+    conditional = flow_prediction(model, latents, t, positive, extra)
     if negative is None:
         return conditional
-    return combine_guidance(conditional, _flow_prediction(model, latents, t, negative, extra), guidance_scale)
+    return combine_guidance(conditional, flow_prediction(model, latents, t, negative, extra), guidance_scale)
 
 
 def cfg_parallel_prediction(
@@ -41,7 +42,7 @@ def cfg_parallel_prediction(
     """``guided_prediction`` with the two passes split over the two ranks of ``group`` (``index`` 0 or 1)."""
     if negative is None:  # guidance scale 1: a single conditional pass, run alike on both halves
         return guided_prediction(model, latents, t, positive, None, guidance_scale, extra)
-    mine = _flow_prediction(model, latents, t, positive if index == 0 else negative, extra)
+    mine = flow_prediction(model, latents, t, positive if index == 0 else negative, extra)
     both = [torch.empty_like(mine) for _ in range(2)]
     dist.all_gather(both, mine.contiguous(), group=group)
     return combine_guidance(both[0], both[1], guidance_scale)

@@ -22,6 +22,7 @@ from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
+from .forward import vace_call_inputs, vace_layers_of
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
@@ -226,11 +227,8 @@ def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
 def vace_model_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
     """Keyword arguments that feed the VACE contexts to a VACE model; none for T2V. A VACE model given no VACE
     conditioning gets the native default context (zero latents, an all-ones mask)."""
-    vace_layers = getattr(getattr(model, "config", None), "vace_layers", None)
+    vace_layers = vace_layers_of(model, bool(request.vace_frames))
     if vace_layers is None:
-        if request.vace_frames:
-            raise ValueError("the conditioning carries VACE contexts but the model has no VACE blocks; load a VACE "
-                             "model (or a T2V model with a VACE module), or sample without VACE conditioning")
         return {}
     mean, std = LATENTS_MEAN.flatten(), LATENTS_STD.flatten()
     batch, _, frames, h, w = request.latent.shape
@@ -239,8 +237,4 @@ def vace_model_inputs(model, request: SampleRequest, rows: range, dtype, device)
         strengths = [float(s) for s in request.vace_strengths]
     else:
         contexts, strengths = default_vace_context(batch, frames, h, w, mean, std), [1.0]
-    contexts = _rows(contexts, rows).to(device=device, dtype=dtype)
-    if len(strengths) == 1:  # diffusers' own single-context forward: one scale per VACE layer
-        scale = torch.full((len(vace_layers),), strengths[0], device=device, dtype=dtype)
-        return {"control_hidden_states": contexts[:, 0], "control_hidden_states_scale": scale}
-    return {"control_hidden_states": contexts, "control_hidden_states_scale": torch.tensor(strengths, device=device, dtype=dtype)}
+    return vace_call_inputs(_rows(contexts, rows), strengths, len(vace_layers), dtype, device)
