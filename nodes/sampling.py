@@ -128,8 +128,8 @@ class WanMeshSampler:
                                     "tooltip": "flow-matching timestep shift (5 for 720p/480p Wan 2.1)"}),
                 "sampler_name": (sampler_choices(), {
                     "tooltip": "unipc / wan_unipc: Wan's reference flow UniPC; every other name is ComfyUI's sampler "
-                               "of that name with the same numbers (euler, euler_ancestral, dpmpp_2m and lcm run "
-                               "in the workers, the others through ComfyUI's own code on the pool)"}),
+                               "of that name with the same numbers (euler, euler_ancestral, dpmpp_2m, uni_pc and lcm "
+                               "run in the workers, the others through ComfyUI's own code on the pool)"}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
                                       "tooltip": "1 starts from noise; less keeps part of the input latent"}),
             },

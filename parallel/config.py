@@ -22,11 +22,12 @@ from typing import Any
 
 BACKENDS = ("local", "ray")
 MESH_DIMS = ("dp", "cfg", "ulysses", "ring", "tp")  # outermost first; tp varies fastest; cfg = the CFG-parallel split
-# Samplers the workers run. euler .. lcm equal ComfyUI's same-named samplers with the scheduler chosen from
+# Samplers the workers run. euler .. uni_pc equal ComfyUI's same-named samplers with the scheduler chosen from
 # SCHEDULERS (ComfyUI's names); wan_unipc is Wan's reference flow UniPC (its own schedule, shift only), and
 # "unipc", its older name, still selects it.
 WAN_UNIPC, WAN_UNIPC_ALIAS = "wan_unipc", "unipc"
-COMFY_SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "lcm")
+COMFY_SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "lcm", "uni_pc")
+DISCARD_PENULTIMATE_SIGMA = ("uni_pc",)  # ComfyUI schedules these one step longer and drops the next-to-last sigma
 SAMPLERS = (WAN_UNIPC_ALIAS, *COMFY_SAMPLERS, WAN_UNIPC)
 SCHEDULERS = ("simple", "normal", "beta", "sgm_uniform", "karras")
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")

@@ -84,7 +84,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--shift", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", choices=SAMPLERS, default="unipc",
-                   help="euler, euler_ancestral, dpmpp_2m, lcm: ComfyUI's samplers of those names (same numbers); "
+                   help="euler, euler_ancestral, dpmpp_2m, uni_pc, lcm: ComfyUI's samplers of those names (same numbers); "
                         "wan_unipc (or unipc, the default): Wan's reference flow UniPC")
     p.add_argument("--scheduler", choices=SCHEDULERS, default="simple",
                    help="sigma schedule of ComfyUI's samplers, as ComfyUI's schedulers of those names (wan_unipc "

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from ..config import COMFY_SAMPLERS, SAMPLERS, TEXT_TOKENS, WAN_UNIPC, WAN_UNIPC_ALIAS
+from ..config import COMFY_SAMPLERS, DISCARD_PENULTIMATE_SIGMA, SAMPLERS, TEXT_TOKENS, WAN_UNIPC, WAN_UNIPC_ALIAS
 from ..errors import Cancelled
 from ..protocol import SampleRequest
 from .experts import Experts
@@ -93,7 +93,7 @@ def schedule_timesteps(request: SampleRequest) -> tuple[torch.Tensor, int]:
 
 def run_sigmas_of(request: SampleRequest) -> torch.Tensor:
     return run_sigmas(request.scheduler, request.steps, request.shift, request.denoise, request.start_step,
-                      request.end_step)
+                      request.end_step, discard_penultimate=request.sampler in DISCARD_PENULTIMATE_SIGMA)
 
 
 def initial_latents(request: SampleRequest, start_sigma: float, rows: range) -> torch.Tensor:
@@ -204,7 +204,12 @@ def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype
             progress(index + 1, run_steps)
         return denoised
 
-    x = solve(request.sampler, denoise, x, sigmas.to(device), step_noise)
+    sigmas = sigmas.to(device)
+    if not len(rows):  # a replica without rows follows every step for the collective stop checks
+        for index in range(run_steps):
+            denoise(index, x, sigmas[index])
+        return x.cpu()
+    x = solve(request.sampler, denoise, x, sigmas, step_noise)  # uni_pc may turn a final sigma of 0 into 0.001
     check_finite(x, request.start_step + run_steps, request.steps)
     return denormalize_latents(x / (1.0 - sigmas[-1])).cpu()
 

@@ -16,7 +16,7 @@ import torch
 
 Denoise = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 Noise = Callable[[], torch.Tensor]
-SOLVERS = ("euler", "euler_ancestral", "dpmpp_2m", "lcm")
+SOLVERS = ("euler", "euler_ancestral", "dpmpp_2m", "lcm", "uni_pc")
 
 
 def euler(denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -> torch.Tensor:
@@ -75,7 +75,118 @@ def lcm(denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -
     return x
 
 
-SOLVER_FUNCTIONS = {"euler": euler, "euler_ancestral": euler_ancestral, "dpmpp_2m": dpmpp_2m, "lcm": lcm}
+# -- uni_pc: ComfyUI's UniPC (bh1, data prediction, multistep of order up to 3, lower order at the end) ----------
+# ComfyUI runs it in variance-exploding time: t = sigma, alpha_t = 1 / sqrt(1 + t^2), sigma_t = t / sqrt(1 + t^2),
+# lambda_t = log(alpha_t / sigma_t); the model sees the latent scaled back by sqrt(1 + t^2).
+
+
+def _log_alpha(t):
+    return 0.5 * torch.log(1 / ((t * t) + 1))
+
+
+def _alpha(t):
+    return torch.exp(_log_alpha(t))
+
+
+def _std(t):
+    return torch.sqrt(1. - torch.exp(2. * _log_alpha(t)))
+
+
+def _lambda(t):
+    log_alpha = _log_alpha(t)
+    return log_alpha - 0.5 * torch.log(1. - torch.exp(2. * log_alpha))
+
+
+def _rows(v: torch.Tensor, dims: int) -> torch.Tensor:
+    return v[(...,) + (None,) * (dims - 1)]
+
+
+class _UniPC:
+    """The data-prediction UniPC-bh1 steps; ``predict(x, t)`` is the clean-latent estimate at time t."""
+
+    def __init__(self, denoise: Denoise):
+        self.denoise = denoise
+        self.calls = 0
+
+    def predict(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        sigma = t[0]
+        scaled = x * ((sigma ** 2 + 1.0) ** 0.5)
+        eps = (scaled - self.denoise(self.calls, scaled, sigma)) / sigma
+        self.calls += 1
+        dims = x.dim()
+        return (x - _rows(_std(t), dims) * eps) / _rows(_alpha(t), dims)
+
+    def update(self, x, models: list, times: list, t, order: int, use_corrector: bool):
+        dims = x.dim()
+        t_prev, model_prev = times[-1], models[-1]
+        lambda_prev, lambda_t = _lambda(t_prev), _lambda(t)
+        sigma_prev, sigma_t = _std(t_prev), _std(t)
+        alpha_t = torch.exp(_log_alpha(t))
+        h = lambda_t - lambda_prev
+        rks, differences = [], []
+        for i in range(1, order):
+            rk = ((_lambda(times[-(i + 1)]) - lambda_prev) / h)[0]
+            rks.append(rk)
+            differences.append((models[-(i + 1)] - model_prev) / rk)
+        rks.append(1.)
+        rks = torch.tensor(rks, device=x.device)
+        hh = -h[0]
+        h_phi_1 = torch.expm1(hh)
+        h_phi_k = h_phi_1 / hh - 1
+        factorial, powers, b = 1, [], []
+        for i in range(1, order + 1):
+            powers.append(torch.pow(rks, i - 1))
+            b.append(h_phi_k * factorial / hh)
+            factorial *= (i + 1)
+            h_phi_k = h_phi_k / hh - 1 / factorial
+        R, b = torch.stack(powers), torch.tensor(b, device=x.device)
+        D1s = torch.stack(differences, dim=1) if differences else None
+        x_base = _rows(sigma_t / sigma_prev, dims) * x - _rows(alpha_t * h_phi_1, dims) * model_prev
+        if D1s is not None:
+            rhos_p = torch.tensor([0.5], device=b.device) if order == 2 else torch.linalg.solve(R[:-1, :-1], b[:-1])
+            x_t = x_base - _rows(alpha_t * hh, dims) * torch.tensordot(D1s, rhos_p, dims=([1], [0]))
+        else:
+            x_t = x_base - _rows(alpha_t * hh, dims) * 0
+        if not use_corrector:
+            return x_t, None
+        rhos_c = torch.tensor([0.5], device=b.device) if order == 1 else torch.linalg.solve(R, b)
+        model_t = self.predict(x_t, t)
+        correction = torch.tensordot(D1s, rhos_c[:-1], dims=([1], [0])) if D1s is not None else 0
+        x_t = x_base - _rows(alpha_t * hh, dims) * (correction + rhos_c[-1] * (model_t - model_prev))
+        return x_t, model_t
+
+
+def uni_pc(denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -> torch.Tensor:
+    """ComfyUI's uni_pc on its schedule (the caller drops the next-to-last sigma of a one-longer schedule, as
+    ComfyUI does for this sampler). A final sigma of 0 becomes 0.001 in ``sigmas`` itself, in place: ComfyUI
+    changes its schedule so, and its KSampler then scales the result by 1 - that sigma; the caller does the same."""
+    times = sigmas
+    if times[-1] == 0:
+        times[-1] = 0.001
+    x = x / torch.sqrt(1.0 + times[0] ** 2.0)
+    steps, solver = len(times) - 1, _UniPC(denoise)
+    order = min(3, len(times) - 2)
+    t0 = times[0].expand(x.shape[0])
+    models, history = [solver.predict(x, t0)], [t0]
+    for index in range(1, steps + 1):
+        t = times[index].expand(x.shape[0])
+        if index < order:
+            x, model_x = solver.update(x, models, history, t, index, use_corrector=True)
+            models.append(model_x)
+            history.append(t)
+            continue
+        step_order = min(order, steps + 1 - index)
+        x, model_x = solver.update(x, models, history, t, step_order, use_corrector=index != steps)
+        for i in range(order - 1):
+            history[i], models[i] = history[i + 1], models[i + 1]
+        history[-1] = t
+        if index < steps:
+            models[-1] = model_x
+    return x / _alpha(times[-1])
+
+
+SOLVER_FUNCTIONS = {"euler": euler, "euler_ancestral": euler_ancestral, "dpmpp_2m": dpmpp_2m, "lcm": lcm,
+                    "uni_pc": uni_pc}
 
 
 def solve(name: str, denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -> torch.Tensor:

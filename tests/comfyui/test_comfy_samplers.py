@@ -35,6 +35,7 @@ import comfy.options
 comfy.options.enable_args_parsing()
 import torch, comfy.samplers, comfy.model_sampling
 from comfy.k_diffusion import sampling as k
+from comfy.extra_samplers import uni_pc
 from safetensors.torch import save_file
 
 class Flow(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
@@ -68,6 +69,11 @@ for scheduler in ("simple", "karras"):
         function = getattr(k, f"sample_{name}")
         out[f"run_{name}_{scheduler}"] = function(Toy(sampling), start.clone(), sigmas, extra_args={"seed": 77},
                                                   disable=True)
+    longer = comfy.samplers.calculate_sigmas(sampling, scheduler, 7)  # KSampler's schedule for uni_pc
+    dropped = torch.cat([longer[:-2], longer[-1:]])
+    out[f"sigmas_uni_pc_{scheduler}"] = dropped.clone()
+    out[f"run_uni_pc_{scheduler}"] = uni_pc.sample_unipc(Toy(sampling), start.clone(), dropped, extra_args={}, disable=True)
+    out[f"last_sigma_uni_pc_{scheduler}"] = dropped[-1:].clone()
 save_file({key: value.contiguous() for key, value in out.items()}, out_file)
 """
 
@@ -103,12 +109,19 @@ def test_denoise_and_step_ranges_cut_the_schedule_as_ksampler_does() -> None:
 @pytest.mark.parametrize("name", COMFY_SAMPLERS)
 @pytest.mark.parametrize("scheduler", ["simple", "karras"])
 def test_every_sampler_equals_comfyuis_on_a_toy_flow_model(native, name, scheduler) -> None:
-    sigmas = schedule(scheduler, 6, 3.0)
+    if name == "uni_pc":  # one step longer, the next-to-last sigma dropped; its final 0 becomes 0.001, as ComfyUI's
+        sigmas = run_sigmas(scheduler, 6, 3.0, discard_penultimate=True)
+        assert torch.equal(sigmas, native[f"sigmas_uni_pc_{scheduler}"])
+    else:
+        sigmas = schedule(scheduler, 6, 3.0)
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
     start = sigmas[0] * x
+    start = schedule(scheduler, 6, 3.0)[0] * x if name == "uni_pc" else start
     generator = torch.Generator().manual_seed(SEED)
     ours = solve(name, toy_denoise, start.clone(), sigmas, lambda: torch.randn(SHAPE, generator=generator))
     theirs = native[f"run_{name}_{scheduler}"]
+    if name == "uni_pc":
+        assert torch.equal(sigmas[-1:], native[f"last_sigma_uni_pc_{scheduler}"])
     difference = (ours - theirs).abs().max().item()
     assert difference <= TOLERANCE, f"{name}/{scheduler}: {difference:.3g} from ComfyUI's"
     assert (ours - start).abs().max() > 0.1, "the run must move the latent for the comparison to mean anything"

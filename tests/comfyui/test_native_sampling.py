@@ -28,9 +28,10 @@ SAMPLERS = (("euler", "simple"), ("uni_pc", "simple"), ("dpmpp_2m", "beta"), ("l
 LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2": dict(devices="cpu:2", world=2, tp=2),
            "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
            "cfg_parallel2": dict(devices="cpu:2", world=2, cfg_parallel=True)}
-# The WanMesh Sampler with ComfyUI's names: the first five run in the workers, uni_pc through ComfyUI on the MODEL.
+# The WanMesh Sampler with ComfyUI's names: the first six run in the workers, res_multistep and ddim_uniform
+# (a scheduler the workers do not have) through ComfyUI's own code on the MODEL.
 NODE_SAMPLERS = (("euler", "simple"), ("euler_ancestral", "normal"), ("dpmpp_2m", "beta"), ("lcm", "sgm_uniform"),
-                 ("euler", "karras"), ("uni_pc", "simple"))
+                 ("euler", "karras"), ("uni_pc", "simple"), ("res_multistep", "simple"), ("euler", "ddim_uniform"))
 NATIVE_SHIFT = 8.0  # ComfyUI's Wan 2.1 model sampling shift (what KSampler uses without ModelSamplingSD3)
 SEED, STEPS, CFG = 1234, 4, 5.0
 TOLERANCE = 1e-4
