@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from pool_helpers import one_thread_per_worker  # noqa: F401
 import torch
 from safetensors.torch import load_file
 
@@ -13,20 +14,12 @@ from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.config import ParallelConfig
 from wanmesh.parallel.driver.pool import WorkerPool
 from wanmesh.parallel.protocol import SampleRequest
-from wanmesh.parallel.tiny.models import make_tiny
 from wanmesh.parallel.config import latent_shape
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    make_tiny(root)
-    return root
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_worker(monkeypatch):
-    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+def models(tiny_models_root):
+    return tiny_models_root
 
 
 def _run_generate(models, out_dir, name: str, *flags: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from pool_helpers import one_thread_per_worker  # noqa: F401
 import torch
 from safetensors.torch import load_file
 
@@ -18,22 +19,14 @@ from wanmesh.parallel.config import ParallelConfig, latent_shape
 from wanmesh.parallel.driver.pool import WorkerPool
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.protocol import SampleRequest
-from wanmesh.parallel.tiny.models import make_tiny
 
 WIDTH, HEIGHT, FRAMES = 72, 40, 9
 LAYOUTS = {"ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}, "tp2": {"tp": 2}}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    make_tiny(root)
-    return root
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_worker(monkeypatch):
-    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+def models(tiny_models_root):
+    return tiny_models_root
 
 
 def _sample(models, request: SampleRequest, **layout) -> torch.Tensor:
