@@ -9,14 +9,14 @@ from .driver.pool import close_cached_pool, current_pool
 
 
 def unload_pool_models() -> bool:
-    """Unload every resident model of the live pool and give its workers' memory back: the workers are replaced
-    by fresh ones with the same settings, since a worker keeps what it imported for its models (about 200 MiB of
-    model code per process) and, on GPUs, its context, which no unload returns. A handle a node still holds is
-    loaded again when it is next used. True when a running pool was asked."""
+    """Unload every resident model of the live pool and give all its workers' memory back: the workers exit, since
+    a worker keeps what it imported for its models (about 200 MiB of model code per process) and, on GPUs, its
+    context, which no unload returns; the pool's next request starts fresh ones with the same settings and loads
+    again the models it names. True when a running pool was asked."""
     pool = current_pool()
     if pool is None or not pool.running:
         return False
-    pool.recycle()  # the old workers exit with their models; the pool loads them again when next named
+    pool.recycle()
     return True
 
 

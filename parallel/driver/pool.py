@@ -167,16 +167,15 @@ class WorkerPool:
                 backend.shutdown(next(self._ids))
 
     def recycle(self) -> None:
-        """Replace the workers by fresh ones with the same settings: the old ones shut down (gracefully, then by
-        force), so everything they held goes back to the system, model code and allocator caches included (and
-        GPU contexts); models known to the pool load again when a request next names them."""
+        """Let the workers go: they shut down (gracefully, then by force), so everything they held goes back to the
+        system, model code and allocator caches included (and GPU contexts); the next request starts fresh ones
+        with the same settings, and models known to the pool load again when a request names them."""
         with self._lock:
             if self._closed or self._backend is None:
                 return
             backend, self._backend = self._backend, None
             backend.shutdown(next(self._ids))
             self._resident = set()
-            self._start(_interrupt_check)
 
     def kill_now(self) -> None:
         """End the workers at once without waiting for a running call (interpreter exit, signals)."""

@@ -165,13 +165,37 @@ def test_the_comparison_is_sensitive(layout_latents) -> None:
     assert largest_difference(pairs["n0"], pairs["n4"]) > 100 * TOLERANCE
 
 
-def test_vace_conditioning_through_the_wanmesh_model_equals_native(recent_comfyui_server: ComfyUIServer) -> None:
-    """A VACE model with no VACE encode (the native default context) on both sides: the same latents."""
+def with_native_vace_encode(prompt: dict[str, Any]) -> dict[str, Any]:
+    """Both KSamplers of pair 0 take native WanVaceToVideo's conditioning and latent (a reference image and a
+    control video, two chained encodes: two VACE contexts of different strengths)."""
+    prompt = dict(prompt)
+    prompt["vae"] = {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}}
+    prompt["video"] = {"class_type": "LoadImage", "inputs": {"image": "source_video.png"}}
+    prompt["ref"] = {"class_type": "LoadImage", "inputs": {"image": "ref_circle.png"}}
+    size = {"width": WIDTH, "height": HEIGHT, "length": LENGTH, "batch_size": 1}
+    prompt["vace1"] = {"class_type": "WanVaceToVideo", "inputs": {
+        "positive": ["pos", 0], "negative": ["neg", 0], "vae": ["vae", 0], **size, "strength": 1.0,
+        "control_video": ["video", 0], "reference_image": ["ref", 0]}}
+    prompt["vace2"] = {"class_type": "WanVaceToVideo", "inputs": {
+        "positive": ["vace1", 0], "negative": ["vace1", 1], "vae": ["vae", 0], **size, "strength": 0.5,
+        "reference_image": ["ref", 0]}}
+    for side in ("nk0", "wk0"):
+        prompt[side]["inputs"].update(positive=["vace2", 0], negative=["vace2", 1], latent_image=["vace2", 2])
+    return prompt
+
+
+@pytest.mark.parametrize("vace", ["default context", "WanVaceToVideo"])
+def test_vace_conditioning_through_the_wanmesh_model_equals_native(recent_comfyui_server: ComfyUIServer,
+                                                                   vace: str) -> None:
+    """A VACE model on both sides, with no VACE encode (the native default context) or with two chained native
+    WanVaceToVideo contexts: the same latents."""
     prompt = twin_prompt(LAYOUTS["world1"], VACE_FILE, pairs=SAMPLERS[:1])
+    if vace == "WanVaceToVideo":
+        prompt = with_native_vace_encode(prompt)
     result = run_successfully(recent_comfyui_server, prompt)
-    difference = largest_difference(saved(recent_comfyui_server, result, "n0"),
-                                    saved(recent_comfyui_server, result, "w0"))
-    assert difference <= TOLERANCE, f"VACE model: WanMesh MODEL is {difference:.3g} from the native model"
+    native, wanmesh = saved(recent_comfyui_server, result, "n0"), saved(recent_comfyui_server, result, "w0")
+    difference = largest_difference(native, wanmesh)
+    assert difference <= TOLERANCE, f"VACE model ({vace}): WanMesh MODEL is {difference:.3g} from the native model"
 
 
 def test_native_lora_loader_on_wanmesh_model_is_refused_in_one_line(recent_comfyui_server: ComfyUIServer,

@@ -3,8 +3,10 @@ back: after each of a few rounds of loading a model, encoding, sampling and deco
 worker's resident size (RSS) returns to within FREED_WITHIN_MIB of its size right after the pool started.
 
 A worker imports diffusers and the model modules on its first model request and keeps them (about 200 MiB that
-no unload gives back), so the unload replaces the workers by fresh ones; the model file is made wide (MODEL_MIB)
-so that weights kept anywhere would show far above the bound. Models load again in the fresh workers.
+no unload gives back), so the unload lets the workers exit and the next request starts fresh ones: right after
+the unload no worker of the pool is left, and the fresh workers measure within the bound of the first start. The
+model file is made wide (MODEL_MIB) so that weights kept anywhere would show far above the bound; the models
+load again in the fresh workers.
 """
 
 from __future__ import annotations
@@ -63,13 +65,17 @@ def test_unload_models_returns_every_workers_memory(files, monkeypatch):
             rounds = []
             for seed in range(ROUNDS):
                 _one_round(pool, files, seed)
-                loaded = _rss_mib(pool.pids())
+                old = pool.pids()
+                loaded = _rss_mib(old)
                 assert unload_pool_models()
+                assert pool.pids() == [] and not any(psutil.pid_exists(pid) and psutil.Process(pid).status()
+                                                     != psutil.STATUS_ZOMBIE for pid in old), "workers outlived it"
+                pool.call(P.Health())  # the next request starts fresh workers
                 rounds.append((loaded, _rss_mib(pool.pids())))
         finally:
             close_cached_pool()
     report = (f"RSS per worker (MiB): started {_fmt(started)}; "
-              + "; ".join(f"round {i}: loaded {_fmt(loaded)} -> unloaded {_fmt(freed)}"
+              + "; ".join(f"round {i}: loaded {_fmt(loaded)} -> unloaded, fresh workers {_fmt(freed)}"
                           for i, (loaded, freed) in enumerate(rounds)))
     print("\n" + report)
     for loaded, freed in rounds:

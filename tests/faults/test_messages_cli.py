@@ -38,7 +38,7 @@ def test_a_lora_strength_that_is_not_a_number_is_named(models, tmp_path):
     result = run_cli(["generate", "--models", str(models), "--prompt", "a fox", "--out", str(tmp_path / "x.mp4"),
                        *QUICK, "--lora", f"{lora}:abc"], tmp_path)
     _assert_refused(result, f"LoRA strength 'abc' in '{lora}:abc' is not a number; valid: FILE or FILE:STRENGTH "
-                            "with a number from -10 to 10")
+                            "with a number from -100 to 100")
 
 
 def test_a_negative_kv_window_says_what_is_valid(models, tmp_path):
