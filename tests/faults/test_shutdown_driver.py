@@ -86,7 +86,7 @@ def life():
 threading.Thread(target=life, daemon=True).start()
 time.sleep(600)
 """
-# (phase, longest delay after its announcement): each phase gets both signals; the delays come from KILL_SEED.
+# (phase, longest delay after its announcement): each phase three kills, both signals; the delays come from KILL_SEED.
 KILL_PHASES = (("start", 2.5), ("load", 0.8), ("sample", 1.2), ("stream", 2.0), ("idle", 0.3))
 KILL_SEED = 20240611
 KILL_SIGNALS = (signal.SIGKILL, signal.SIGTERM)
@@ -95,7 +95,7 @@ KILL_SIGNALS = (signal.SIGKILL, signal.SIGTERM)
 def _kill_plan() -> list[tuple[str, float, signal.Signals]]:
     rng = random.Random(KILL_SEED)
     return [(phase, round(rng.uniform(0.0, longest), 2), KILL_SIGNALS[i % 2])
-            for i, (phase, longest) in enumerate(KILL_PHASES * 2)]
+            for i, (phase, longest) in enumerate(KILL_PHASES * 3)]
 
 
 KILL_PLAN = _kill_plan()
