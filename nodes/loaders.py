@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from ..parallel import DTYPE_NAMES, WEIGHT_MODES, check_model_file
+from ..parallel import WEIGHT_MODES, check_model_file
+from ..parallel.fields import node_input
 from .files import list_models, list_vace_modules, model_path
 from .runtime import ResidentModel, default_runner
 
-DTYPE_CHOICES = (list(DTYPE_NAMES), {"tooltip": "compute dtype; auto: bf16 on GPUs, fp32 on the CPU"})
-WEIGHTS_CHOICES = (list(WEIGHT_MODES), {
-    "default": WEIGHT_MODES[0],
-    "tooltip": "keep: quantized weights (fp8, scaled fp8, GGUF) stay quantized on every rank and are dequantized per "
-               "layer for its matmul; dequantize: expanded to the compute dtype at load, faster steps, more memory"})
+DTYPE_CHOICES = node_input("dtype")
+WEIGHTS_CHOICES = node_input("weights")
 POOL_INPUT = {"pool": ("WANMESH_POOL", {"tooltip": "the worker pool to load on; none: the live pool, or one rank"})}
 CATEGORY = "WanMesh/loaders"
 
@@ -42,7 +40,8 @@ class WanMeshModelLoader:
         if module is not None:
             check_model_file(module, "vace_module", f"vace_module {vace_module}:")
         runner = _runner(pool)
-        return (ResidentModel(runner, runner.load_model(path, vace_module=module, dtype=dtype, weights=weights)),)
+        handle = runner.load_model(path, vace_module=module, dtype=dtype, weights=weights)
+        return (ResidentModel(runner, handle, path=path, vace_module=module),)
 
 
 class WanMeshVAELoader:
@@ -60,7 +59,7 @@ class WanMeshVAELoader:
         path = model_path("vae", vae_name)
         check_model_file(path, "vae", f"vae_name {vae_name}:")
         runner = _runner(pool)
-        return (ResidentModel(runner, runner.load_vae(path, dtype=dtype)),)
+        return (ResidentModel(runner, runner.load_vae(path, dtype=dtype), path=path, kind="vae"),)
 
 
 class WanMeshTextEncoderLoader:
@@ -81,4 +80,4 @@ class WanMeshTextEncoderLoader:
         path = model_path("text_encoders", text_encoder_name)
         check_model_file(path, "text_encoder", f"text_encoder_name {text_encoder_name}:")
         runner = _runner(pool)
-        return (ResidentModel(runner, runner.load_text_encoder(path, dtype=dtype), path=path),)
+        return (ResidentModel(runner, runner.load_text_encoder(path, dtype=dtype), path=path, kind="text_encoder"),)

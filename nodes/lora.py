@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..parallel import LORA_STRENGTH_RANGE, check_lora_for_model, model_files_of_handle
+from ..parallel import check_lora_for_model
+from ..parallel.fields import node_input
 from .files import model_path
 
 CATEGORY = "WanMesh/loaders"
@@ -19,15 +20,12 @@ def _lora_files() -> list[str]:
 class WanMeshLoraLoader:
     @classmethod
     def INPUT_TYPES(cls):
-        low, high = LORA_STRENGTH_RANGE
         return {
             "required": {
                 "model": ("WANMESH_MODEL", {"tooltip": "the loaded Wan model (or the output of another LoRA loader)"}),
                 "lora_name": (_lora_files(), {"tooltip": "LoRA file from ComfyUI's loras folder (ComfyUI, PEFT/"
                                                           "diffusers, kohya or diff format)"}),
-                "strength": ("FLOAT", {"default": 1.0, "min": low, "max": high, "step": 0.01,
-                                       "tooltip": "how strongly the LoRA changes the model; 0 leaves it unchanged, "
-                                                  "negative values invert it"}),
+                "strength": node_input("lora_strength"),
             },
         }
 
@@ -40,5 +38,5 @@ class WanMeshLoraLoader:
 
     def load(self, model, lora_name, strength):
         path = model_path("loras", lora_name)
-        check_lora_for_model(path, model_files_of_handle(model.handle))
+        check_lora_for_model(path, model.model_files())
         return (dataclasses.replace(model, loras=(*model.loras, (path, float(strength)))),)

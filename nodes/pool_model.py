@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_files_of_handle
+from ..parallel import Cancelled, ModelForward, has_vace_blocks
 from .runtime import ResidentModel, interrupted, raise_if_interrupted
 
 log = logging.getLogger("wanmesh")
@@ -115,7 +115,7 @@ def pool_model(resident: ResidentModel):
     import comfy.supported_models
 
     wan, wan_vace, patcher = comfy_classes()
-    vace = has_vace_blocks(model_files_of_handle(resident.handle))
+    vace = has_vace_blocks(resident.model_files())
     config = comfy.supported_models.WAN21_T2V({"image_model": "wan2.1", "disable_unet_model_creation": True})
     device = comfy.model_management.get_torch_device()
     model = (wan_vace if vace else wan)(config, device=device)

@@ -12,14 +12,28 @@ def default_runner() -> PoolRunner:
     return PoolRunner.current_or_single()
 
 
+MODEL_KINDS = ("model", "vae", "text_encoder")
+
+
 @dataclass(frozen=True)
 class ResidentModel:
-    """A model resident in a runner; nodes pass this along instead of the model itself."""
+    """A model resident in a runner; nodes pass this along instead of the model itself. ``handle`` is the pool's
+    key for the loaded weights: sent back with every request, never taken apart; what a node needs to know of the
+    model (its kind, its files) is in the typed fields."""
 
     runner: PoolRunner
     handle: str
     loras: tuple[tuple[str, float], ...] = ()  # (LoRA file, strength) in order, merged on the workers when sampling
     path: str | None = None  # the file it was loaded from (read by checks that need only its header)
+    vace_module: str | None = None  # the VACE module merged onto a transformer
+    kind: str = MODEL_KINDS[0]
+
+    def model_files(self) -> list[str]:
+        """The transformer file and its VACE module, whose headers LoRA and VACE checks read."""
+        if self.kind != "model" or self.path is None:
+            raise ValueError(f"this is a loaded {self.kind} (no transformer file known); a LoRA or a native MODEL needs "
+                             "a Wan model from the WanMesh Model Loader")
+        return [path for path in (self.path, self.vace_module) if path]
 
 
 PREVIEW_MAX_RESOLUTION = 512  # what ComfyUI's own latent previews are limited to

@@ -6,8 +6,8 @@ import logging
 
 import torch
 
-from ..parallel import (COMFY_SAMPLERS, I2V_EXPERT_BOUNDARY, MAX_SEED, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY,
-                        Cancelled, SampleRequest, latent_shape)
+from ..parallel import COMFY_SAMPLERS, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, Cancelled, SampleRequest, latent_shape
+from ..parallel.fields import END_STEP_TO_THE_END, node_input
 from ..parallel.validation import prompt_length_warning
 from .convert import (
     check_same_vace,
@@ -46,12 +46,10 @@ class WanMeshEmptyLatent:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "width": ("INT", {"default": 832, "min": 16, "max": 8192, "step": 16,
-                                  "tooltip": "video width; any multiple of 8 (the widget steps by 16, as native's)"}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 8192, "step": 16,
-                                   "tooltip": "video height; any multiple of 8 (the widget steps by 16, as native's)"}),
-                "length": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4, "tooltip": "frames, 4k+1"}),
-                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "videos per run"}),
+                "width": node_input("width"),
+                "height": node_input("height"),
+                "length": node_input("length"),
+                "batch_size": node_input("batch_size"),
             }
         }
 
@@ -62,9 +60,6 @@ class WanMeshEmptyLatent:
 
     def generate(self, width, height, length, batch_size):
         return (tensor_to_latent(torch.zeros(latent_shape(width, height, length, batch_size))),)
-
-
-END_STEP_TO_THE_END = 10000  # ComfyUI's advanced sampler default for "run to the last step"
 
 
 def _comfy_names(attribute: str) -> list[str]:
@@ -89,26 +84,14 @@ def runs_in_the_workers(sampler_name: str, scheduler: str) -> bool:
     """Whether the workers run this sampler and scheduler themselves (the whole loop in one request); otherwise
     ComfyUI's own sampler runs here on the pool MODEL (``comfy_sampling.py``)."""
     return sampler_name in SAMPLERS and (sampler_name not in COMFY_SAMPLERS or scheduler in SCHEDULERS)
+
+
+# after every older input, so saved workflows keep their widget order
 TWO_EXPERT_INPUTS = {
     "model_low_noise": ("WANMESH_MODEL", {"tooltip": "Wan 2.2 A14B: the low-noise expert (model is then the "
                                                      "high-noise one); none: model runs every step"}),
-    "boundary": ("FLOAT", {"default": T2V_EXPERT_BOUNDARY, "min": 0.0, "max": 1.0, "step": 0.001,
-                           "tooltip": "steps whose timestep is at or above boundary x 1000 run the high-noise "
-                                      "expert, the rest the low-noise one "
-                                      f"({T2V_EXPERT_BOUNDARY}: Wan 2.2 T2V, {I2V_EXPERT_BOUNDARY}: I2V)"}),
-    "cfg_low_noise": ("FLOAT", {"default": -1.0, "min": -1.0, "max": 100.0, "step": 0.1,
-                                "tooltip": "guidance scale of the low-noise expert's steps; -1: the same as cfg"}),
-    "start_step": ("INT", {"default": 0, "min": 0, "max": END_STEP_TO_THE_END,
-                           "tooltip": "first step to run (like KSamplerAdvanced's start_at_step)"}),
-    "end_step": ("INT", {"default": END_STEP_TO_THE_END, "min": 1, "max": END_STEP_TO_THE_END,
-                         "tooltip": "stop before this step and return the latent with its leftover noise; "
-                                    "steps or more (10000): run to the end"}),
-    "add_noise": ("BOOLEAN", {"default": True,
-                              "tooltip": "off for a second chained sampler: the latent already holds the "
-                                         "noise of start_step"}),
+    **{name: node_input(name) for name in ("boundary", "cfg_low_noise", "start_step", "end_step", "add_noise")},
 }
-SCHEDULER_TOOLTIP = ("sigma schedule, ComfyUI's names and numbers (wan_unipc / unipc keep Wan's own schedule); "
-                     "simple, normal, beta, sgm_uniform and karras run in the workers, the others through ComfyUI")
 
 
 class WanMeshSampler:
@@ -120,22 +103,15 @@ class WanMeshSampler:
                 "positive": ("CONDITIONING", {"tooltip": "prompt; VACE contexts (from a VACE encode) ride on it"}),
                 "negative": ("CONDITIONING", {"tooltip": "negative prompt (with the same VACE contexts)"}),
                 "latent_image": ("LATENT", {"tooltip": "empty latent (or the VACE encode's) fixing size and length"}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip": "noise seed"}),
-                "steps": ("INT", {"default": 30, "min": 1, "max": 1000, "tooltip": "denoising steps"}),
-                "cfg": ("FLOAT", {"default": 5.0, "min": 0.0, "max": 100.0, "step": 0.1,
-                                  "tooltip": "classifier-free guidance scale; 1 runs one pass per step"}),
-                "shift": ("FLOAT", {"default": 5.0, "min": 0.01, "max": 100.0, "step": 0.1,
-                                    "tooltip": "flow-matching timestep shift (5 for 720p/480p Wan 2.1)"}),
-                "sampler_name": (sampler_choices(), {
-                    "tooltip": "unipc / wan_unipc: Wan's reference flow UniPC; every other name is ComfyUI's sampler "
-                               "of that name with the same numbers (euler, euler_ancestral, dpmpp_2m, uni_pc and lcm "
-                               "run in the workers, the others through ComfyUI's own code on the pool)"}),
-                "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
-                                      "tooltip": "1 starts from noise; less keeps part of the input latent"}),
+                "seed": node_input("seed"),
+                "steps": node_input("steps"),
+                "cfg": node_input("cfg"),
+                "shift": node_input("shift"),
+                "sampler_name": node_input("sampler", choices=sampler_choices()),
+                "denoise": node_input("denoise"),
             },
             # after every older input, so saved workflows keep their widget order
-            "optional": {**TWO_EXPERT_INPUTS,
-                         "scheduler": (scheduler_choices(), {"default": SCHEDULERS[0], "tooltip": SCHEDULER_TOOLTIP})},
+            "optional": {**TWO_EXPERT_INPUTS, "scheduler": node_input("scheduler", choices=scheduler_choices())},
         }
 
     RETURN_TYPES = ("LATENT",)

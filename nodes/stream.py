@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from ..parallel import MAX_SEED, Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
+from ..parallel import Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
+from ..parallel.fields import node_input
 from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
 from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, previews_enabled, raise_if_interrupted
 
@@ -83,30 +84,22 @@ class WanMeshStreamSampler:
                                                        "...); Wan 2.1 T2V weights also run causally"}),
                 "positive": ("CONDITIONING", {"tooltip": "prompt"}),
                 "latent": ("LATENT", {"tooltip": "empty latent (WanMesh Empty Latent) fixing size and length"}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "tooltip": "noise seed"}),
-                "steps": ("INT", {"default": 4, "min": 1, "max": 1000,
-                                  "tooltip": "denoising steps per chunk (causal checkpoints use 4)"}),
-                "shift": ("FLOAT", {"default": 5.0, "min": 0.01, "max": 100.0, "step": 0.1,
-                                    "tooltip": "timestep shift of the steps schedule (5 gives 1, 0.9375, 0.8333, 0.625)"}),
-                "cfg": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.1,
-                                  "tooltip": "guidance scale; distilled causal checkpoints run at 1 (no negative pass)"}),
-                "chunk": ("INT", {"default": 3, "min": 1, "max": 1024,
-                                  "tooltip": "latent frames per chunk (1 = frame by frame); a shorter last chunk is allowed"}),
-                "kv_window": ("INT", {"default": 0, "min": 0, "max": 1 << 20,
-                                      "tooltip": "latent frames kept in the KV cache; 0 keeps the whole video"}),
-                "sink": ("INT", {"default": 0, "min": 0, "max": 1 << 20,
-                                 "tooltip": "first latent frames always kept in the cache when a window rolls"}),
+                "seed": node_input("seed"),
+                "steps": node_input("stream_steps"),
+                "shift": node_input("stream_shift"),
+                "cfg": node_input("stream_cfg"),
+                "chunk": node_input("chunk"),
+                "kv_window": node_input("kv_window"),
+                "sink": node_input("sink"),
                 "filename_prefix": ("STRING", {"default": "WanMesh/stream",
                                                "tooltip": "file name start of the chunk files and the whole video"}),
-                "fps": ("FLOAT", {"default": 16.0, "min": 1.0, "max": 120.0, "step": 1.0,
-                                  "tooltip": "frames per second of the written videos"}),
+                "fps": node_input("fps"),
             },
             "optional": {
                 "negative": ("CONDITIONING", {"tooltip": "negative prompt, used only when cfg is not 1"}),
                 "vae": ("WANMESH_VAE", {"tooltip": "decodes each chunk as it finishes (needed for previews, chunk "
                                                    "files and the IMAGE output)"}),
-                "timesteps": ("STRING", {"default": "", "tooltip": "comma list of timesteps in (0, 1000], e.g. "
-                                                                   "1000,750,500,250; empty = from steps and shift"}),
+                "timesteps": node_input("timesteps"),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..parallel import EncodeVace
+from ..parallel.fields import node_input
 from .convert import latent_to_tensor, tensor_to_latent, with_vace
 
 CATEGORY = "WanMesh/vace"
-SIZE = {"min": 16, "max": 8192, "step": 16}
 REFERENCE_CHOICES = ("first", "all")
 
 
@@ -20,13 +20,11 @@ class WanMeshVaceEncode:
                 "positive": ("CONDITIONING", {"tooltip": "prompt conditioning; the VACE context is appended to it"}),
                 "negative": ("CONDITIONING", {"tooltip": "negative conditioning; gets the same VACE context"}),
                 "vae": ("WANMESH_VAE", {"tooltip": "the Wan VAE that encodes the VACE inputs on the pool"}),
-                "width": ("INT", {"default": 832, **SIZE, "tooltip": "video width in pixels (multiple of 16)"}),
-                "height": ("INT", {"default": 480, **SIZE, "tooltip": "video height in pixels (multiple of 16)"}),
-                "length": ("INT", {"default": 81, "min": 1, "max": 1025, "step": 4,
-                                   "tooltip": "frames to generate, 4k+1"}),
-                "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "videos per run"}),
-                "strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1000.0, "step": 0.01,
-                                       "tooltip": "how strongly this VACE context steers the video; 0 ignores it"}),
+                "width": node_input("vace_width"),
+                "height": node_input("vace_height"),
+                "length": node_input("length"),
+                "batch_size": node_input("batch_size"),
+                "strength": node_input("vace_strength"),
             },
             "optional": {
                 "control_video": ("IMAGE", {"tooltip": "video to follow or edit (grey = generate freely)"}),

@@ -6,8 +6,8 @@ Thin wrappers: each node calls one builder of `parallel/vace/builders.py`. The o
 
 from __future__ import annotations
 
+from ..parallel.fields import node_input
 from ..parallel.vace.builders import (
-    CONTROL_MODES,
     MASK_MODES,
     box_mask,
     control_from_video,
@@ -158,9 +158,7 @@ class WanMeshVaceControl:
         return {
             "required": {
                 "video": ("IMAGE", {"tooltip": "the video to derive the control from (values 0..1)"}),
-                "mode": (list(CONTROL_MODES), {"default": "canny", "tooltip":
-                         "canny: white edges on black; scribble: thick edge strokes; gray: luminance; flow: optical "
-                         "flow as colour (hue = direction, brightness = speed); none: frames unchanged"}),
+                "mode": node_input("vace_control"),
                 "low_threshold": ("INT", {"default": 100, "min": 0, "max": 1000, "step": 1, "tooltip":
                                   "canny/scribble: lower Canny hysteresis threshold (0..1000, <= high_threshold)"}),
                 "high_threshold": ("INT", {"default": 200, "min": 0, "max": 1000, "step": 1, "tooltip":

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from ..parallel import WorkerError, check_encode_frames
+from ..parallel.fields import node_input
 from .convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
 from .errors import keep_latents, worker_error
 
 CATEGORY = "WanMesh/video"
-TILE_OPTIONS = {
-    "tile_px": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 8,
-                        "tooltip": "tile edge in pixels; 0: whole frames (256 when the pool shares VAE work)"}),
-    "overlap_px": ("INT", {"default": 64, "min": 0, "max": 2048, "step": 8,
-                           "tooltip": "overlap of neighbouring tiles in pixels (at most half the tile)"}),
-}
+TILE_OPTIONS = {name: node_input(name) for name in ("tile_px", "overlap_px")}
 
 
 def _tiles(tile_px: int, overlap_px: int) -> dict:

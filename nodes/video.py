@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from ..parallel import write_video
+from ..parallel.fields import node_input
 
 
 class WanMeshSaveVideo:
@@ -17,8 +18,7 @@ class WanMeshSaveVideo:
     def INPUT_TYPES(cls):
         return {"required": {
             "images": ("IMAGE", {"tooltip": "the frames to save, e.g. from a VAE decode"}),
-            "fps": ("FLOAT", {"default": 16.0, "min": 1.0, "max": 120.0, "step": 1.0,
-                              "tooltip": "frames per second of the video (Wan 2.1 makes 16 fps videos)"}),
+            "fps": node_input("fps"),
             "filename_prefix": ("STRING", {"default": "WanMesh",
                                            "tooltip": "file name start; may hold subfolders (video/WanMesh) "
                                                       "and %width% / %height%"}),

@@ -23,7 +23,7 @@ _EXPORTS = {
     "PoolRunner": "driver.runner",
     **dict.fromkeys(("Cancelled", "WorkerError"), "errors"),
     "safetensors_kind": "models.detect",
-    **dict.fromkeys(("check_lora_for_model", "model_files_of_handle"), "models.lora"),
+    "check_lora_for_model": "models.lora",
     **dict.fromkeys(("stop_pool", "unload_pool_models"), "pool_memory"),
     "save_tensors_atomic": "tensor_files",
     **dict.fromkeys(("check_model_file", "check_ranks", "has_vace_blocks"), "validation"),

@@ -37,6 +37,7 @@ I2V_EXPERT_BOUNDARY = 0.9  # the same for Wan 2.2 I2V A14B
 # How a quantized transformer file (fp8, scaled fp8, GGUF) is held on each rank: "keep" holds the stored blocks and
 # dequantizes each linear weight for its own matmul; "dequantize" expands every weight to the compute dtype at load.
 WEIGHT_MODES = ("keep", "dequantize")
+CONTROL_MODES = ("canny", "scribble", "gray", "flow", "none")  # what a VACE control video is made from a video
 SPATIAL_STRIDE = 16  # VAE 8x times the transformer's 2x2 patches (VACE sizes; other sizes are padded to patches)
 VAE_SPATIAL_FACTOR = 8
 TEMPORAL_STRIDE = 4  # frames are 4k + 1
@@ -442,6 +443,12 @@ def check_model_forward(latent, timestep, context, vace_context, vace_strengths:
                          "conditioning makes it")
     if not all(math.isfinite(strength) for strength in vace_strengths):
         raise ValueError(f"VACE strengths {vace_strengths} must be finite numbers (1.0 is the default)")
+
+
+def check_dtype_name(name: str) -> None:
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} is unknown; valid: {', '.join(DTYPE_NAMES)} (auto: bf16 on GPUs, fp32 on "
+                         "the CPU)")
 
 
 def check_weights_mode(mode: str) -> None:

@@ -14,8 +14,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import (T2V_EXPERT_BOUNDARY, check_experts, check_latent, check_model_forward, check_model_loras, check_sampling, check_step_range,
-                     check_stream_options, check_stream_timesteps, check_vace_contexts)
+from .config import (T2V_EXPERT_BOUNDARY, check_experts, check_latent, check_model_forward, check_model_loras,
+                     check_dtype_name, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_timesteps,
+                     check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
 PROTOCOL_VERSION = 1
@@ -96,6 +97,10 @@ class LoadModel(Request):
     dtype: str = "auto"
     weights: str = "keep"  # config.WEIGHT_MODES: quantized weights kept as stored, or dequantized at load
 
+    def validate(self) -> None:
+        check_dtype_name(self.dtype)
+        check_weights_mode(self.weights)
+
 
 @dataclass(frozen=True)
 class LoadVae(Request):
@@ -103,12 +108,18 @@ class LoadVae(Request):
     path: str
     dtype: str = "auto"
 
+    def validate(self) -> None:
+        check_dtype_name(self.dtype)
+
 
 @dataclass(frozen=True)
 class LoadTextEncoder(Request):
     kind: ClassVar[str] = "load_text_encoder"
     path: str
     dtype: str = "auto"
+
+    def validate(self) -> None:
+        check_dtype_name(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,7 @@ class SampleRequest(Request):
         """Everything that can be checked without the model; the driver calls it before sending."""
         check_sampling(sampler=self.sampler, steps=self.steps, shift=self.shift, denoise=self.denoise,
                        guidance_scale=self.guidance_scale, scheduler=self.scheduler)
+        check_seed(self.seed)
         check_latent(self.latent)
         if not self.positive or not self.negative:
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
@@ -216,6 +228,7 @@ class StreamSample(Request):
     def validate(self) -> None:
         check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
                        guidance_scale=self.guidance_scale)
+        check_seed(self.seed)
         check_latent(self.latent)
         check_stream_options(self.latent.shape[2], self.chunk, self.kv_window, self.sink)
         check_stream_timesteps(self.timesteps)

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     latent = torch.zeros(latent_shape(args.width, args.height, args.frames, 1))
     request = SampleRequest(handle=handle, latent=latent, positive=[positive], negative=[negative], seed=1,
                             steps=args.steps, guidance_scale=args.cfg, shift=8.0, sampler="euler")
-    model = pool_model.pool_model(runtime.ResidentModel(runner, handle))
+    model = pool_model.pool_model(runtime.ResidentModel(runner, handle, path=path))
     noise = comfy_sample.prepare_noise(latent, 1)
 
     def native() -> torch.Tensor:

@@ -15,94 +15,71 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..config import DEFAULT_WORKER_TIMEOUT_S, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, WEIGHT_MODES
+from ..fields import BY_KEY, add_flag
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
-# Sizes used when nothing is given: the real Wan 480p default, or a quick clip for the tiny built-in models.
-REAL_DEFAULTS = {"width": 832, "height": 480, "frames": 81, "steps": 30, "shift": 5.0}
+# Sizes used when nothing is given: the real Wan 480p default (the fields' defaults, as the nodes have them), or a
+# quick clip for the tiny built-in models.
+REAL_DEFAULTS = {flag: BY_KEY[key].default for flag, key in
+                 (("width", "width"), ("height", "height"), ("frames", "length"), ("steps", "steps"), ("shift", "shift"))}
 TINY_DEFAULTS = {"width": 128, "height": 96, "frames": 17, "steps": 10, "shift": 3.0}
 TINY_STREAM_DEFAULTS = {"width": 128, "height": 96, "frames": 17}  # `wanmesh stream`: 5 latent frames, chunks 3+2
-REAL_STREAM_DEFAULTS = {"width": 832, "height": 480, "frames": 81}
+REAL_STREAM_DEFAULTS = {key: REAL_DEFAULTS[key] for key in ("width", "height", "frames")}
 
 
-def add_model_file_arguments(parser: argparse.ArgumentParser, model_help: str):
+def add_model_file_arguments(parser: argparse.ArgumentParser, model_help: str, command: str):
     """--models / --model / --weights / --vae / --text-encoder, shared by the commands that generate; returns the
     group."""
     files = parser.add_argument_group("models (default: the tiny built-in models in a cache folder)")
     files.add_argument("--models", type=Path, help="a models tree written by `wanmesh make-tiny`")
     files.add_argument("--model", help=model_help)
-    files.add_argument("--weights", choices=WEIGHT_MODES, default=WEIGHT_MODES[0],
-                       help="keep: quantized weights (fp8, scaled fp8, GGUF) stay quantized on every rank, dequantized "
-                            "per layer for its matmul; dequantize: expanded to the compute dtype at load (faster "
-                            "steps, more memory); default keep")
+    add_flag(files, "weights", command)
     files.add_argument("--vae", help="Wan 2.1 VAE file or folder")
     files.add_argument("--text-encoder", help="umT5 text encoder file or folder")
     return files
 
 
-def add_pool_arguments(parser: argparse.ArgumentParser, *, streaming: bool,
-                       tp_help: str = "tensor-parallel degree (must divide the head count)",
-                       ulysses_help: str = "Ulysses sequence-parallel degree (tp x ulysses must divide the head count)"):
+POOL_FIELDS = ("world", "tp", "ulysses", "ring", "cfg_parallel", "vae_patch", "worker_timeout", "memory_budget_gb")
+
+
+def add_pool_arguments(parser: argparse.ArgumentParser, command: str):
     """The worker pool's flags (what `cli.generate.pool_config` reads), shared by the commands that generate;
-    returns the group. ``streaming`` leaves out what a streaming run refuses (ring, CFG parallel) or does not use
-    (VAE patches) and sets their single-device values as defaults."""
+    returns the group. A command without a field's flag (`stream` refuses ring and CFG parallel and does not use
+    VAE patches) gets its single-device value."""
     pool = parser.add_argument_group("parallelism")
-    pool.add_argument("--world", type=int, default=1, help="worker processes (ranks) in the pool; one per GPU")
-    pool.add_argument("--tp", type=int, default=1, help=tp_help)
-    pool.add_argument("--ulysses", type=int, default=1, help=ulysses_help)
-    if streaming:
-        pool.set_defaults(ring=1, cfg_parallel=False, vae_patch=1)
-    else:
-        pool.add_argument("--ring", type=int, default=1, help="ring-attention sequence-parallel degree")
-        pool.add_argument("--cfg-parallel", action="store_true",
-                          help="run the conditional and unconditional passes on two halves of the pool")
-        pool.add_argument("--vae-patch", type=int, default=1, help="ranks that share the VAE tiles")
-    pool.add_argument("--worker-timeout", type=float, default=DEFAULT_WORKER_TIMEOUT_S,
-                      help="seconds a worker may stop answering before the pool names it and stops "
-                           f"(default {DEFAULT_WORKER_TIMEOUT_S:g})")
-    pool.add_argument("--memory-budget-gb", type=float, default=0.0,
-                      help="resident models per rank in GB; loading past it unloads the least recently used "
-                           "(0: what the device holds)")
+    for key in POOL_FIELDS:
+        if any(entry.startswith(f"{command} ") for entry in BY_KEY[key].flags):
+            add_flag(pool, key, command)
+        else:
+            pool.set_defaults(**{key: BY_KEY[key].default})
     return pool
 
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="text to video (tiny built-in models when no model is given)")
     files = add_model_file_arguments(
-        p, "Wan T2V or VACE transformer (.safetensors or .gguf single file, or diffusers folder)")
+        p, "Wan T2V or VACE transformer (.safetensors or .gguf single file, or diffusers folder)", "generate")
     files.add_argument("--vace-module", help="VACE module file merged onto --model")
     files.add_argument("--model-low", help="Wan 2.2 A14B: the low-noise expert (--model is then the high-noise one)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative", default="")
-    p.add_argument("--width", type=int)
-    p.add_argument("--height", type=int)
-    p.add_argument("--frames", type=int, help="4k+1 frames")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--guidance-scale", "--cfg", dest="guidance_scale", type=float, default=5.0,
-                   help="classifier-free guidance scale (ComfyUI's cfg); 1 runs a single pass")
-    p.add_argument("--shift", type=float)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sampler", choices=SAMPLERS, default="unipc",
-                   help="euler, euler_ancestral, dpmpp_2m, uni_pc, lcm: ComfyUI's samplers of those names (same numbers); "
-                        "wan_unipc (or unipc, the default): Wan's reference flow UniPC")
-    p.add_argument("--scheduler", choices=SCHEDULERS, default="simple",
-                   help="sigma schedule of ComfyUI's samplers, as ComfyUI's schedulers of those names (wan_unipc "
-                        "keeps its own)")
+    for key in ("width", "height", "length", "steps"):
+        add_flag(p, key, "generate")
+    add_flag(p, "cfg", "generate", "--cfg", dest="guidance_scale")
+    for key in ("shift", "seed", "sampler", "scheduler"):
+        add_flag(p, key, "generate")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     experts = p.add_argument_group("two experts (Wan 2.2 A14B) and step ranges")
-    experts.add_argument("--boundary", type=float, default=T2V_EXPERT_BOUNDARY,
-                         help="steps with timestep >= boundary x 1000 run --model, the rest --model-low "
-                              f"(default {T2V_EXPERT_BOUNDARY})")
-    experts.add_argument("--cfg-low", dest="guidance_scale_low", type=float,
-                         help="guidance scale of the low-noise expert's steps (default: --guidance-scale)")
-    experts.add_argument("--start-step", type=int, default=0, help="first step to run (default 0)")
-    experts.add_argument("--end-step", type=int, help="stop before this step, keeping the leftover noise (default: all)")
-    par = add_pool_arguments(p, streaming=False)
-    par.add_argument("--vae-tile", type=int, help="VAE tile edge in pixels (default: whole frames, or 256 with --vae-patch > 1)")
-    par.add_argument("--vae-overlap", type=int, help="VAE tile overlap in pixels (default: a quarter of the tile)")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
-    p.add_argument("--fps", type=int, default=16)
+    add_flag(experts, "boundary", "generate")
+    add_flag(experts, "cfg_low_noise", "generate", dest="guidance_scale_low")
+    add_flag(experts, "start_step", "generate")
+    add_flag(experts, "end_step", "generate")
+    par = add_pool_arguments(p, "generate")
+    add_flag(par, "tile_px", "generate")
+    add_flag(par, "overlap_px", "generate")
+    for key in ("dtype", "fps"):
+        add_flag(p, key, "generate")
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")
     p.add_argument("--save-latents", type=Path,
                    help="write the raw latents [B,16,T,h,w] (VACE reference frames trimmed) as tensor 'latents'")

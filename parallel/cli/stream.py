@@ -22,36 +22,29 @@ from ..protocol import StreamSample
 from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
 from ..video_io import CONTAINERS, check_fps
+from ..fields import add_flag
 from . import add_model_file_arguments, add_pool_arguments
 from .generate import encode_prompts, pool_config
 from .video_file import write_mp4
 
 def add_arguments(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("stream", help="causal streaming text to video: chunks written as they are made")
-    add_model_file_arguments(p, "causal Wan 2.1 transformer (Self-Forcing, CausVid, ...): file or folder")
+    add_model_file_arguments(p, "causal Wan 2.1 transformer (Self-Forcing, CausVid, ...): file or folder", "stream")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative", default="", help="negative prompt (used only with --cfg above 1)")
-    p.add_argument("--width", type=int)
-    p.add_argument("--height", type=int)
-    p.add_argument("--frames", type=int, help="4k+1 frames")
-    p.add_argument("--chunk", type=int, default=3, help="latent frames per chunk (1 = frame by frame)")
-    p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")
-    p.add_argument("--shift", type=float, default=5.0)
-    p.add_argument("--timesteps", help="comma list of timesteps in (0, 1000] replacing --steps/--shift, "
-                                       "e.g. 1000,750,500,250")
-    p.add_argument("--guidance-scale", "--cfg", dest="guidance_scale", type=float, default=1.0,
-                   help="guidance scale; causal checkpoints are distilled for 1")
-    p.add_argument("--kv-window", type=int, help="latent frames kept in the KV cache (default: the whole video)")
-    p.add_argument("--sink", type=int, default=0, help="first latent frames always kept in the cache")
+    for key in ("width", "height", "length", "chunk", "stream_steps", "stream_shift", "timesteps"):
+        add_flag(p, key, "stream")
+    add_flag(p, "stream_cfg", "stream", "--cfg", dest="guidance_scale")
+    add_flag(p, "kv_window", "stream")
+    add_flag(p, "sink", "stream")
     p.add_argument("--no-kv-cache", action="store_true",
                    help="recompute all earlier chunks every time (the reference the cache must equal)")
-    p.add_argument("--seed", type=int, default=0)
+    add_flag(p, "seed", "stream")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
-    add_pool_arguments(p, streaming=True, tp_help="tensor-parallel degree (the cache is split by heads)",
-                       ulysses_help="sequence-parallel degree (one all-to-all per layer)")
+    add_flag(p, "dtype", "stream")
+    add_pool_arguments(p, "stream")
     p.set_defaults(vace_module=None)
-    p.add_argument("--fps", type=int, default=16)
+    add_flag(p, "fps", "stream")
     p.add_argument("--out", type=Path, required=True, help="the MP4 file of the whole video")
     p.add_argument("--chunk-dir", type=Path, required=True, help="folder for chunk_000.mp4, chunk_001.mp4, ...")
     p.add_argument("--save-latents", type=Path, help="write the raw latents [B,16,T,h,w] as tensor 'latents'")

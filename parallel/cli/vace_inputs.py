@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config import check_vace_contexts, latent_shape
+from ..fields import add_flag
 from ..models.checkpoint import resolve_model_location
 from ..models.detect import KIND_DESCRIPTIONS, safetensors_kind
 from ..protocol import EncodeVace, VaceEncoded
@@ -53,9 +54,8 @@ def add_vace_arguments(parser) -> None:
     vace.add_argument("--vace-mask", type=Path, help="what to generate (white) and keep (black): an MP4, an image "
                       "(one mask for every frame) or a folder; luminance 0..1")
     vace.add_argument("--vace-ref", type=Path, action="append", help="reference image (repeatable)")
-    vace.add_argument("--vace-control", choices=builders.CONTROL_MODES,
-                      help="turn --vace-video into a control video first (none: the frames as they are)")
-    vace.add_argument("--vace-strength", type=float, help="how strongly the VACE context steers (default 1.0)")
+    add_flag(vace, "vace_control", "generate")
+    add_flag(vace, "vace_strength", "generate")
     vace.add_argument("--outpaint", metavar="L,T,R,B", help="pixels added on each side of --vace-video "
                       "(the padded size must be multiples of 16 and becomes the default --width/--height)")
     vace.add_argument("--extend-keep", metavar="FIRST,LAST", help="keep the first FIRST and last LAST frames "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import protocol as P
-from ..config import ParallelConfig, check_encode_frames, check_stream_layout, check_tiles, check_weights_mode
+from ..config import ParallelConfig, check_encode_frames, check_stream_layout, check_tiles
 from ..vace.encode import check_encode_inputs
 from .pool import WorkerPool, current_pool, get_pool, set_interrupt_check
 
@@ -57,14 +57,17 @@ class PoolRunner:
         return self.pool.config
 
     def load_model(self, path: str, *, vace_module: str | None = None, dtype: str = "auto", weights: str = "keep") -> str:
-        check_weights_mode(weights)
-        return self.pool.call(P.LoadModel(path=path, vace_module=vace_module, dtype=dtype, weights=weights)).handle
+        return self._load(P.LoadModel(path=path, vace_module=vace_module, dtype=dtype, weights=weights))
 
     def load_vae(self, path: str, *, dtype: str = "auto") -> str:
-        return self.pool.call(P.LoadVae(path=path, dtype=dtype)).handle
+        return self._load(P.LoadVae(path=path, dtype=dtype))
 
     def load_text_encoder(self, path: str, *, dtype: str = "auto") -> str:
-        return self.pool.call(P.LoadTextEncoder(path=path, dtype=dtype)).handle
+        return self._load(P.LoadTextEncoder(path=path, dtype=dtype))
+
+    def _load(self, request) -> str:
+        request.validate()  # before the pool starts
+        return self.pool.call(request).handle
 
     def unload(self, handle: str | None = None) -> None:
         self.pool.call(P.Unload(handle=handle))

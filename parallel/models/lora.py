@@ -28,8 +28,7 @@ from ..config import lora_strength_from_text
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, PICKLE_SUFFIXES, first_names, read_safetensors_header
 from .detect import read_header
 
-__all__ = ["LoraHeader", "LoraLayer", "check_lora_for_model", "read_lora_header", "parse_lora_arg",
-           "model_files_of_handle"]
+__all__ = ["LoraHeader", "LoraLayer", "check_lora_for_model", "read_lora_header", "parse_lora_arg"]
 
 # Key ending -> part of a layer's LoRA. Longest endings first (".diff_b" before ".diff").
 LORA_PARTS = (
@@ -133,15 +132,6 @@ def _check_layer(path: Path, layer: LoraLayer) -> None:
 
 
 # -- the driver's check before sampling ---------------------------------------------------------------------
-
-
-def model_files_of_handle(handle: str) -> list[str]:
-    """The transformer file (and VACE module) of a resident model handle ``model|path|vace_module|dtype|weights``
-    (the key ``worker/residency.py`` gives a loaded transformer)."""
-    parts = handle.split("|")
-    if len(parts) < 5 or parts[0] != "model":
-        raise ValueError(f"{handle!r} is not a transformer handle; a LoRA applies to a loaded Wan model")
-    return [path for path in parts[1:3] if path]
 
 
 def _model_weight_files(path: Path) -> list[Path]:

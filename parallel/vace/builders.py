@@ -15,11 +15,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import SPATIAL_STRIDE, check_frame_count, check_frame_size
+from ..config import CONTROL_MODES, SPATIAL_STRIDE, check_frame_count, check_frame_size
 
 GREY = 0.5
 MASK_MODES = ("inpaint", "box", "outpaint", "extend", "first_last")
-CONTROL_MODES = ("canny", "scribble", "gray", "flow", "none")
 CONTROL_MODE_ALIASES = {"passthrough": "none"}
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)  # ITU-R BT.601, the weights of OpenCV's RGB2GRAY
 FARNEBACK_PARAMS = dict(pyr_scale=0.5, levels=3, winsize=15, iterations=3, poly_n=5, poly_sigma=1.2, flags=0)

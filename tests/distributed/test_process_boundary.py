@@ -25,7 +25,7 @@ COMFYUI_SIDE = {
     "nodes.native_model", "nodes.pool_model",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video",
-    "parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.pool_memory",
+    "parallel", "parallel.config", "parallel.errors", "parallel.fields", "parallel.protocol", "parallel.pool_memory",
     "parallel.driver", "parallel.driver.pool", "parallel.driver.runner", "parallel.validation", "parallel.video_io",
     "parallel.vace", "parallel.vace.builders", "parallel.vace.encode",
     "parallel.models", "parallel.models.checkpoint", "parallel.models.detect", "parallel.models.gguf_file",
@@ -36,7 +36,7 @@ WORKER_IDLE = {"parallel", "parallel.config", "parallel.errors", "parallel.proto
                "parallel.worker.session",
                "parallel.worker.runtime"}
 NEVER_IN_A_WORKER = ("nodes", "parallel.driver", "parallel.validation", "parallel.cli", "parallel.bench",
-                     "parallel.tiny", "parallel.pool_memory")
+                     "parallel.tiny", "parallel.pool_memory", "parallel.fields")
 
 COMFYUI_IMPORT = """
 import json, sys

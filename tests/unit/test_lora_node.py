@@ -48,7 +48,7 @@ def test_chained_loaders_send_the_ordered_list_with_the_sample(comfy_stubs, tiny
 
     runner = RecordingRunner()
     handle = f"model|{tiny_models['t2v']}||torch.float32|keep"
-    model = ResidentModel(runner, handle)
+    model = ResidentModel(runner, handle, path=str(tiny_models['t2v']))
     spec = WanMeshLoraLoader.INPUT_TYPES()["required"]
     assert "wan_tiny_lora_peft.safetensors" in spec["lora_name"][0]
     assert (spec["strength"][1]["min"], spec["strength"][1]["max"], spec["strength"][1]["default"]) == (-100, 100, 1.0)  # native LoraLoaderModelOnly's range
@@ -71,7 +71,8 @@ def test_a_lora_for_another_model_fails_at_the_loader(comfy_stubs, tiny_models):
                "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.ones(4, 5120)},
               str(comfy_stubs / "other_model_lora.safetensors"))
     try:
-        model = ResidentModel(RecordingRunner(), f"model|{tiny_models['t2v']}||torch.float32|keep")
+        model = ResidentModel(RecordingRunner(), f"model|{tiny_models['t2v']}||torch.float32|keep",
+                              path=str(tiny_models['t2v']))
         with pytest.raises(ValueError, match="does not fit this model") as error:
             WanMeshLoraLoader().load(model, "other_model_lora.safetensors", 1.0)
         assert "\n" not in str(error.value)
