@@ -12,7 +12,8 @@ from .runtime import raise_if_interrupted
 REQUIRED = ("devices", "world", "tp", "ulysses", "ring", "cfg_parallel", "vae_patch", "backend", "ray_address")
 # Optional, after the required inputs: saved workflows keep their widget order, and API prompts written before
 # these inputs existed still run with the defaults.
-OPTIONAL = ("worker_timeout", "previews", "memory_budget_gb")
+OPTIONAL = ("worker_timeout", "previews", "memory_budget_gb", "layout")
+DEGREES = ("tp", "ulysses", "ring", "vae_patch")
 
 
 def _comfy_interrupt() -> bool:
@@ -41,7 +42,8 @@ class WanMeshPool:
     DESCRIPTION = "Starts (or reuses) the background worker pool; connect it to the loaders."
 
     def make(self, devices, world, tp, ulysses, ring, cfg_parallel, vae_patch, backend, ray_address,
-             worker_timeout=DEFAULT_WORKER_TIMEOUT_S, previews=True, memory_budget_gb=0.0):
+             worker_timeout=DEFAULT_WORKER_TIMEOUT_S, previews=True, memory_budget_gb=0.0, layout="manual"):
+        check_auto_layout(layout, dict(tp=tp, ulysses=ulysses, ring=ring, vae_patch=vae_patch), cfg_parallel)
         config = ParallelConfig(
             world=world, tp=tp, ulysses=ulysses, ring=ring, cfg_parallel=cfg_parallel, vae_patch=vae_patch,
             devices=devices, backend=backend, ray_address=ray_address or None, worker_timeout=float(worker_timeout),
@@ -49,4 +51,14 @@ class WanMeshPool:
         )
         for warning in check_ranks(config):  # a bad device list fails here, before the live pool is replaced
             logging.getLogger("wanmesh").warning("WanMesh Pool: %s", warning)
-        return (PoolRunner.for_config(config, previews=previews),)
+        runner = PoolRunner.for_config(config, previews=previews)
+        runner.auto_layout = layout == "auto"  # samplers arrange the pool for each job (nodes/runtime.py)
+        return (runner,)
+
+
+def check_auto_layout(layout: str, degrees: dict, cfg_parallel: bool) -> None:
+    """layout auto chooses every degree: degrees set as well are a mistake, refused before any worker starts."""
+    given = [f"{name}={value}" for name, value in degrees.items() if value != 1] + ["cfg_parallel"] * cfg_parallel
+    if layout == "auto" and given:
+        raise ValueError(f"layout auto chooses the degrees itself; set {', '.join(given)} back to 1 (off), or use "
+                         "layout manual to set them")

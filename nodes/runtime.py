@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..parallel import PoolRunner
@@ -55,6 +56,27 @@ def progress_reporter(total: int):
         bar.update_absolute(step, steps, ("JPEG", Image.fromarray(preview), PREVIEW_MAX_RESOLUTION))
 
     return report
+
+
+def arrange_for_job(model: ResidentModel, latent, steps: int, cfg: float, *, streaming: bool = False) -> None:
+    """With a Pool node on layout auto: the degrees the cost model picks for this job (video size from the latent),
+    logged as a small table; the pool is restarted only when the choice changes."""
+    runner = model.runner
+    if not getattr(runner, "auto_layout", False) or model.path is None:
+        return
+    from ..parallel.auto_layout import Job, ModelCost, choose, explain
+    from ..parallel.calibration import machine_for
+
+    frames, height, width = (latent.shape[2] - 1) * 4 + 1, latent.shape[3] * 8, latent.shape[4] * 8
+    job = Job(width, height, frames, steps=steps, batch=latent.shape[0], guidance=cfg != 1.0)
+    config = runner.config
+    ranked = choose(config.world, ModelCost.from_file(model.path), job, machine_for(config, runner=runner),
+                    streaming=streaming)
+    logging.getLogger("wanmesh").info("WanMesh %s", explain(ranked, job))
+    layout = ranked[0].layout
+    runner.arrange(layout.config(config.world, devices=config.devices, backend=config.backend,
+                                 ray_address=config.ray_address, memory_budget_gb=config.memory_budget_gb,
+                                 worker_timeout=config.worker_timeout))
 
 
 def previews_enabled(runner: PoolRunner) -> bool:

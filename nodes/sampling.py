@@ -7,6 +7,7 @@ import logging
 import torch
 
 from ..parallel import COMFY_SAMPLERS, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, Cancelled, SampleRequest, latent_shape
+from ..parallel.driver.timings import RunTimings
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
 from ..parallel.validation import prompt_length_warning
 from .convert import (
@@ -16,7 +17,7 @@ from .convert import (
     read_conditioning,
     tensor_to_latent,
 )
-from .runtime import interrupted, previews_enabled, progress_reporter, raise_if_interrupted
+from .runtime import arrange_for_job, interrupted, previews_enabled, progress_reporter, raise_if_interrupted
 
 CATEGORY = "WanMesh/sampling"
 logger = logging.getLogger(__name__)
@@ -142,15 +143,21 @@ class WanMeshSampler:
             model_loras={expert.handle: list(expert.loras) for expert in (model, model_low_noise) if expert is not None},
             handle_low=None if model_low_noise is None else model_low_noise.handle, boundary=boundary,
             guidance_scale_low=None if cfg_low_noise < 0 else cfg_low_noise, start_step=start_step, end_step=end,
-            add_noise=add_noise,
+            add_noise=add_noise, timings=True,
         )
+        request.validate()  # before a layout auto rearranges the pool for it
+        arrange_for_job(model, request.latent, steps, cfg)
+        timings = RunTimings()
         try:
             run_steps = max(1, min(steps, end_step) - start_step)  # the progress bar covers the steps this run does
-            reply = model.runner.sample_reply(request, progress=progress_reporter(run_steps), should_stop=interrupted)
+            with timings.phase("sampling"):
+                reply = model.runner.sample_reply(request, progress=progress_reporter(run_steps),
+                                                  should_stop=interrupted)
         except Cancelled:
             raise_if_interrupted()
             raise
-        logger.info("WanMesh sampler: %s", reply.expert_steps)
+        timings.add_sampling(reply.rank_timings)
+        logger.info("WanMesh sampler: %s; %s", reply.expert_steps, timings.summary())
         return (tensor_to_latent(reply.latents),)
 
 

@@ -18,7 +18,7 @@ import torch
 from ..parallel import Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
 from ..parallel.fields import node_input
 from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
-from .runtime import PREVIEW_MAX_RESOLUTION, interrupted, previews_enabled, raise_if_interrupted
+from .runtime import PREVIEW_MAX_RESOLUTION, arrange_for_job, interrupted, previews_enabled, raise_if_interrupted
 
 CHUNK_EVENT = "wanmesh.chunk"
 log = logging.getLogger("wanmesh")
@@ -125,6 +125,7 @@ class WanMeshStreamSampler:
             steps=steps, shift=shift, timesteps=parse_stream_timesteps(timesteps), guidance_scale=cfg, chunk=chunk,
             kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle, preview=previews_enabled(model.runner))
         request.validate()  # before any file name is taken
+        arrange_for_job(model, samples, steps, cfg, streaming=True)
         bar = comfy.utils.ProgressBar(1)
         saver = ChunkSaver(filename_prefix, samples.shape[-1] * 8, samples.shape[-2] * 8, fps, bar, unique_id)
         try:

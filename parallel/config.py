@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 BACKENDS = ("local", "ray")
+LAYOUT_MODES = ("manual", "auto")  # auto: auto_layout.py picks the degrees for the job
 MESH_DIMS = ("dp", "cfg", "ulysses", "ring", "tp")  # outermost first; tp varies fastest; cfg = the CFG-parallel split
 # Samplers the workers run. euler .. uni_pc equal ComfyUI's same-named samplers with the scheduler chosen from
 # SCHEDULERS (ComfyUI's names); wan_unipc is Wan's reference flow UniPC (its own schedule, shift only), and

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .config import (BACKENDS, CONTROL_MODES, DEFAULT_WORKER_TIMEOUT_S, DTYPE_NAMES, I2V_EXPERT_BOUNDARY, LORA_STRENGTH_RANGE,
+from .config import (BACKENDS, CONTROL_MODES, LAYOUT_MODES, DEFAULT_WORKER_TIMEOUT_S, DTYPE_NAMES, I2V_EXPERT_BOUNDARY, LORA_STRENGTH_RANGE,
                      MAX_SEED, MIN_WORKER_TIMEOUT_S, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, WAN_UNIPC_ALIAS,
                      WEIGHT_MODES)
 
@@ -105,6 +105,17 @@ FIELDS: tuple[Field, ...] = (
           "the least recently used models. 0 = auto (what the device can hold)", 0.0, 4096.0, 0.5, valid=Valid(0.0),
           nodes=("WanMeshPool.memory_budget_gb",), flags=("generate --memory-budget-gb", "stream --memory-budget-gb"),
           checked=("ParallelConfig.memory_budget_gb",)),
+    Field("layout", "CHOICE", "manual", "manual: the degrees given; auto: the degrees that fit in memory and "
+          "minimise the predicted job time, from a cost model calibrated on this machine (the chosen layout and "
+          "the next two are logged with their predicted step time and memory); auto leaves tp, ulysses, ring, "
+          "cfg_parallel and vae_patch at 1 and chooses them for each job when its size is known",
+          choices=LAYOUT_MODES, nodes=("WanMeshPool.layout",), flags=("generate --layout", "stream --layout")),
+    Field("reprobe", "BOOLEAN", False, "with --layout auto: calibrate the machine again instead of reading the "
+          "cached figures", flags=("generate --reprobe", "stream --reprobe")),
+    Field("timings", "STRING", "", "write the run's time breakdown here as JSON: pool start, text encode, weight "
+          "load, VAE encode and decode, sampling, writing, and per rank and step the compute and communication "
+          "seconds", flags=("generate --timings",), flag_default=None,
+          note="the WanMesh Sampler logs the same figures' summary after each run"),
     # -- loading models
     Field("dtype", "CHOICE", DTYPE_NAMES[0], "compute dtype; auto: bf16 on GPUs, fp32 on the CPU", choices=DTYPE_NAMES,
           nodes=("WanMeshModelLoader.dtype", "WanMeshVAELoader.dtype", "WanMeshTextEncoderLoader.dtype"),

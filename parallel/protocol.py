@@ -61,6 +61,7 @@ class Latents(Reply):
     kind: ClassVar[str] = "latents"
     latents: torch.Tensor
     expert_steps: str = ""  # sampling only: which steps each expert ran (sampling/experts.py describe_expert_steps)
+    rank_timings: list[dict[str, Any]] = field(default_factory=list)  # sampling with timings: per rank, per step
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class SampleRequest(Request):
     start_step: int = 0  # first step run, out of `steps`
     end_step: int | None = None  # steps run stop before this one; None: steps (the result keeps leftover noise before)
     add_noise: bool = True  # False: the latent already holds the noise of step start_step (a chained second sampler)
+    timings: bool = False  # every rank times its steps and collectives; the reply holds them (worker/timings.py)
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -304,6 +306,19 @@ class Health(Request):
 
 
 @dataclass(frozen=True)
+class Calibrate(Request):
+    """Measure this pool's speeds and links for the auto layout (``calibration.py``), every rank at once."""
+
+    kind: ClassVar[str] = "calibrate"
+
+
+@dataclass(frozen=True)
+class Calibrated(Reply):
+    kind: ClassVar[str] = "calibrated"
+    ranks: list[dict[str, Any]]  # each rank's figures, in rank order
+
+
+@dataclass(frozen=True)
 class Shutdown(Request):
     kind: ClassVar[str] = "shutdown"
 
@@ -323,15 +338,15 @@ class Diagnostic(Request):
 REQUESTS: dict[str, type[Request]] = {
     cls.kind: cls
     for cls in (LoadModel, LoadVae, LoadTextEncoder, EncodeText, SampleRequest, EncodeVace, Decode, Encode, Unload, Health, Shutdown, Diagnostic, StreamSample,
-                ModelForward)
+                ModelForward, Calibrate)
 }
 REPLIES: dict[str, type[Reply]] = {
-    cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, VaceEncoded, Done, HealthReport, DiagnosticResult, Streamed)
+    cls.kind: cls for cls in (Loaded, Embeddings, Latents, Images, VaceEncoded, Done, HealthReport, DiagnosticResult, Streamed, Calibrated)
 }
 REPLY_TO: dict[type[Request], type[Reply]] = {
     LoadModel: Loaded, LoadVae: Loaded, LoadTextEncoder: Loaded, EncodeText: Embeddings, SampleRequest: Latents, EncodeVace: VaceEncoded,
     Decode: Images, Encode: Latents, Unload: Done, Health: HealthReport, Shutdown: Done, Diagnostic: DiagnosticResult,
-    StreamSample: Streamed, ModelForward: Latents,
+    StreamSample: Streamed, ModelForward: Latents, Calibrate: Calibrated,
 }
 LOADS = (LoadModel, LoadVae, LoadTextEncoder)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..fields import BY_KEY, add_flag
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+from .layout import add_layout_arguments, check_layout_arguments
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
 # Sizes used when nothing is given: the real Wan 480p default (the fields' defaults, as the nodes have them), or a
@@ -48,6 +49,7 @@ def add_pool_arguments(parser: argparse.ArgumentParser, command: str):
     returns the group. A command without a field's flag (`stream` refuses ring and CFG parallel and does not use
     VAE patches) gets its single-device value."""
     pool = parser.add_argument_group("parallelism")
+    add_layout_arguments(pool, command)
     for key in POOL_FIELDS:
         if any(entry.startswith(f"{command} ") for entry in BY_KEY[key].flags):
             add_flag(pool, key, command)
@@ -78,7 +80,7 @@ def _add_generate(sub) -> None:
     par = add_pool_arguments(p, "generate")
     add_flag(par, "tile_px", "generate")
     add_flag(par, "overlap_px", "generate")
-    for key in ("dtype", "fps"):
+    for key in ("dtype", "fps", "timings"):
         add_flag(p, key, "generate")
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")
     p.add_argument("--save-latents", type=Path,
@@ -122,6 +124,7 @@ BENCHMARKS = {
     "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
     "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
     "native-model": ("native", "ComfyUI's KSampler on the WanMesh MODEL against the WanMesh Sampler: step time"),
+    "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice"),
     "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
 }
 
@@ -218,6 +221,8 @@ def _fail(args, code: int, message: str) -> int:
 
 
 def _run(args) -> int:
+    if args.command in ("generate", "stream"):
+        check_layout_arguments(args)
     if args.command == "make-tiny":
         from ..tiny.models import make_models
 

@@ -18,10 +18,12 @@ import torch
 from ..config import T2V_EXPERT_BOUNDARY, ParallelConfig, check_experts, check_step_range, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
+from ..driver.timings import RunTimings
 from ..protocol import SampleRequest
 from ..tensor_files import save_tensors_atomic
 from ..validation import GenerateInputs, check_model_file, validate_generate
 from ..video_io import CONTAINERS, check_fps
+from .layout import auto_layout_config
 from .vace_inputs import VaceInputs, VaceSources
 from .video_file import write_mp4
 
@@ -84,31 +86,45 @@ def end_progress_line() -> None:
 def generate(args, files: dict[str, str | None], vace: VaceSources | None = None) -> None:
     """Validate, sample, save the latents, decode and write; every input is checked before the pool starts."""
     inputs = vace.build(args.width, args.height, args.frames) if vace is not None else None
-    config = check_generate(args, files)
+    config = auto_layout_config(args, files["model"], check_generate(args, files), streaming=False)
     shape = latent_shape(args.width, args.height, args.frames)
     started = time.perf_counter()
-    with WorkerPool(config) as pool:
-        frames = _run(PoolRunner(pool), args, files, shape, inputs)
-    write_mp4(frames, args.out, fps=args.fps)
-    if args.save_frames:
-        save_tensors_atomic({"frames": frames.float()}, args.save_frames)
+    timings = RunTimings()
+    with timings.phase("pool_start"):
+        pool = WorkerPool(config)
+    with pool:
+        frames = _run(PoolRunner(pool), args, files, shape, inputs, timings)
+    with timings.phase("write"):
+        write_mp4(frames, args.out, fps=args.fps)
+        if args.save_frames:
+            save_tensors_atomic({"frames": frames.float()}, args.save_frames)
+    if args.timings:
+        timings.write(args.timings)
+        print(f"  timings: {timings.summary()}", file=sys.stderr)
     seconds = time.perf_counter() - started
     print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
 
 
-def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None) -> torch.Tensor:
+def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None, timings: RunTimings) -> torch.Tensor:
     """Text encoding, VAE load (before sampling, so a bad VAE fails first), (VACE encoding,) sampling, saving
     the latents (before decoding, so a failed decode never loses them) and decoding."""
-    prompts = encode_prompts(runner, args, files)
-    vae = runner.load_vae(files["vae"], dtype=args.dtype)
-    encoded = vace.encode(runner, vae, args) if vace is not None else None
-    latents = _sample(runner, args, files, shape, prompts, vace, encoded)
+    with timings.phase("text_encode"):
+        prompts = encode_prompts(runner, args, files)
+    with timings.phase("vae_load"):
+        vae = runner.load_vae(files["vae"], dtype=args.dtype)
+    encoded = None
+    if vace is not None:
+        with timings.phase("vae_encode"):
+            encoded = vace.encode(runner, vae, args)
+    latents = _sample(runner, args, files, shape, prompts, vace, encoded, timings)
     if args.save_latents:
         save_tensors_atomic({"latents": latents.float()}, args.save_latents)
-    return runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
+    with timings.phase("vae_decode"):
+        return runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
 
 
-def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | None, encoded) -> torch.Tensor:
+def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | None, encoded,
+            timings: RunTimings) -> torch.Tensor:
     """The sampled latents; with VACE the latent starts with the reference frames, which are trimmed off after."""
     fields, trim = {}, 0
     if encoded is not None:
@@ -117,16 +133,21 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
     request = SampleRequest(
         handle="", latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
         steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler,
-        scheduler=args.scheduler, **fields,
+        scheduler=args.scheduler, timings=args.timings is not None, **fields,
         **_expert_fields(args),
     )
-    model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype, weights=args.weights)
-    low = None
-    if files.get("model_low"):
-        low = runner.load_model(files["model_low"], vace_module=files["vace_module"], dtype=args.dtype,
-                                weights=args.weights)
+    with timings.phase("weight_load"):
+        model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype,
+                                  weights=args.weights)
+        low = None
+        if files.get("model_low"):
+            low = runner.load_model(files["model_low"], vace_module=files["vace_module"], dtype=args.dtype,
+                                    weights=args.weights)
     loras = {model: list(files.get("loras") or [])}  # --lora applies to --model (the high-noise expert)
-    reply = runner.sample_reply(replace(request, handle=model, handle_low=low, model_loras=loras), progress=_progress)
+    with timings.phase("sampling"):
+        reply = runner.sample_reply(replace(request, handle=model, handle_low=low, model_loras=loras),
+                                    progress=_progress)
+    timings.add_sampling(reply.rank_timings)
     print(f"  {reply.expert_steps}", file=sys.stderr)
     for handle in (model, low):
         if handle is not None:

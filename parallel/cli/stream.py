@@ -25,6 +25,7 @@ from ..video_io import CONTAINERS, check_fps
 from ..fields import add_flag
 from . import add_model_file_arguments, add_pool_arguments
 from .generate import encode_prompts, pool_config
+from .layout import auto_layout_config
 from .video_file import write_mp4
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -106,6 +107,7 @@ def stream(args, files: dict[str, str | None]) -> None:
     shape = check_stream_arguments(args)
     config = pool_config(args)
     check_stream_files(args, files, config)
+    config = auto_layout_config(args, files["model"], config, streaming=True)
     args.chunk_dir.mkdir(parents=True, exist_ok=True)
     with WorkerPool(config) as pool:
         runner = PoolRunner(pool)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -135,12 +136,16 @@ class CollectiveCounter:
         calls: op name -> number of calls.
         sent: op name -> bytes this rank sent.
         received: op name -> bytes this rank received.
+        seconds: op name -> wall seconds spent in the calls (``synchronize``: CUDA work is waited for before and
+            after each call, so that asynchronous NCCL calls are timed whole; the run's breakdown uses it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, synchronize: torch.device | None = None) -> None:
         self.calls: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()
         self.received: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
+        self._synchronize = synchronize if synchronize is not None and synchronize.type == "cuda" else None
         self._originals: dict[str, Callable[..., Any]] = {}
         self._inside_op = False
 
@@ -151,6 +156,10 @@ class CollectiveCounter:
     @property
     def total_received(self) -> int:
         return sum(self.received.values())
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """Per-op counts as plain dicts: {op: {"calls": n, "sent": bytes, "received": bytes}}."""
@@ -163,6 +172,7 @@ class CollectiveCounter:
         self.calls.clear()
         self.sent.clear()
         self.received.clear()
+        self.seconds.clear()
 
     def __enter__(self) -> CollectiveCounter:
         if getattr(dist.isend, "_counted_by", None) is not None:
@@ -197,11 +207,19 @@ class CollectiveCounter:
             self.sent[name] += sent
             self.received[name] += received
             self._inside_op = True
+            self._wait()
+            start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
+                self._wait()
+                self.seconds[name] += time.perf_counter() - start
                 self._inside_op = False
 
         counted._counted_by = self  # type: ignore[attr-defined]
 
         return counted
+
+    def _wait(self) -> None:
+        if self._synchronize is not None:
+            torch.cuda.synchronize(self._synchronize)

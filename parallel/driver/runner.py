@@ -69,6 +69,22 @@ class PoolRunner:
         request.validate()  # before the pool starts
         return self.pool.call(request).handle
 
+    def calibrate(self) -> list[dict]:
+        """Each rank's speed, free memory and link figures, measured by the pool's workers at once."""
+        return self.pool.call(P.Calibrate()).ranks
+
+    def arrange(self, config: ParallelConfig) -> None:
+        """Run on a pool of ``config`` from now on (the auto layout's choice): the process-wide pool is restarted
+        with it, knowing the models the old one had loaded (they load again on first use); nothing changes when
+        the pool already has this config."""
+        if self.pool.config == config:
+            return
+        old = self._pool
+        self._pool = get_pool(config, **old.options)
+        self._pool.adopt_loads(old)
+        if not old.closed:
+            old.close()
+
     def unload(self, handle: str | None = None) -> None:
         self.pool.call(P.Unload(handle=handle))
 

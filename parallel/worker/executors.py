@@ -88,8 +88,17 @@ class RankExecutor(ResidentModels):
         """``sample`` as the protocol's reply, with the report of which steps each expert ran."""
         from ..protocol import Latents
 
-        latents = self.sample(request, progress=progress, should_stop=should_stop)
-        return Latents(latents, expert_steps=expert_steps_report(request))
+        if not request.timings:
+            latents = self.sample(request, progress=progress, should_stop=should_stop)
+            return Latents(latents, expert_steps=expert_steps_report(request))
+        from .timings import timed
+
+        distributed = self.parallel is not None and self.parallel.is_distributed and self.parallel.world > 1
+        rank = self.parallel.rank if self.parallel is not None else 0
+        latents, rank_timings = timed(lambda clock: self.sample(request, progress=clock, should_stop=should_stop),
+                                      progress, self.device, rank, distributed)
+        return Latents(latents, expert_steps=expert_steps_report(request), rank_timings=rank_timings)
+
     @torch.no_grad()
     def stream(self, request, progress=None, should_stop=None):
         """A streaming request (``protocol.StreamSample``): (raw latents, decoded frames or None); rank 0 sends each

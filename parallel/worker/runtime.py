@@ -74,7 +74,22 @@ EXECUTOR_DISPATCH: dict[type[P.Request], Handler] = {
     P.Unload: _unload,
     P.ModelForward: lambda ctx, r: P.Latents(ctx.executor.forward(r, should_stop=ctx.should_stop)),
     P.StreamSample: lambda ctx, r: P.Streamed(*ctx.executor.stream(r, progress=ctx.progress, should_stop=ctx.should_stop)),
+    P.Calibrate: lambda ctx, r: _calibrate(ctx),
 }
+
+
+def _calibrate(ctx: RequestContext) -> P.Calibrated:
+    """Every rank measures at once (``calibration.measure_rank``); rank 0 replies with all ranks' figures."""
+    from ..calibration import measure_rank
+
+    figures = measure_rank(ctx.parallel.world, ctx.parallel.device)
+    if ctx.parallel.world == 1:
+        return P.Calibrated([figures])
+    import torch.distributed as dist
+
+    gathered: list = [None] * ctx.parallel.world
+    dist.all_gather_object(gathered, figures)
+    return P.Calibrated(gathered)
 
 
 def _echo(ctx: RequestContext, args: dict, tensors: list[torch.Tensor]) -> P.DiagnosticResult:

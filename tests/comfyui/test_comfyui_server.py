@@ -16,6 +16,7 @@ import torch
 from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
 from PIL import Image
 from prepare_comfyui import PACK_FOLDER_NAME
+from test_free_memory import workers
 from workflow_graph import (WORKFLOWS_DIR, api_widget_names, is_link, load_workflow, node_of_type,
                             widget_names_from_object_info, with_fresh_seed, with_inputs)
 
@@ -171,8 +172,8 @@ def test_t2v_workflow_writes_an_mp4_and_one_png_per_frame(comfyui_server: ComfyU
     result = run_successfully(comfyui_server, t2v_prompt)
 
     # The pool stays resident between prompts, so its workers are among the server's processes now.
-    workers = comfyui_server.descendants()
-    assert len(workers) >= pool["world"], f"expected {pool['world']} worker processes, found {workers}"
+    processes = comfyui_server.descendants()
+    assert len(processes) >= pool["world"], f"expected {pool['world']} worker processes, found {processes}"
 
     paths = saved_images(comfyui_server, result, save_node_id)
     assert len(paths) == latent["length"] * latent["batch_size"]
@@ -251,3 +252,28 @@ def test_a_prompt_longer_than_wan_reads_is_run_with_a_warning_that_counts_the_dr
     assert len(found) > warnings_before, f"no prompt-length warning in the log:\n{comfyui_server.log()[-3000:]}"
     tokens, dropped = map(int, found[-1])
     assert tokens > 840 and dropped == tokens - 512, found[-1]
+
+
+def test_pool_layout_auto_chooses_per_job_logs_it_and_matches_one_rank(comfyui_server: ComfyUIServer) -> None:
+    """The Pool node on layout auto (degrees left at 1): the sampler logs the cost model's table and its timings,
+    the frames are one rank's, and a second job of the same size keeps the arranged pool (same workers)."""
+    auto_prompt = with_inputs(load_workflow("api/t2v.json"), "WanMeshPool", layout="auto")
+    seed = node_of_type(auto_prompt, "WanMeshSampler")["inputs"]["seed"]
+
+    auto = run_to_frames(comfyui_server, auto_prompt, "wanmesh_auto_layout")
+    log = comfyui_server.log()
+    assert "auto layout (64x64, 5 frames, 4 steps)" in log and "s/step on the slowest of 2 ranks" in log, log[-3000:]
+    pids = sorted(process.pid for process in workers(comfyui_server))
+    run_successfully(comfyui_server, with_inputs(auto_prompt, "WanMeshSampler", seed=(seed + 1) % 2**31))
+    assert sorted(process.pid for process in workers(comfyui_server)) == pids, "the same choice restarted the pool"
+    single_rank = run_to_frames(comfyui_server, with_inputs(auto_prompt, "WanMeshPool", **SINGLE_RANK_POOL,
+                                                             layout="manual"), "wanmesh_auto_layout_world1")
+    difference = largest_pixel_difference(auto, single_rank)
+    assert difference <= PIXEL_TOLERANCE, f"the auto layout's frames differ from one rank's by up to {difference}/255"
+
+
+def test_pool_layout_auto_with_a_degree_set_is_one_line_error(comfyui_server: ComfyUIServer) -> None:
+    prompt = with_inputs(load_workflow("api/t2v.json"), "WanMeshPool", layout="auto", tp=2)
+    outcome = comfyui_server.run(prompt, PROMPT_TIMEOUT_S)
+    assert isinstance(outcome, RejectedPrompt) or outcome.status == "error"
+    assert "layout auto chooses the degrees itself; set tp=2 back to 1" in outcome.error_text()

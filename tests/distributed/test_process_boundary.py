@@ -26,7 +26,7 @@ COMFYUI_SIDE = {
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video",
     "parallel", "parallel.config", "parallel.errors", "parallel.fields", "parallel.protocol", "parallel.pool_memory",
-    "parallel.driver", "parallel.driver.pool", "parallel.driver.runner", "parallel.validation", "parallel.video_io",
+    "parallel.driver", "parallel.driver.pool", "parallel.driver.runner", "parallel.driver.timings", "parallel.validation", "parallel.video_io",
     "parallel.vace", "parallel.vace.builders", "parallel.vace.encode",
     "parallel.models", "parallel.models.checkpoint", "parallel.models.detect", "parallel.models.gguf_file",
     "parallel.models.lora", "parallel.models.quantized",

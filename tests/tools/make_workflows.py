@@ -128,6 +128,13 @@ def t2v_gguf(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+def t2v_auto_layout(info: dict[str, Any]) -> WorkflowBuilder:
+    """The two-rank pool on layout auto: the sampler picks the degrees for the job from the cost model."""
+    w = WorkflowBuilder(info)
+    t2v_graph(w, "t2v_auto_layout", tile=(0, 64), also_png=False, seed=13, layout="auto")
+    return w
+
+
 def wan22_two_experts(info: dict[str, Any]) -> WorkflowBuilder:
     """Two chained samplers as in native Wan 2.2 workflows: the high-noise expert runs steps 0-1 and keeps the
     leftover noise, the low-noise expert runs steps 2-5 without adding noise."""
@@ -363,6 +370,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("", "t2v_tp2", "2024", t2v_tp2),
     ("", "t2v_lora", "2024", t2v_lora),
     ("", "t2v_gguf", "2024", t2v_gguf),
+    ("", "t2v_auto_layout", "2024", t2v_auto_layout),
     ("", "wan22_two_experts", "2024", wan22_two_experts),
     ("", "stream_t2v", "2024", stream_t2v),
     ("", "vace_r2v", "2024", vace_r2v),

@@ -1,0 +1,273 @@
+"""The `auto` layout: which tp / ulysses / ring / cfg_parallel / vae_patch degrees (data parallelism fills the rest)
+to run a job with, chosen by a cost model calibrated on this machine; runs in the driver (CLI or ComfyUI).
+
+The cost of one denoising step on one rank is its share of the transformer's matmul and attention work, timed
+at the speeds the calibration measured with every rank busy at once (``calibration.py``), plus the time of the
+collectives its layout adds, each priced as ``latency + bytes / bandwidth`` with the latency and bandwidth
+measured for that collective on this machine's links:
+
+* tensor parallelism: per block three all-reduces of the block's activations and four small ones (q/k norm
+  statistics; the same count ``distributed/tensor_parallel.analytic_collectives`` gives and the tests check
+  against the counted traffic);
+* Ulysses: per block four all-to-alls (q, k, v in, the attention output back);
+* ring attention: per block ``ring - 1`` exchanges of the key/value block with the neighbours, hidden behind the
+  attention compute as far as the device overlaps them (NCCL streams do, gloo's CPU threads barely do);
+* CFG parallel: one exchange of the guidance prediction per step;
+* data parallel: nothing (with a batch of one the extra replicas wait, and share the VAE tiles).
+
+Memory per rank is the transformer file's bytes over tp (quantized files stay quantized) plus the activations
+of the rank's sequence share; layouts that do not fit the free memory (or ``memory_budget_gb``) are left out,
+and when none fits the error names the bytes needed per rank against those free. The VAE's tiles are shared by
+every rank when a frame holds more than one tile (``vae_patch``), and not tiled otherwise (tiling is then no
+faster and would change the numbers). Manual layouts are never changed: ``auto`` is a choice of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import (LATENT_CHANNELS, TEMPORAL_STRIDE, TEXT_TOKENS, VAE_SPATIAL_FACTOR, ParallelConfig,
+                     check_head_split)
+
+DEFAULT_VAE_TILE_PX = 256  # the tile edge the VAE uses when vae_patch > 1 and no tile size is given
+ACTIVATION_COPIES = 6  # live [tokens, dim] tensors of one block's forward (one pass at a time), temporaries included
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the cost model needs of a transformer, read from its file header."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    ffn_dim: int
+    weight_bytes: int  # as stored (fp8 and GGUF files stay quantized)
+    patch: tuple[int, int, int] = (1, 2, 2)
+    text_tokens: int = TEXT_TOKENS
+
+    @property
+    def dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelCost":
+        from .models.detect import infer_transformer_config
+        from .validation import TRANSFORMER_KINDS, inspect_model_file
+
+        info = inspect_model_file(path, "--model", TRANSFORMER_KINDS)
+        config = infer_transformer_config(info.shapes, info.metadata) if info.shapes else _folder_config(info.path)
+        return cls(layers=int(config["num_layers"]), heads=int(config["num_attention_heads"]),
+                   head_dim=int(config["attention_head_dim"]), ffn_dim=int(config["ffn_dim"]),
+                   weight_bytes=_stored_bytes(Path(path)), patch=tuple(config.get("patch_size", (1, 2, 2))))
+
+
+def _folder_config(folder: Path) -> dict:
+    import json
+
+    for candidate in (folder / "transformer" / "config.json", folder / "config.json"):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    raise ValueError(f"{folder}: no config.json to read the transformer's shape from")
+
+
+def _stored_bytes(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*.safetensors"))
+    return path.stat().st_size
+
+
+@dataclass(frozen=True)
+class Job:
+    """One sampling run: the video, the steps and whether guidance runs a second (unconditional) pass."""
+
+    width: int
+    height: int
+    frames: int
+    steps: int = 30
+    batch: int = 1
+    guidance: bool = True
+
+    def video_tokens(self, model: ModelCost) -> int:
+        latent_frames = (self.frames - 1) // TEMPORAL_STRIDE + 1
+        rows = math.ceil(self.height / VAE_SPATIAL_FACTOR / model.patch[1])
+        columns = math.ceil(self.width / VAE_SPATIAL_FACTOR / model.patch[2])
+        return math.ceil(latent_frames / model.patch[0]) * rows * columns
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective's price on this machine's links: seconds per call plus bytes per second moved."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, calls: float, moved_bytes: float) -> float:
+        return calls * self.latency_s + moved_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The calibration's figures for one device set (``calibration.py``): per-rank speeds with every rank busy,
+    collective prices, the share of ring traffic the device hides behind compute, free bytes per rank."""
+
+    matmul_flops: float
+    attention_flops: float
+    all_reduce: Link
+    all_to_all: Link
+    send_recv: Link
+    free_bytes: int
+    element_bytes: int = 4  # the compute dtype's: fp32 on CPU ranks, bf16 on GPUs
+    overlap: float = 0.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    cfg_parallel: bool = False
+    vae_patch: int = 1
+
+    def name(self) -> str:
+        parts = [f"{field} {value}" for field, value in (("tp", self.tp), ("ulysses", self.ulysses),
+                                                          ("ring", self.ring)) if value > 1]
+        parts += ["cfg_parallel"] if self.cfg_parallel else []
+        parts += [f"vae_patch {self.vae_patch}"] if self.vae_patch > 1 else []
+        return ", ".join(parts) or "one rank per job (data parallel)"
+
+    def config(self, world: int, **settings) -> ParallelConfig:
+        return ParallelConfig(world=world, tp=self.tp, ulysses=self.ulysses, ring=self.ring,
+                              cfg_parallel=self.cfg_parallel, vae_patch=self.vae_patch, **settings)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    step_s: float
+    compute_s: float
+    communication_s: float
+    memory_bytes: int
+    fits: bool
+
+    def job_s(self, steps: int) -> float:
+        return steps * self.step_s
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def vae_patch_for(job: Job, world: int) -> int:
+    """Every rank shares the VAE tiles when a frame holds more than one default tile; else whole frames."""
+    return world if world > 1 and max(job.width, job.height) > DEFAULT_VAE_TILE_PX else 1
+
+
+def candidate_layouts(world: int, model: ModelCost, job: Job, *, streaming: bool = False) -> list[Layout]:
+    """Every layout of ``world`` ranks this model can run: tp and tp x ulysses dividing the heads (tp also the
+    FFN width), CFG parallel only with guidance, no ring or CFG parallel when streaming."""
+    layouts = []
+    vae_patch = 1 if streaming else vae_patch_for(job, world)
+    for tp in _divisors(world):
+        for ulysses in _divisors(world // tp):
+            try:
+                check_head_split(model.heads, tp=tp, ulysses=ulysses, ffn_dim=model.ffn_dim)
+            except ValueError:
+                continue
+            for ring in _divisors(world // (tp * ulysses)) if not streaming else [1]:
+                left = world // (tp * ulysses * ring)
+                for cfg in (False, True) if job.guidance and left % 2 == 0 and not streaming else (False,):
+                    layouts.append(Layout(tp, ulysses, ring, cfg, vae_patch))
+    return layouts
+
+
+def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Machine) -> Prediction:
+    """Seconds of one denoising step on the slowest rank, and the bytes each rank holds."""
+    sequence_split = layout.ulysses * layout.ring
+    dp = world // (layout.tp * sequence_split * (2 if layout.cfg_parallel else 1))
+    passes = math.ceil(job.batch / dp) * (2 if job.guidance and not layout.cfg_parallel else 1)
+    tokens, text, dim = job.video_tokens(model), model.text_tokens, model.dim
+    local = math.ceil(tokens / sequence_split)
+    linear = 2 * local * (6 * dim * dim + 2 * dim * model.ffn_dim) + 2 * text * 2 * dim * dim
+    attention = 4 * tokens * tokens * dim / sequence_split + 4 * local * text * dim
+    compute_block = linear / layout.tp / machine.matmul_flops
+    attention_block = attention / layout.tp / machine.attention_flops
+    communication = _block_communication(layout, local, text, dim, machine, attention_block)
+    step_compute = passes * model.layers * (compute_block + attention_block)
+    step_communication = passes * model.layers * communication + _guidance_exchange(layout, job, model, machine)
+    activations = math.ceil(job.batch / dp) * local * dim * machine.element_bytes * ACTIVATION_COPIES
+    memory = model.weight_bytes // layout.tp + activations
+    return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
+                      memory <= machine.free_bytes)
+
+
+def block_bytes(layout: Layout, local: int, text: int, dim: int, element: int) -> dict[str, float]:
+    """Bytes one rank sends per transformer block's forward, per collective kind (CollectiveCounter's convention:
+    a ring all-reduce sends 2 (n - 1) / n of the tensor; tensor parallelism as ``analytic_collectives``)."""
+    moved = {"all_reduce": 0.0, "all_to_all": 0.0, "send_recv": 0.0}
+    if layout.tp > 1:
+        share = 2 * (layout.tp - 1) / layout.tp
+        moved["all_reduce"] = share * (3 * local * dim * element + (3 * local + text) * 4)
+    if layout.ulysses > 1:
+        moved["all_to_all"] = 4 * (layout.ulysses - 1) / layout.ulysses * local * dim / layout.tp * element
+    if layout.ring > 1:
+        moved["send_recv"] = (layout.ring - 1) * 2 * local * dim / (layout.tp * layout.ulysses) * element
+    return moved
+
+
+def _block_communication(layout: Layout, local: int, text: int, dim: int, machine: Machine,
+                         attention_s: float) -> float:
+    """Seconds one rank spends in the collectives of one transformer block's forward."""
+    moved = block_bytes(layout, local, text, dim, machine.element_bytes)
+    seconds = 0.0
+    if layout.tp > 1:
+        seconds += machine.all_reduce.seconds(7, moved["all_reduce"])
+    if layout.ulysses > 1:
+        seconds += machine.all_to_all.seconds(4, moved["all_to_all"])
+    if layout.ring > 1:
+        ring = machine.send_recv.seconds(2 * (layout.ring - 1), moved["send_recv"])
+        seconds += max(ring - machine.overlap * attention_s, (1 - machine.overlap) * ring)
+    return seconds
+
+
+def _guidance_exchange(layout: Layout, job: Job, model: ModelCost, machine: Machine) -> float:
+    """CFG parallel: the two halves swap their predictions once per step (float32 latents of the batch)."""
+    if not layout.cfg_parallel:
+        return 0.0
+    latent = job.batch * LATENT_CHANNELS * ((job.frames - 1) // TEMPORAL_STRIDE + 1) * \
+        math.ceil(job.height / VAE_SPATIAL_FACTOR) * math.ceil(job.width / VAE_SPATIAL_FACTOR) * 4
+    return machine.all_reduce.seconds(1, latent)
+
+
+def rank_layouts(world: int, model: ModelCost, job: Job, machine: Machine, *,
+                 streaming: bool = False) -> list[Prediction]:
+    """Every candidate's prediction, fastest first (those that fit before those that do not)."""
+    predictions = [predict(layout, world, model, job, machine)
+                   for layout in candidate_layouts(world, model, job, streaming=streaming)]
+    return sorted(predictions, key=lambda p: (not p.fits, p.step_s, p.layout.tp, p.layout.ring))
+
+
+def choose(world: int, model: ModelCost, job: Job, machine: Machine, *, streaming: bool = False) -> list[Prediction]:
+    """The ranked predictions, the chosen (first) one fitting; a one-line ValueError when none fits."""
+    ranked = rank_layouts(world, model, job, machine, streaming=streaming)
+    if not ranked:
+        raise ValueError(f"no layout of {world} ranks splits this model's {model.heads} heads; use a world whose "
+                         f"divisors divide {model.heads}")
+    if not ranked[0].fits:
+        least = min(ranked, key=lambda p: p.memory_bytes)
+        raise ValueError(f"no layout of {world} ranks fits: the smallest ({least.layout.name()}) needs "
+                         f"{least.memory_bytes / 2**30:.2f} GiB per rank, {machine.free_bytes / 2**30:.2f} GiB "
+                         "are free; add ranks (tensor parallelism splits the weights) or use a quantized file")
+    return ranked
+
+
+def explain(ranked: list[Prediction], job: Job, shown: int = 3) -> str:
+    """The chosen layout and the next ones as a small table, for the log."""
+    lines = [f"auto layout ({job.width}x{job.height}, {job.frames} frames, {job.steps} steps):",
+             f"  {'layout':<40} {'s/step':>8} {'compute':>8} {'comm':>8} {'GiB/rank':>9}"]
+    for index, prediction in enumerate(ranked[:shown]):
+        mark = "*" if index == 0 else " "
+        lines.append(f"{mark} {prediction.layout.name():<40} {prediction.step_s:>8.3f} {prediction.compute_s:>8.3f} "
+                     f"{prediction.communication_s:>8.3f} {prediction.memory_bytes / 2**30:>9.3f}")
+    return "\n".join(lines)

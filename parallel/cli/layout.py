@@ -1,0 +1,44 @@
+"""`--layout auto` for `wanmesh generate` and `wanmesh stream`: the degrees chosen for the job by the cost model
+(``auto_layout.py``, calibrated by ``calibration.py``), logged as a small table; runs in the CLI process."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from ..config import ParallelConfig
+from ..fields import add_flag
+
+DEGREE_FLAGS = (("--tp", "tp"), ("--ulysses", "ulysses"), ("--ring", "ring"), ("--vae-patch", "vae_patch"))
+
+
+def add_layout_arguments(group, command: str) -> None:
+    add_flag(group, "layout", command)
+    add_flag(group, "reprobe", command)
+
+
+def check_layout_arguments(args) -> None:
+    """--layout auto picks every degree: a degree given as well is a mistake, refused before anything runs."""
+    if args.layout != "auto":
+        return
+    given = [flag for flag, name in DEGREE_FLAGS if getattr(args, name) != 1]
+    given += ["--cfg-parallel"] if args.cfg_parallel else []
+    if given:
+        raise ValueError(f"--layout auto chooses the degrees itself; leave out {', '.join(given)}, or use --layout "
+                         "manual (the default) to set them")
+
+
+def auto_layout_config(args, model_path: str, config: ParallelConfig, *, streaming: bool) -> ParallelConfig:
+    """``config`` with the degrees ``auto`` chose for this job (unchanged with --layout manual)."""
+    if args.layout != "auto":
+        return config
+    from ..auto_layout import Job, ModelCost, choose, explain
+    from ..calibration import machine_for
+
+    job = Job(args.width, args.height, args.frames, steps=args.steps, guidance=args.guidance_scale != 1.0)
+    ranked = choose(config.world, ModelCost.from_file(model_path), job, machine_for(config, reprobe=args.reprobe),
+                    streaming=streaming)
+    print(explain(ranked, job), file=sys.stderr, flush=True)
+    layout = ranked[0].layout
+    return dataclasses.replace(config, tp=layout.tp, ulysses=layout.ulysses, ring=layout.ring,
+                               cfg_parallel=layout.cfg_parallel, vae_patch=layout.vae_patch)

@@ -1,0 +1,102 @@
+"""The auto layout's cost model and choice (``parallel/auto_layout.py``) and the bench plan's statistics, on made-up
+machines whose figures make the right answer known; the calibration's probe on two real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from wanmesh.parallel.auto_layout import (Job, Layout, Link, Machine, ModelCost, block_bytes, candidate_layouts,
+                                          choose, explain, predict)
+from wanmesh.parallel.bench.plan import measured_subset, spearman
+from wanmesh.parallel.config import ParallelConfig
+from wanmesh.parallel.distributed.tensor_parallel import analytic_collectives
+
+WAN_14B = ModelCost(layers=40, heads=40, head_dim=128, ffn_dim=13824, weight_bytes=28 * 2**30)
+SMALL = ModelCost(layers=8, heads=16, head_dim=64, ffn_dim=4096, weight_bytes=280 * 2**20)
+JOB = Job(832, 480, 81, steps=30)
+
+
+def machine(*, link_bytes_per_s: float = 1e9, latency_s: float = 1e-4, free_gib: float = 80.0,
+            overlap: float = 0.0) -> Machine:
+    link = Link(latency_s, link_bytes_per_s)
+    return Machine(matmul_flops=1e11, attention_flops=1e11, all_reduce=link, all_to_all=link, send_recv=link,
+                   free_bytes=int(free_gib * 2**30), overlap=overlap)
+
+
+def test_candidates_split_the_heads_and_respect_guidance_and_streaming():
+    layouts = candidate_layouts(4, SMALL, JOB)
+    assert Layout(tp=2, ulysses=2, vae_patch=4) in layouts and Layout(ring=2, cfg_parallel=True, vae_patch=4) in layouts
+    assert all(SMALL.heads % (layout.tp * layout.ulysses) == 0 for layout in layouts)
+    assert len(set(layouts)) == len(layouts)
+    no_guidance = candidate_layouts(4, SMALL, Job(832, 480, 81, guidance=False))
+    assert not any(layout.cfg_parallel for layout in no_guidance)
+    streaming = candidate_layouts(4, SMALL, JOB, streaming=True)
+    assert all(layout.ring == 1 and not layout.cfg_parallel and layout.vae_patch == 1 for layout in streaming)
+    assert all(layout.tp != 3 for layout in candidate_layouts(6, ModelCost(4, 4, 32, 256, 1), JOB))
+
+
+def test_tensor_parallel_bytes_are_the_analytic_count():
+    for tp in (2, 4):
+        local, text, dim = 1560, 512, 5120
+        analytic = analytic_collectives(num_blocks=1, batch=1, video_tokens=local, text_tokens=text, dim=dim, tp=tp,
+                                        activation_bytes=2)
+        assert block_bytes(Layout(tp=tp), local, text, dim, 2)["all_reduce"] == pytest.approx(analytic["sent_bytes"],
+                                                                                                rel=1e-3)
+
+
+def test_slow_links_favour_cfg_parallel_fast_links_favour_splitting_the_sequence():
+    slow = choose(2, SMALL, JOB, machine(link_bytes_per_s=1e7))[0].layout
+    assert slow.cfg_parallel and slow.tp == 1
+    fast = choose(2, SMALL, Job(832, 480, 81, guidance=False), machine(link_bytes_per_s=1e12))
+    data_parallel = next(p for p in fast if p.layout.tp * p.layout.ulysses * p.layout.ring == 1)
+    assert fast[0].step_s == pytest.approx(data_parallel.step_s / 2, rel=0.05), explain(fast, JOB)
+
+
+def test_weights_that_do_not_fit_one_rank_force_tensor_parallelism():
+    ranked = choose(4, WAN_14B, JOB, machine(free_gib=20.0))
+    assert ranked[0].fits and ranked[0].layout.tp >= 2
+    assert all(p.fits for p in ranked[:1]) and not predict(Layout(), 4, WAN_14B, JOB, machine(free_gib=20.0)).fits
+
+
+def test_nothing_fits_is_one_line_naming_the_bytes():
+    with pytest.raises(ValueError) as error:
+        choose(2, WAN_14B, JOB, machine(free_gib=4.0))
+    message = str(error.value)
+    assert "\n" not in message and "GiB per rank" in message and "4.00 GiB are free" in message
+
+
+def test_predicted_step_time_falls_with_ranks_when_links_are_free():
+    one = predict(Layout(), 1, SMALL, JOB, machine(link_bytes_per_s=1e15, latency_s=0)).step_s
+    two = predict(Layout(ulysses=2), 2, SMALL, JOB, machine(link_bytes_per_s=1e15, latency_s=0)).step_s
+    assert two == pytest.approx(one / 2, rel=0.05)
+
+
+def test_ring_traffic_hides_behind_attention_as_far_as_the_device_overlaps():
+    hidden = predict(Layout(ring=2), 2, SMALL, JOB, machine(overlap=1.0)).communication_s
+    exposed = predict(Layout(ring=2), 2, SMALL, JOB, machine(overlap=0.0)).communication_s
+    assert hidden < exposed
+
+
+def test_spearman_and_the_measured_subset():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    ranked = choose(8, SMALL, JOB, machine())
+    subset = measured_subset(ranked, 6)
+    assert len(subset) == 6 and subset[:4] == ranked[:4] and ranked[-1] in subset
+    assert measured_subset(ranked[:3], 6) == ranked[:3]
+
+
+def test_the_probe_measures_two_gloo_ranks_and_caches_its_figures(tmp_path, monkeypatch):
+    from wanmesh.parallel import calibration
+
+    monkeypatch.setenv("WANMESH_CACHE", str(tmp_path))
+    config = ParallelConfig(world=2, devices="cpu")
+    measured = calibration.machine_for(config)
+    cached = json.loads(calibration.cache_file(config).read_text())
+    assert cached["world"] == 2 and cached["probe_s"] < 20
+    assert measured.matmul_flops > 0 and measured.all_reduce.bytes_per_s > 0 and measured.free_bytes > 0
+    assert 0 < measured.all_reduce.latency_s < 1
+    assert calibration.machine_for(config) == measured  # read back from the cache, not probed again
