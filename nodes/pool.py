@@ -6,6 +6,7 @@ import logging
 
 from ..parallel import ParallelConfig, PoolRunner, check_ranks
 from ..parallel.config import DEFAULT_WORKER_TIMEOUT_S
+from ..parallel.auto_layout import degrees_set
 from ..parallel.fields import node_input
 from .runtime import raise_if_interrupted
 
@@ -13,7 +14,6 @@ REQUIRED = ("devices", "world", "tp", "ulysses", "ring", "cfg_parallel", "vae_pa
 # Optional, after the required inputs: saved workflows keep their widget order, and API prompts written before
 # these inputs existed still run with the defaults.
 OPTIONAL = ("worker_timeout", "previews", "memory_budget_gb", "layout")
-DEGREES = ("tp", "ulysses", "ring", "vae_patch")
 
 
 def _comfy_interrupt() -> bool:
@@ -43,7 +43,7 @@ class WanMeshPool:
 
     def make(self, devices, world, tp, ulysses, ring, cfg_parallel, vae_patch, backend, ray_address,
              worker_timeout=DEFAULT_WORKER_TIMEOUT_S, previews=True, memory_budget_gb=0.0, layout="manual"):
-        check_auto_layout(layout, dict(tp=tp, ulysses=ulysses, ring=ring, vae_patch=vae_patch), cfg_parallel)
+        check_auto_layout(layout, degrees_set(tp, ulysses, ring, vae_patch, cfg_parallel))
         config = ParallelConfig(
             world=world, tp=tp, ulysses=ulysses, ring=ring, cfg_parallel=cfg_parallel, vae_patch=vae_patch,
             devices=devices, backend=backend, ray_address=ray_address or None, worker_timeout=float(worker_timeout),
@@ -56,9 +56,8 @@ class WanMeshPool:
         return (runner,)
 
 
-def check_auto_layout(layout: str, degrees: dict, cfg_parallel: bool) -> None:
+def check_auto_layout(layout: str, given: list[str]) -> None:
     """layout auto chooses every degree: degrees set as well are a mistake, refused before any worker starts."""
-    given = [f"{name}={value}" for name, value in degrees.items() if value != 1] + ["cfg_parallel"] * cfg_parallel
     if layout == "auto" and given:
         raise ValueError(f"layout auto chooses the degrees itself; set {', '.join(given)} back to 1 (off), or use "
                          "layout manual to set them")

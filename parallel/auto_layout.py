@@ -155,6 +155,13 @@ class Prediction:
         return steps * self.step_s
 
 
+def degrees_set(tp: int, ulysses: int, ring: int, vae_patch: int, cfg_parallel: bool) -> list[str]:
+    """The degrees set away from their single-device values: with ``auto`` they are a mistake (it picks them)."""
+    given = [f"{name}={value}" for name, value in (("tp", tp), ("ulysses", ulysses), ("ring", ring),
+                                                    ("vae_patch", vae_patch)) if value != 1]
+    return given + ["cfg_parallel"] * bool(cfg_parallel)
+
+
 def _divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 

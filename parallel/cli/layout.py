@@ -9,8 +9,6 @@ import sys
 from ..config import ParallelConfig
 from ..fields import add_flag
 
-DEGREE_FLAGS = (("--tp", "tp"), ("--ulysses", "ulysses"), ("--ring", "ring"), ("--vae-patch", "vae_patch"))
-
 
 def add_layout_arguments(group, command: str) -> None:
     add_flag(group, "layout", command)
@@ -21,10 +19,12 @@ def check_layout_arguments(args) -> None:
     """--layout auto picks every degree: a degree given as well is a mistake, refused before anything runs."""
     if args.layout != "auto":
         return
-    given = [flag for flag, name in DEGREE_FLAGS if getattr(args, name) != 1]
-    given += ["--cfg-parallel"] if args.cfg_parallel else []
+    from ..auto_layout import degrees_set
+
+    given = degrees_set(args.tp, args.ulysses, args.ring, args.vae_patch, args.cfg_parallel)
     if given:
-        raise ValueError(f"--layout auto chooses the degrees itself; leave out {', '.join(given)}, or use --layout "
+        flags = ", ".join("--" + entry.split("=")[0].replace("_", "-") for entry in given)
+        raise ValueError(f"--layout auto chooses the degrees itself; leave out {flags}, or use --layout "
                          "manual (the default) to set them")
 
 

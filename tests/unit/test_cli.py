@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -59,6 +60,7 @@ def test_generate_writes_video_latents_and_frames_deterministically(tiny_models,
         (["--vae-tile", "60"], "tile_px must be a positive multiple of the VAE's spatial factor 8, got 60"),
         (["--world", "0"], "world must be a positive integer, got 0"),
         (["--model", "x.safetensors"], "give either --models DIR or --model/--vae/--text-encoder, not both"),
+        (["--world", "2", "--layout", "auto", "--tp", "2"], "--layout auto chooses the degrees itself; leave out --tp"),
     ],
 )
 def test_bad_arguments_fail_fast_with_clear_messages(tiny_models, tmp_path, flags, message):
@@ -70,3 +72,29 @@ def test_bad_arguments_fail_fast_with_clear_messages(tiny_models, tmp_path, flag
     assert result.returncode != 0
     assert message in result.stderr
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_layout_auto_logs_its_choice_matches_one_rank_and_writes_the_timings(tiny_models, tmp_path, monkeypatch,
+                                                                               capsys):
+    """--layout auto on two ranks: the cost model's table on stderr, one rank's latents, the calibration cached
+    where the user can read it, and --timings' breakdown with every phase and each rank's steps."""
+    monkeypatch.setenv("WANMESH_CACHE", str(tmp_path / "cache"))
+    models = tiny_models["t2v"].parent.parent
+    single = _generate(models, tmp_path, "single")
+    capsys.readouterr()
+    auto = _generate(models, tmp_path, "auto", "--world", "2", "--layout", "auto", "--timings",
+                     str(tmp_path / "timings.json"))
+    log = capsys.readouterr().err
+    assert "auto layout (64x48, 5 frames, 3 steps):" in log and "\n* " in log, log
+    torch.testing.assert_close(auto["latents"], single["latents"], rtol=0, atol=1e-5)
+    (calibration,) = (tmp_path / "cache" / "calibration").glob("*world2.json")
+    assert json.loads(calibration.read_text())["world"] == 2
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert {"pool_start", "text_encode", "vae_load", "weight_load", "sampling", "vae_decode", "write"} <= set(
+        timings["phases_s"]) and all(seconds >= 0 for seconds in timings["phases_s"].values())
+    assert [rank["rank"] for rank in timings["ranks"]] == [0, 1] and timings["transfer_s"] >= 0
+    for rank in timings["ranks"]:
+        assert len(rank["steps"]) == 3
+        for step in rank["steps"]:
+            assert step["wall_s"] >= step["communication_s"] >= 0 and step["compute_s"] >= 0
+    assert "timings: 3 steps, median" in log
