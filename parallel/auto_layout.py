@@ -120,6 +120,14 @@ class Machine:
     free_bytes: int
     element_bytes: int = 4  # the compute dtype's: fp32 on CPU ranks, bf16 on GPUs
     overlap: float = 0.0
+    matmul_flops_alone: float | None = None  # a rank's speed while the others wait (None: as when all are busy)
+
+    def speed_up(self, world: int, active: int) -> float:
+        """How much faster ``active`` busy ranks of ``world`` compute than when all are busy: ranks that share
+        cores (CPU ranks outnumbering them) get the idle ranks' share, up to a rank's speed alone; one device per
+        rank gains nothing."""
+        alone = (self.matmul_flops_alone or self.matmul_flops) / self.matmul_flops
+        return max(1.0, min(alone, world / max(active, 1)))
 
 
 @dataclass(frozen=True)
@@ -198,8 +206,10 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     local = math.ceil(tokens / sequence_split)
     linear = 2 * local * (6 * dim * dim + 2 * dim * model.ffn_dim) + 2 * text * 2 * dim * dim
     attention = 4 * tokens * tokens * dim / sequence_split + 4 * local * text * dim
-    compute_block = linear / layout.tp / machine.matmul_flops
-    attention_block = attention / layout.tp / machine.attention_flops
+    active = world // dp * min(dp, job.batch)  # replicas without a batch row wait
+    speed_up = machine.speed_up(world, active)
+    compute_block = linear / layout.tp / machine.matmul_flops / speed_up
+    attention_block = attention / layout.tp / machine.attention_flops / speed_up
     communication = _block_communication(layout, local, text, dim, machine, attention_block)
     step_compute = passes * model.layers * (compute_block + attention_block)
     step_communication = passes * model.layers * communication + _guidance_exchange(layout, job, model, machine)

@@ -66,6 +66,7 @@ def machine_for(config: ParallelConfig, *, reprobe: bool = False, runner=None) -
 def machine_from_dict(figures: dict) -> Machine:
     links = {name: Link(**figures[name]) for name in ("all_reduce", "all_to_all", "send_recv")}
     return Machine(matmul_flops=figures["matmul_flops"], attention_flops=figures["attention_flops"],
+                   matmul_flops_alone=figures.get("matmul_flops_alone", figures["matmul_flops"]),
                    free_bytes=int(figures["free_bytes"]), element_bytes=int(figures["element_bytes"]),
                    overlap=float(figures["overlap"]), **links)
 
@@ -91,9 +92,11 @@ def combine(config: ParallelConfig, ranks: list[dict]) -> dict:
     cuda = devices[0].startswith("cuda")
     if cuda:  # CPU ranks are one kind of core: their spread is noise, not a slower device
         _name_slow_ranks(ranks, devices)
-    slowest = {key: min(rank[key] for rank in ranks) for key in ("matmul_flops", "attention_flops", "free_bytes")}
+    slowest = {key: min(rank.get(key, rank["matmul_flops"]) for rank in ranks)
+               for key in ("matmul_flops", "matmul_flops_alone", "attention_flops", "free_bytes")}
     memory = config.memory_budget_gb * 2**30 if config.memory_budget_gb else slowest["free_bytes"]
     return {"devices": devices, "world": config.world, "matmul_flops": slowest["matmul_flops"],
+            "matmul_flops_alone": slowest["matmul_flops_alone"],
             "attention_flops": slowest["attention_flops"], "free_bytes": int(min(memory, slowest["free_bytes"])),
             "element_bytes": 2 if cuda else 4, "overlap": 0.8 if cuda else 0.0, **ranks[0]["links"]}
 
@@ -135,15 +138,31 @@ def measure_rank(world: int, device: torch.device) -> dict:
     repeats = 20 if cuda else 5
     tokens, dim = MATMUL_SHAPE if not cuda else (MATMUL_SHAPE[0] * 8, MATMUL_SHAPE[1] * 4)
     a, b = torch.randn(tokens, dim, device=device, dtype=dtype), torch.randn(dim, dim, device=device, dtype=dtype)
-    _barrier(world)()  # every rank computes at once: CPU ranks share the machine's cores and memory bandwidth
+    barrier = _barrier(world)
+    barrier()  # every rank computes at once: CPU ranks share the machine's cores and memory bandwidth
     matmul_s = _timed(lambda: a @ b, device, repeats)
+    barrier()  # then each rank alone, the others waiting: what a rank gets when idle ranks leave it the cores
+    alone_s = _alone(lambda: _timed(lambda: a @ b, device, repeats), world, barrier)
     heads, length, head_dim = ATTENTION_SHAPE
     q = torch.randn(1, heads, length * (4 if cuda else 1), head_dim, device=device, dtype=dtype)
     attention_s = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device, repeats)
-    return {"matmul_flops": 2 * tokens * dim * dim / matmul_s,
+    return {"matmul_flops": 2 * tokens * dim * dim / matmul_s, "matmul_flops_alone": 2 * tokens * dim * dim / alone_s,
             "attention_flops": 4 * q.shape[2] ** 2 * heads * head_dim / attention_s,
             "free_bytes": _free_bytes(device, world),
             "links": _links(world, device, repeats) if world > 1 else _no_links()}
+
+
+def _alone(measure, world: int, barrier) -> float:
+    """``measure()`` on each rank in turn while the others wait at a barrier."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if world > 1 else 0
+    result = 0.0
+    for turn in range(world):
+        if turn == rank:
+            result = measure()
+        barrier()
+    return result
 
 
 def _barrier(world: int):
