@@ -91,8 +91,8 @@ def generate(args, files: dict[str, str | None], vace: VaceSources | None = None
     started = time.perf_counter()
     timings = RunTimings()
     with timings.phase("pool_start"):
-        pool = WorkerPool(config)
-    with pool:
+        workers = WorkerPool(config)
+    with workers as pool:
         frames = _run(PoolRunner(pool), args, files, shape, inputs, timings)
     with timings.phase("write"):
         write_mp4(frames, args.out, fps=args.fps)

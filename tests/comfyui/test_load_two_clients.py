@@ -4,9 +4,10 @@ T2V, LoRA, VACE (two references), streaming and two-expert prompts, each with it
 threads at once: a first round of 20 on one pool, a ``/free`` with ``unload_models`` (the workers exit) and a Pool
 setting change (Ulysses 2 -> tensor parallel 2), then two rounds of 10 on the new pool. Every prompt must succeed
 and every file it lists must be complete (images readable, each MP4 decodable); the new workers' summed resident
-memory after the run is within 5% of its size after their first round (the same processes: growth there is a
-leak); after ``/free`` with ``free_memory`` no worker process and no new pool temp folder is left. Steps are cut
-to 2 so the 40 prompts stay within a few minutes on two CPU cores.
+memory after the run has grown at most 5% over its size after their first round (the same processes: growth there
+is a leak; counted without the memory-mapped model files' pages, which the page cache holds and drops at will);
+after ``/free`` with ``free_memory`` no worker process and no new pool temp folder is left. Steps are cut to 2 so
+the 40 prompts stay within a few minutes on two CPU cores.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from comfyui_server import ComfyUIServer, PromptResult
 from PIL import Image
-from test_free_memory import post_free, worker_rss, workers
+from test_free_memory import post_free, workers
 from workflow_graph import MAX_SEED, load_workflow
 
 from wanmesh.parallel import read_video
@@ -95,6 +96,13 @@ def finish_round(server: ComfyUIServer, submitted: list[tuple[str, str]]) -> Non
         assert_outputs_complete(server, name, server.wait_for(prompt_id, PROMPT_TIMEOUT_S))
 
 
+def worker_anonymous_rss(server: ComfyUIServer) -> int:
+    """The workers' summed resident memory that is their own (RSS less file-backed and shared pages): where a leak
+    shows. The model files are memory-mapped, so their pages count in RSS as the rounds touch more of them, and
+    the page cache may drop them again; neither is memory the workers hold on to."""
+    return sum(info.rss - info.shared for info in (process.memory_info() for process in workers(server)))
+
+
 def pool_folders() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob("wanmesh-pool-*"))
 
@@ -103,22 +111,22 @@ def test_two_clients_forty_mixed_prompts_with_free_and_a_pool_change(comfyui_ser
     folders_before = pool_folders()
     rng = random.Random(2026)
     finish_round(comfyui_server, queue_round(comfyui_server, FIRST_POOL, rng))
-    first_pool_rss = worker_rss(comfyui_server)
+    first_pool_rss = worker_anonymous_rss(comfyui_server)
 
     post_free(comfyui_server, unload_models=True)
     half = PROMPTS_PER_CLIENT_AND_ROUND // 2
     finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng, half))
-    after_first_round = worker_rss(comfyui_server)
+    after_first_round = worker_anonymous_rss(comfyui_server)
     pids = sorted(p.pid for p in workers(comfyui_server))
     finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng, half))
-    after_run = worker_rss(comfyui_server)
+    after_run = worker_anonymous_rss(comfyui_server)
     assert sorted(p.pid for p in workers(comfyui_server)) == pids, "the workers changed within one pool's rounds"
     growth = (after_run - after_first_round) / after_first_round
-    report = (f"workers' summed RSS: first pool {first_pool_rss / 2**20:.0f} MiB after 20 prompts; new pool "
+    report = (f"workers' summed anonymous RSS: first pool {first_pool_rss / 2**20:.0f} MiB after 20 prompts; new pool "
               f"{after_first_round / 2**20:.0f} MiB after its first 10, {after_run / 2**20:.0f} MiB after its "
               f"last 10 ({growth:+.1%})")
     print("\n" + report)
-    assert abs(growth) <= MEMORY_GROWTH, report
+    assert growth <= MEMORY_GROWTH, report  # less memory after the run is memory returned, not held
 
     post_free(comfyui_server, unload_models=True, free_memory=True)
     deadline = time.monotonic() + EXIT_DEADLINE_S
