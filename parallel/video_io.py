@@ -37,7 +37,8 @@ MAX_FPS = 1000.0
 def check_fps(fps: float) -> Fraction:
     """The frame rate as an exact fraction (23.976 -> 2997/125); a one-line ValueError when it is unusable."""
     if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or not 0 < fps <= MAX_FPS:
-        raise ValueError(f"fps {fps!r} is not a usable frame rate; valid: a number above 0 and at most {MAX_FPS:g}")
+        shown = f"{fps:g}" if isinstance(fps, numbers.Real) and not isinstance(fps, bool) else repr(fps)
+        raise ValueError(f"fps {shown} is not a usable frame rate; valid: a number above 0 and at most {MAX_FPS:g}")
     return Fraction(float(fps)).limit_denominator(1001)
 
 
