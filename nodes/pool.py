@@ -51,9 +51,7 @@ class WanMeshPool:
         )
         for warning in check_ranks(config):  # a bad device list fails here, before the live pool is replaced
             logging.getLogger("wanmesh").warning("WanMesh Pool: %s", warning)
-        runner = PoolRunner.for_config(config, previews=previews)
-        runner.auto_layout = layout == "auto"  # samplers arrange the pool for each job (nodes/runtime.py)
-        return (runner,)
+        return (PoolRunner.for_config(config, previews=previews, auto_layout=layout == "auto"),)
 
 
 def check_auto_layout(layout: str, given: list[str]) -> None:

@@ -62,21 +62,16 @@ def arrange_for_job(model: ResidentModel, latent, steps: int, cfg: float, *, str
     """With a Pool node on layout auto: the degrees the cost model picks for this job (video size from the latent),
     logged as a small table; the pool is restarted only when the choice changes."""
     runner = model.runner
-    if not getattr(runner, "auto_layout", False) or model.path is None:
+    if not getattr(runner, "auto_layout", False) or model.path is None:  # stand-in runners have none
         return
-    from ..parallel.auto_layout import Job, ModelCost, choose, explain
-    from ..parallel.calibration import machine_for
+    from ..parallel.auto_layout import Job, explain
+    from ..parallel.calibration import choose_layout
 
     frames, height, width = (latent.shape[2] - 1) * 4 + 1, latent.shape[3] * 8, latent.shape[4] * 8
     job = Job(width, height, frames, steps=steps, batch=latent.shape[0], guidance=cfg != 1.0)
-    config = runner.config
-    ranked = choose(config.world, ModelCost.from_file(model.path), job, machine_for(config, runner=runner),
-                    streaming=streaming)
+    ranked = choose_layout(runner.config, model.path, job, streaming=streaming, runner=runner)
     logging.getLogger("wanmesh").info("WanMesh %s", explain(ranked, job))
-    layout = ranked[0].layout
-    runner.arrange(layout.config(config.world, devices=config.devices, backend=config.backend,
-                                 ray_address=config.ray_address, memory_budget_gb=config.memory_budget_gb,
-                                 worker_timeout=config.worker_timeout))
+    runner.arrange(ranked[0].layout.applied_to(runner.config))
 
 
 def previews_enabled(runner: PoolRunner) -> bool:

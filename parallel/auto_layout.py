@@ -25,11 +25,10 @@ faster and would change the numbers). Manual layouts are never changed: ``auto``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import (LATENT_CHANNELS, TEMPORAL_STRIDE, TEXT_TOKENS, VAE_SPATIAL_FACTOR, ParallelConfig,
-                     check_head_split)
+from .config import TEXT_TOKENS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR, ParallelConfig, check_head_split, latent_shape
 
 DEFAULT_VAE_TILE_PX = 256  # the tile edge the VAE uses when vae_patch > 1 and no tile size is given
 ACTIVATION_COPIES = 6  # live [tokens, dim] tensors of one block's forward (one pass at a time), temporaries included
@@ -53,29 +52,16 @@ class ModelCost:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelCost":
-        from .models.detect import infer_transformer_config
-        from .validation import TRANSFORMER_KINDS, inspect_model_file
+        from .validation import TRANSFORMER_KINDS, inspect_model_file, transformer_config
+        from .worker.memory import estimated_load_bytes
 
         info = inspect_model_file(path, "--model", TRANSFORMER_KINDS)
-        config = infer_transformer_config(info.shapes, info.metadata) if info.shapes else _folder_config(info.path)
+        config = transformer_config(info)
+        if config is None:
+            raise ValueError(f"{path}: no header or config.json tells the transformer's shape; use layout manual")
         return cls(layers=int(config["num_layers"]), heads=int(config["num_attention_heads"]),
                    head_dim=int(config["attention_head_dim"]), ffn_dim=int(config["ffn_dim"]),
-                   weight_bytes=_stored_bytes(Path(path)), patch=tuple(config.get("patch_size", (1, 2, 2))))
-
-
-def _folder_config(folder: Path) -> dict:
-    import json
-
-    for candidate in (folder / "transformer" / "config.json", folder / "config.json"):
-        if candidate.is_file():
-            return json.loads(candidate.read_text())
-    raise ValueError(f"{folder}: no config.json to read the transformer's shape from")
-
-
-def _stored_bytes(path: Path) -> int:
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*.safetensors"))
-    return path.stat().st_size
+                   weight_bytes=estimated_load_bytes((str(path),)), patch=tuple(config.get("patch_size", (1, 2, 2))))
 
 
 @dataclass(frozen=True)
@@ -145,9 +131,10 @@ class Layout:
         parts += [f"vae_patch {self.vae_patch}"] if self.vae_patch > 1 else []
         return ", ".join(parts) or "one rank per job (data parallel)"
 
-    def config(self, world: int, **settings) -> ParallelConfig:
-        return ParallelConfig(world=world, tp=self.tp, ulysses=self.ulysses, ring=self.ring,
-                              cfg_parallel=self.cfg_parallel, vae_patch=self.vae_patch, **settings)
+    def applied_to(self, config: ParallelConfig) -> ParallelConfig:
+        """``config`` (world, devices, backend, timeouts, budget) with this layout's degrees."""
+        return replace(config, tp=self.tp, ulysses=self.ulysses, ring=self.ring, cfg_parallel=self.cfg_parallel,
+                       vae_patch=self.vae_patch)
 
 
 @dataclass(frozen=True)
@@ -159,8 +146,6 @@ class Prediction:
     memory_bytes: int
     fits: bool
 
-    def job_s(self, steps: int) -> float:
-        return steps * self.step_s
 
 
 def degrees_set(tp: int, ulysses: int, ring: int, vae_patch: int, cfg_parallel: bool) -> list[str]:
@@ -212,7 +197,7 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     attention_block = attention / layout.tp / machine.attention_flops / speed_up
     communication = _block_communication(layout, local, text, dim, machine, attention_block)
     step_compute = passes * model.layers * (compute_block + attention_block)
-    step_communication = passes * model.layers * communication + _guidance_exchange(layout, job, model, machine)
+    step_communication = passes * model.layers * communication + _guidance_exchange(layout, job, machine)
     activations = math.ceil(job.batch / dp) * local * dim * machine.element_bytes * ACTIVATION_COPIES
     memory = model.weight_bytes // layout.tp + activations
     return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
@@ -248,13 +233,11 @@ def _block_communication(layout: Layout, local: int, text: int, dim: int, machin
     return seconds
 
 
-def _guidance_exchange(layout: Layout, job: Job, model: ModelCost, machine: Machine) -> float:
+def _guidance_exchange(layout: Layout, job: Job, machine: Machine) -> float:
     """CFG parallel: the two halves swap their predictions once per step (float32 latents of the batch)."""
     if not layout.cfg_parallel:
         return 0.0
-    latent = job.batch * LATENT_CHANNELS * ((job.frames - 1) // TEMPORAL_STRIDE + 1) * \
-        math.ceil(job.height / VAE_SPATIAL_FACTOR) * math.ceil(job.width / VAE_SPATIAL_FACTOR) * 4
-    return machine.all_reduce.seconds(1, latent)
+    return machine.all_reduce.seconds(1, 4 * math.prod(latent_shape(job.width, job.height, job.frames, job.batch)))
 
 
 def rank_layouts(world: int, model: ModelCost, job: Job, machine: Machine, *,

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .auto_layout import Link, Machine
-from .config import ParallelConfig
+from .auto_layout import Job, Link, Machine, ModelCost, Prediction, choose
+from .config import ParallelConfig, cache_root
+from .video_io import written_atomically
 
 log = logging.getLogger("wanmesh")
 PROBE_DEADLINE_S = 60.0
@@ -32,15 +33,17 @@ ATTENTION_SHAPE = (4, 512, 64)  # heads, tokens, head dim
 SPEED_SPREAD_WARNING = 1.25  # ranks slower than the fastest by this factor are named
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("WANMESH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
-                                                           "wanmesh")
-    return Path(base) / "calibration"
-
-
 def cache_file(config: ParallelConfig) -> Path:
     devices = "-".join(config.rank_devices()).replace(":", "")
-    return cache_dir() / f"{platform.node() or 'machine'}-{devices}-world{config.world}.json"
+    return cache_root() / "calibration" / f"{platform.node() or 'machine'}-{devices}-world{config.world}.json"
+
+
+def choose_layout(config: ParallelConfig, model_path: str, job: Job, *, streaming: bool, reprobe: bool = False,
+                  runner=None) -> list[Prediction]:
+    """The layouts ``config.world`` ranks can run ``job`` with, ranked by the cost model on this machine's
+    figures (``machine_for``); the first is the choice."""
+    machine = machine_for(config, reprobe=reprobe, runner=runner)
+    return choose(config.world, ModelCost.from_file(model_path), job, machine, streaming=streaming)
 
 
 def machine_for(config: ParallelConfig, *, reprobe: bool = False, runner=None) -> Machine:
@@ -55,10 +58,8 @@ def machine_for(config: ParallelConfig, *, reprobe: bool = False, runner=None) -
     started = time.perf_counter()
     figures = combine(config, runner.calibrate() if runner is not None else probe_ranks(config))
     figures["probe_s"] = round(time.perf_counter() - started, 2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(figures, indent=2))
-    temporary.replace(path)
+    with written_atomically(path) as temporary:
+        temporary.write_text(json.dumps(figures, indent=2))
     log.info("calibrated %s in %.1f s: %s", ", ".join(config.rank_devices()), figures["probe_s"], path)
     return machine_from_dict(figures)
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 BACKENDS = ("local", "ray")
@@ -46,6 +48,14 @@ LATENT_CHANNELS = 16
 DEFAULT_WORKER_TIMEOUT_S = 60.0
 MIN_WORKER_TIMEOUT_S = 1.0  # heartbeats come every second: a shorter timeout would flag healthy ranks
 MAX_HEARTBEAT_S = 1.0
+
+
+def cache_root() -> Path:
+    """WanMesh's cache folder (the tiny models, the machine calibration): ``$WANMESH_CACHE``, else
+    ``$XDG_CACHE_HOME/wanmesh`` or ``~/.cache/wanmesh``."""
+    base = os.environ.get("WANMESH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
+                                                           "wanmesh")
+    return Path(base)
 
 
 def heartbeat_interval(worker_timeout: float) -> float:

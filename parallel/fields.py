@@ -225,7 +225,6 @@ FIELDS: tuple[Field, ...] = (
           flags=("stream --timesteps",), checked=("StreamSample.timesteps",), flag_default=None, unset=""),
 )
 BY_KEY = {field.key: field for field in FIELDS}
-COMFY_TYPES = {"INT": "INT", "FLOAT": "FLOAT", "BOOLEAN": "BOOLEAN", "STRING": "STRING"}
 FLAG_TYPES = {"INT": int, "FLOAT": float, "STRING": str}
 
 
@@ -241,7 +240,7 @@ def node_input(key: str, *, choices: list[str] | None = None, **options) -> tupl
     spec.update(options, tooltip=row.help)
     if row.kind == "CHOICE":
         return list(choices or row.choices), spec
-    return COMFY_TYPES[row.kind], spec
+    return row.kind, spec  # INT, FLOAT, BOOLEAN and STRING are ComfyUI's own type names
 
 
 def flag_of(key: str, command: str) -> str:

@@ -131,21 +131,25 @@ def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
             "linear weights lack their scale): the file is incomplete; use the complete scaled-fp8 file")
 
 
-def transformer_shape(info: ModelFileInfo) -> tuple[int, int] | None:
-    """(attention heads, FFN width) from the header or the folder's config.json; None when neither tells."""
+def transformer_config(info: ModelFileInfo) -> dict | None:
+    """The transformer's config (heads, FFN width, layers, ...) from the header or the folder's config.json;
+    None when neither tells."""
     if info.shapes:
         try:
-            config = infer_transformer_config(info.shapes, info.metadata)
+            return infer_transformer_config(info.shapes, info.metadata)
         except ModelFileError as error:
             raise ValueError(f"{info.path}: {error}") from None
-        return config["num_attention_heads"], config["ffn_dim"]
     config_file = info.path / "transformer" / "config.json"
     config_file = config_file if config_file.is_file() else info.path / "config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
-        if "num_attention_heads" in config and "ffn_dim" in config:
-            return int(config["num_attention_heads"]), int(config["ffn_dim"])
-    return None
+    return json.loads(config_file.read_text()) if config_file.is_file() else None
+
+
+def transformer_shape(info: ModelFileInfo) -> tuple[int, int] | None:
+    """(attention heads, FFN width) from the header or the folder's config.json; None when neither tells."""
+    config = transformer_config(info)
+    if config is None or "num_attention_heads" not in config or "ffn_dim" not in config:
+        return None
+    return int(config["num_attention_heads"]), int(config["ffn_dim"])
 
 
 def check_model_split(info: ModelFileInfo, config: ParallelConfig) -> None:

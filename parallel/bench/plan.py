@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:
         samplers = {}
         for prediction in subset:
-            runner = PoolRunner(stack.enter_context(WorkerPool(prediction.layout.config(args.world, devices=args.devices))))
+            runner = PoolRunner(stack.enter_context(WorkerPool(prediction.layout.applied_to(base))))
             request = SampleRequest(handle=runner.load_model(path), latent=latent, positive=[prompts[0]],
                                     negative=[prompts[1]], seed=1, steps=args.steps, guidance_scale=args.cfg,
                                     shift=5.0, sampler="euler", preview=False)

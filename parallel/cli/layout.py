@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from ..config import ParallelConfig
@@ -32,13 +31,10 @@ def auto_layout_config(args, model_path: str, config: ParallelConfig, *, streami
     """``config`` with the degrees ``auto`` chose for this job (unchanged with --layout manual)."""
     if args.layout != "auto":
         return config
-    from ..auto_layout import Job, ModelCost, choose, explain
-    from ..calibration import machine_for
+    from ..auto_layout import Job, explain
+    from ..calibration import choose_layout
 
     job = Job(args.width, args.height, args.frames, steps=args.steps, guidance=args.guidance_scale != 1.0)
-    ranked = choose(config.world, ModelCost.from_file(model_path), job, machine_for(config, reprobe=args.reprobe),
-                    streaming=streaming)
+    ranked = choose_layout(config, model_path, job, streaming=streaming, reprobe=args.reprobe)
     print(explain(ranked, job), file=sys.stderr, flush=True)
-    layout = ranked[0].layout
-    return dataclasses.replace(config, tp=layout.tp, ulysses=layout.ulysses, ring=layout.ring,
-                               cfg_parallel=layout.cfg_parallel, vae_patch=layout.vae_patch)
+    return ranked[0].layout.applied_to(config)

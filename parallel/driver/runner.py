@@ -17,17 +17,20 @@ from .pool import WorkerPool, current_pool, get_pool, set_interrupt_check
 class PoolRunner:
     """The pool's operations as methods: load, encode text, sample, decode, encode."""
 
-    def __init__(self, pool: WorkerPool, previews: bool = True, follows_live: bool = False):
+    def __init__(self, pool: WorkerPool, previews: bool = True, follows_live: bool = False,
+                 auto_layout: bool = False):
         self._pool = pool
         # Whether samplers using this runner ask rank 0 for per-step preview images (not part of the pool's
         # config: turning previews off or on keeps the running pool).
         self.previews = previews
+        # Whether samplers arrange the pool for each job (the Pool node's layout auto; ``arrange``).
+        self.auto_layout = auto_layout
         self._follows_live = follows_live  # a closed pool is replaced by the live one, not by its own config's
 
     @classmethod
-    def for_config(cls, config: ParallelConfig, previews: bool = True) -> "PoolRunner":
+    def for_config(cls, config: ParallelConfig, previews: bool = True, auto_layout: bool = False) -> "PoolRunner":
         """The process-wide pool for this config (started, or restarted when the config changed)."""
-        return cls(get_pool(config), previews=previews)
+        return cls(get_pool(config), previews=previews, auto_layout=auto_layout)
 
     @classmethod
     def current_or_single(cls) -> "PoolRunner":

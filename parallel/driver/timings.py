@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
+
+from ..video_io import written_atomically
 
 
 class RunTimings:
@@ -51,8 +52,6 @@ class RunTimings:
                 + "".join(f"; {name} {seconds:.2f} s" for name, seconds in self.phases.items()))
 
     def write(self, path: str | Path) -> None:
-        """The breakdown as JSON, written atomically (a temporary file renamed)."""
-        path = Path(path)
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(json.dumps(self.to_dict(), indent=2))
-        os.replace(temporary, path)
+        """The breakdown as JSON, written atomically (``video_io.written_atomically``)."""
+        with written_atomically(Path(path)) as temporary:
+            temporary.write_text(json.dumps(self.to_dict(), indent=2))

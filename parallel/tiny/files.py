@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from ..config import cache_root
 
 TINY_FILES = {
     "model": "diffusion_models/wan_tiny_t2v.safetensors",
@@ -33,8 +34,7 @@ MEDIUM_FILES = {
 
 
 def tiny_cache_dir() -> Path:
-    base = os.environ.get("WANMESH_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "wanmesh")
-    return Path(base) / "tiny-models"
+    return cache_root() / "tiny-models"
 
 
 def ensure_tiny_models(directory: Path) -> Path:
