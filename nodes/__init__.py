@@ -4,6 +4,7 @@ from . import errors, memory
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .lora import WanMeshLoraLoader
+from .image_to_video import WanMeshImageToVideo
 from .native_model import WanMeshNativeModel
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
 from .stream import WanMeshStreamSampler
@@ -26,6 +27,7 @@ _NODES = {
     "WanMeshVAEDecode": (WanMeshVAEDecode, "WanMesh VAE Decode"),
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
     "WanMeshVaceEncode": (WanMeshVaceEncode, "WanMesh VACE Encode"),
+    "WanMeshImageToVideo": (WanMeshImageToVideo, "WanMesh Image To Video"),
     "WanMeshTrimLatent": (WanMeshTrimLatent, "WanMesh Trim Latent"),
     "WanMeshVaceMask": (WanMeshVaceMask, "WanMesh VACE Mask"),
     "WanMeshVaceReference": (WanMeshVaceReference, "WanMesh VACE Reference"),

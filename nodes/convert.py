@@ -18,6 +18,21 @@ class Conditioning:
     vace_frames: list[torch.Tensor] = field(default_factory=list)
     vace_masks: list[torch.Tensor] = field(default_factory=list)
     vace_strengths: list[float] = field(default_factory=list)
+    # image-to-video, as WanImageToVideo / WanFirstLastFrameToVideo set them (None without an image)
+    image_latents: torch.Tensor | None = None  # concat_latent_image: raw latents of the conditioning video
+    image_mask: torch.Tensor | None = None  # concat_mask: 0 where a frame is given
+    clip_fea: torch.Tensor | None = None  # clip_vision_output's penultimate hidden states
+
+
+def _tensor_or_none(value) -> torch.Tensor | None:
+    return None if value is None else value.float().cpu()
+
+
+def clip_vision_tokens(clip_vision_output) -> torch.Tensor | None:
+    """The tokens Wan takes from a CLIP_VISION_OUTPUT (ComfyUI's or WanMesh's): its penultimate hidden states."""
+    if clip_vision_output is None:
+        return None
+    return clip_vision_output["penultimate_hidden_states"].float().cpu()
 
 
 def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
@@ -38,7 +53,19 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         vace_frames=[t.float().cpu() for t in options.get("vace_frames", [])],
         vace_masks=[t.float().cpu() for t in options.get("vace_mask", [])],
         vace_strengths=[float(v) for v in options.get("vace_strength", [])],
+        image_latents=_tensor_or_none(options.get("concat_latent_image")),
+        image_mask=_tensor_or_none(options.get("concat_mask")),
+        clip_fea=clip_vision_tokens(options.get("clip_vision_output")),
     )
+
+
+def check_same_image(positive: Conditioning, negative: Conditioning) -> None:
+    """WanMesh applies one image-to-video conditioning to both guidance passes, as WanImageToVideo's outputs carry."""
+    for name in ("image_latents", "image_mask", "clip_fea"):
+        a, b = getattr(positive, name), getattr(negative, name)
+        if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
+            raise ValueError("positive and negative carry different image-to-video conditioning; pass both through "
+                             "the same image-to-video node (WanMesh applies one image conditioning to both passes)")
 
 
 def check_same_vace(positive: Conditioning, negative: Conditioning) -> None:

@@ -21,7 +21,7 @@ class WanMeshModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {
-            "required": {"model_name": (list_models("diffusion_models"), {"tooltip": "Wan T2V or VACE transformer file (.safetensors, .gguf) or diffusers folder"}),
+            "required": {"model_name": (list_models("diffusion_models"), {"tooltip": "Wan T2V, VACE or image-to-video transformer file (.safetensors, .gguf) or diffusers folder"}),
                          "dtype": DTYPE_CHOICES},
             # Optional, after the older inputs: saved workflows and API prompts without ``weights`` load with keep.
             "optional": {"vace_module": (["none"] + list_vace_modules(), {"tooltip": "VACE module merged onto a T2V model; none: no VACE module"}),
@@ -31,7 +31,8 @@ class WanMeshModelLoader:
     RETURN_TYPES = ("WANMESH_MODEL",)
     FUNCTION = "load"
     CATEGORY = CATEGORY
-    DESCRIPTION = "Loads a Wan 2.1 T2V or VACE transformer (ComfyUI single file, fp8 and GGUF included, or diffusers folder)."
+    DESCRIPTION = ("Loads a Wan 2.1 / 2.2 A14B transformer: T2V, VACE or image-to-video (I2V, FLF2V, Wan 2.2 I2V "
+                   "experts); ComfyUI single file, fp8 and GGUF included, or diffusers folder.")
 
     def load(self, model_name, dtype, vace_module="none", weights=WEIGHT_MODES[0], pool=None):
         module = None if vace_module in (None, "none") else model_path("diffusion_models", vace_module)

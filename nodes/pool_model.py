@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..parallel import Cancelled, ModelForward, has_vace_blocks
+from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
 from .runtime import ResidentModel, interrupted, raise_if_interrupted
 
 log = logging.getLogger("wanmesh")
@@ -27,7 +27,6 @@ log = logging.getLogger("wanmesh")
 LATENT_CHANNELS = 16
 # The model inputs ComfyUI's Wan conditioning can send that the pool's transformer does not take yet.
 UNSUPPORTED_INPUTS = {
-    "clip_fea": "CLIP vision image embeddings (image-to-video)",
     "time_dim_concat": "frames concatenated in time",
     "reference_latent": "a reference latent",
     "control": "a ControlNet",
@@ -46,12 +45,13 @@ class PoolTransformer(torch.nn.Module):
         # ComfyUI's Wan conditioning reads the input width from the patch embedding (for image-to-video channels)
         self.patch_embedding = SimpleNamespace(weight=SimpleNamespace(shape=(0, in_channels, 1, 2, 2)))
 
-    def forward(self, x, timestep, context, control=None, transformer_options=None, **extra):
+    def forward(self, x, timestep, context, clip_fea=None, control=None, transformer_options=None, **extra):
         check_supported_inputs(control, extra)
         request = ModelForward(
             handle=self.resident.handle, latent=x.detach().float().cpu(),
             timestep=timestep.detach().float().cpu().reshape(-1).expand(x.shape[0]).clone(),
-            context=context.detach().float().cpu(), loras=list(self.resident.loras), **vace_inputs(extra),
+            context=context.detach().float().cpu(), loras=list(self.resident.loras),
+            clip_fea=None if clip_fea is None else clip_fea.detach().float().cpu(), **vace_inputs(extra),
         )
         try:
             prediction = self.resident.runner.forward(request, should_stop=interrupted)
@@ -66,8 +66,9 @@ def check_supported_inputs(control, extra: dict) -> None:
     given = {"control": control, **extra}
     refused = [f"{name} ({what})" for name, what in UNSUPPORTED_INPUTS.items() if given.get(name) is not None]
     if refused:
-        raise ValueError(f"the WanMesh MODEL does not take {', '.join(refused)} yet; it takes text, and VACE "
-                         "conditioning from WanVaceToVideo or WanMesh VACE Encode")
+        raise ValueError(f"the WanMesh MODEL does not take {', '.join(refused)} yet; it takes text, VACE "
+                         "conditioning (WanVaceToVideo, WanMesh VACE Encode) and image-to-video conditioning "
+                         "(WanImageToVideo, WanFirstLastFrameToVideo, WanMesh Image To Video)")
 
 
 def vace_inputs(extra: dict) -> dict:
@@ -110,14 +111,18 @@ def comfy_classes():
 
 def pool_model(resident: ResidentModel):
     """ComfyUI's MODEL (a ModelPatcher) over the resident transformer, configured as ComfyUI configures a Wan 2.1
-    model it loads itself (latent format, flow sampling with shift 8)."""
+    model it loads itself (latent format, flow sampling with shift 8; an image-to-video model with its input
+    channels, the Wan 2.1 I2V / FLF2V ones as image-to-video, as ComfyUI's model detection sets them)."""
     import comfy.model_management
     import comfy.supported_models
 
     wan, wan_vace, patcher = comfy_classes()
     vace = has_vace_blocks(resident.model_files())
-    config = comfy.supported_models.WAN21_T2V({"image_model": "wan2.1", "disable_unet_model_creation": True})
+    in_channels, image_kind = model_image_inputs(resident.path)
+    takes_tokens = image_kind in ("clip_vision", "first_last")
+    config_class = comfy.supported_models.WAN21_I2V if takes_tokens else comfy.supported_models.WAN21_T2V
+    config = config_class({"image_model": "wan2.1", "in_dim": in_channels, "disable_unet_model_creation": True})
     device = comfy.model_management.get_torch_device()
-    model = (wan_vace if vace else wan)(config, device=device)
-    model.diffusion_model = PoolTransformer(resident)
+    model = wan_vace(config, device=device) if vace else wan(config, image_to_video=takes_tokens, device=device)
+    model.diffusion_model = PoolTransformer(resident, in_channels)
     return patcher(model, load_device=device, offload_device=comfy.model_management.unet_offload_device())

@@ -11,6 +11,7 @@ from ..parallel.driver.timings import RunTimings
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
 from ..parallel.validation import prompt_length_warning
 from .convert import (
+    check_same_image,
     check_same_vace,
     embeddings_to_conditioning,
     latent_to_tensor,
@@ -135,6 +136,7 @@ class WanMeshSampler:
         conditional = read_conditioning(positive, "positive")
         unconditional = read_conditioning(negative, "negative")
         check_same_vace(conditional, unconditional)
+        check_same_image(conditional, unconditional)
         request = SampleRequest(
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
@@ -143,7 +145,8 @@ class WanMeshSampler:
             model_loras={expert.handle: list(expert.loras) for expert in (model, model_low_noise) if expert is not None},
             handle_low=None if model_low_noise is None else model_low_noise.handle, boundary=boundary,
             guidance_scale_low=None if cfg_low_noise < 0 else cfg_low_noise, start_step=start_step, end_step=end,
-            add_noise=add_noise, timings=True,
+            add_noise=add_noise, timings=True, image_latents=conditional.image_latents,
+            image_mask=conditional.image_mask, clip_fea=conditional.clip_fea,
         )
         request.validate()  # before a layout auto rearranges the pool for it
         arrange_for_job(model, request.latent, steps, cfg)

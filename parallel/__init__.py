@@ -26,7 +26,7 @@ _EXPORTS = {
     "check_lora_for_model": "models.lora",
     **dict.fromkeys(("stop_pool", "unload_pool_models"), "pool_memory"),
     "save_tensors_atomic": "tensor_files",
-    **dict.fromkeys(("check_model_file", "check_ranks", "has_vace_blocks"), "validation"),
+    **dict.fromkeys(("check_model_file", "check_ranks", "has_vace_blocks", "model_image_inputs"), "validation"),
     **dict.fromkeys(("EncodeVace", "ModelForward", "SampleRequest", "StreamSample"), "protocol"),
     **dict.fromkeys(("H264_ENCODERS", "read_video", "video_encoder", "write_video"), "video_io"),
 }

@@ -434,11 +434,51 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
             raise ValueError(f"vace_strength[{index}] is {strength}; give a finite strength (1.0 is the default)")
 
 
-def check_model_forward(latent, timestep, context, vace_context, vace_strengths: list) -> None:
-    """One model call from a sampler in the driver's process: the timestep, context and VACE rows match the
-    latent's rows, and the VACE contexts its positions."""
-    check_latent(latent)
+IMAGE_CONCAT_CHANNELS = 20  # image-to-video: a 4-channel mask of the given frames and their 16-channel latents
+MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS)  # T2V/VACE; image-to-video
+CLIP_VISION_WIDTH = 1280  # the CLIP vision (ViT-H/14) features Wan's image embedding takes
+
+
+def check_model_input(latent) -> None:
+    """A model call's input: the latent, with an image-to-video model's image channels concatenated (36)."""
+    if latent.ndim != 5 or latent.shape[1] not in MODEL_INPUT_CHANNELS or min(latent.shape) < 1:
+        raise ValueError(f"the model input must be [B, 16 or 36, T, H/8, W/8] (latents, with the image channels of "
+                         f"image-to-video), got shape {list(latent.shape)}")
+
+
+def check_clip_vision_tokens(tokens, batch: int) -> None:
+    """CLIP vision tokens (ComfyUI's penultimate hidden states) for ``batch`` rows: [1 or batch, N, 1280]."""
+    if tokens is None:
+        return
+    if tokens.ndim != 3 or tokens.shape[0] not in (1, batch) or tokens.shape[2] != CLIP_VISION_WIDTH:
+        raise ValueError(f"CLIP vision tokens have shape {list(tokens.shape)}; expected [1 or {batch}, tokens, "
+                         f"{CLIP_VISION_WIDTH}] (the penultimate hidden states of the CLIP vision ViT-H/14)")
+
+
+def check_image_conditioning(image_latents, image_mask, latent_shape: tuple) -> None:
+    """Image-to-video conditioning in ComfyUI's native format for a latent: the encoded video [rows, 16, T, h', w']
+    at the latent's frame count (any size: it is resized to the latent's) and the mask of the given frames
+    [rows, 1 or 4, T' <= T, h'', w''] (WanImageToVideo's or WanFirstLastFrameToVideo's)."""
+    if image_latents is None:
+        if image_mask is not None:
+            raise ValueError("an image-to-video mask was given without the image latents it belongs to")
+        return
+    frames = latent_shape[2]
+    if image_latents.ndim != 5 or image_latents.shape[1] < LATENT_CHANNELS or image_latents.shape[2] != frames:
+        raise ValueError(f"the image-to-video latents have shape {list(image_latents.shape)}; expected [rows, "
+                         f"{LATENT_CHANNELS}, {frames}, h, w]: the encoded video of as many frames as the sampled "
+                         "latent (use the latent of the same image-to-video node)")
+    if image_mask is not None and (image_mask.ndim != 5 or image_mask.shape[2] > frames):
+        raise ValueError(f"the image-to-video mask has shape {list(image_mask.shape)}; expected [rows, 1 or 4, at "
+                         f"most {frames} frames, h, w]")
+
+
+def check_model_forward(latent, timestep, context, vace_context, vace_strengths: list, clip_fea=None) -> None:
+    """One model call from a sampler in the driver's process: the timestep, context, CLIP vision and VACE rows
+    match the latent's rows, and the VACE contexts its positions."""
+    check_model_input(latent)
     batch, _, *positions = latent.shape
+    check_clip_vision_tokens(clip_fea, batch)
     if timestep.ndim != 1 or timestep.shape[0] != batch:
         raise ValueError(f"the model call has {batch} latent rows but timesteps of shape {list(timestep.shape)}; "
                          f"give one timestep per row ([{batch}])")

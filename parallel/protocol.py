@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import (T2V_EXPERT_BOUNDARY, check_experts, check_latent, check_model_forward, check_model_loras,
+from .config import (T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
                      check_dtype_name, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
@@ -166,6 +166,11 @@ class SampleRequest(Request):
     end_step: int | None = None  # steps run stop before this one; None: steps (the result keeps leftover noise before)
     add_noise: bool = True  # False: the latent already holds the noise of step start_step (a chained second sampler)
     timings: bool = False  # every rank times its steps and collectives; the reply holds them (worker/timings.py)
+    # Image-to-video, in ComfyUI's native format (WanImageToVideo's concat_latent_image, concat_mask and the CLIP
+    # vision output's penultimate hidden states); the workers concatenate image_to_video.image_concat to the input
+    image_latents: torch.Tensor | None = None  # raw latents of the conditioning video [rows, 16, T, h', w']
+    image_mask: torch.Tensor | None = None  # [rows, 1 or 4, T' <= T, h'', w'']: 0 where a frame is given
+    clip_fea: torch.Tensor | None = None  # [1 or B, 257 per image, 1280]
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -176,6 +181,8 @@ class SampleRequest(Request):
         if not self.positive or not self.negative:
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
         check_vace_contexts(self.vace_frames, self.vace_masks, self.vace_strengths, self.latent.shape)
+        check_image_conditioning(self.image_latents, self.image_mask, tuple(self.latent.shape))
+        check_clip_vision_tokens(self.clip_fea, self.latent.shape[0])
         check_model_loras(self.model_loras)
         check_experts(boundary=self.boundary, guidance_scale_low=self.guidance_scale_low)
         check_step_range(self.start_step, self.end_step, self.steps)
@@ -190,15 +197,17 @@ class ModelForward(Request):
 
     kind: ClassVar[str] = "model_forward"
     handle: str
-    latent: torch.Tensor  # the model input [B, 16, T, h, w]: latents normalised as the sampler holds them
+    latent: torch.Tensor  # the model input [B, 16 or 36, T, h, w]: normalised latents (+ image channels of I2V)
     timestep: torch.Tensor  # [B]: the model's timestep, sigma x 1000
     context: torch.Tensor  # [B, L, text_dim]: prompt embeddings, one row per latent row
     vace_context: torch.Tensor | None = None  # [B, N, 96, T, h, w]: normalised VACE frames and masks, N contexts
     vace_strengths: list[float] = field(default_factory=list)  # one per VACE context
     loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA file, strength), merged before the call
+    clip_fea: torch.Tensor | None = None  # [B, tokens, 1280]: CLIP vision tokens (Wan 2.1 I2V / FLF2V)
 
     def validate(self) -> None:
-        check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths)
+        check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths,
+                            self.clip_fea)
         check_model_loras({self.handle: self.loras})
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import (
+    LATENT_CHANNELS,
     TEXT_TOKENS,
     ParallelConfig,
     check_head_split,
@@ -30,11 +31,11 @@ from .config import (
     ranks_over_cores_warning,
 )
 from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
-from .models.detect import KIND_DESCRIPTIONS, detect_kind, infer_transformer_config, read_header
+from .models.detect import KIND_DESCRIPTIONS, detect_kind, image_inputs, infer_transformer_config, read_header
 
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
 
-TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "diffusers_transformer")
+TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "wan_i2v", "diffusers_transformer")
 VAE_KINDS = ("wan_vae", "diffusers_vae")
 TEXT_ENCODER_KINDS = ("umt5",)
 VACE_MODULE_KINDS = ("vace_module", "wan_vace")
@@ -113,6 +114,13 @@ def has_vace_blocks(paths: list[str]) -> bool:
         elif path.suffix.lower() not in PICKLE_SUFFIXES and _read_header(path).kind in ("wan_vace", "vace_module"):
             return True
     return False
+
+
+def model_image_inputs(path: str | Path) -> tuple[int, str | None]:
+    """(input channels, ``detect.image_inputs`` kind) of the transformer at ``path``, from its header or config:
+    what image conditioning it takes (the native MODEL and the image-to-video checks need it)."""
+    config = transformer_config(inspect_model_file(path, "model", TRANSFORMER_KINDS)) or {}
+    return config.get("in_channels", LATENT_CHANNELS), image_inputs(config)
 
 
 def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..fields import BY_KEY, add_flag
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
 from .layout import add_layout_arguments, check_layout_arguments
+from .image_inputs import ImageInputs, add_image_arguments, wants_image
 from .vace_inputs import add_vace_arguments, read_vace_inputs, wants_vace
 
 # Sizes used when nothing is given: the real Wan 480p default (the fields' defaults, as the nodes have them), or a
@@ -90,6 +91,7 @@ def _add_generate(sub) -> None:
                    help="LoRA merged into the model on the workers (repeatable, applied in order; strength 1.0 when "
                         "not given, -100..100 as ComfyUI's LoRA loader)")
     add_vace_arguments(p)
+    add_image_arguments(p)
 
 
 def build_parser(bench_options: bool = True) -> argparse.ArgumentParser:
@@ -151,15 +153,21 @@ def resolve_model_files(args) -> dict[str, str | None]:
         missing = [f"--{k.replace('_', '-')}" for k, v in single.items() if not v]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}: --model, --vae and --text-encoder go together")
-        return {**single, "vace_module": args.vace_module, "model_low": getattr(args, "model_low", None)}
+        return {**single, "vace_module": args.vace_module, "model_low": getattr(args, "model_low", None),
+                "clip_vision": getattr(args, "clip_vision", None)}
     root = args.models if args.models is not None else ensure_tiny_models(tiny_cache_dir())
-    tiny_model = "vace" if wants_vace(args) and args.vace_module is None else "model"
-    paths = {key: str(root / TINY_FILES[name]) for key, name in
-             (("model", tiny_model), ("vae", "vae"), ("text_encoder", "text_encoder"))}
+    names = {"model": "vace" if wants_vace(args) and args.vace_module is None else "model", "vae": "vae",
+             "text_encoder": "text_encoder"}
+    if wants_image(args):  # the tiny image-to-video models take the native-width text encoder and CLIP vision
+        names.update(model="flf2v" if args.last_image else "i2v", text_encoder="text_encoder_native",
+                     clip_vision="clip_vision")
+    paths = {key: str(root / TINY_FILES[name]) for key, name in names.items()}
     for key, path in paths.items():
         if not Path(path).is_file():
             raise ValueError(f"{path} does not exist: --models expects a tree written by `wanmesh make-tiny DIR`")
-    return {**paths, "vace_module": args.vace_module, "model_low": getattr(args, "model_low", None)}
+    if getattr(args, "clip_vision", None):
+        paths["clip_vision"] = args.clip_vision
+    return {"clip_vision": None, **paths, "vace_module": args.vace_module, "model_low": getattr(args, "model_low", None)}
 
 
 def read_loras(lora_args: list[str], files: dict) -> list[tuple[str, float]]:
@@ -235,8 +243,9 @@ def _run(args) -> int:
         files = resolve_model_files(args)
         files["loras"] = read_loras(args.lora, files)  # headers checked against the model before the pool starts
         vace = read_vace_inputs(args, files)  # VACE files read and checked; sizes default to the video's
+        image = ImageInputs.read(args, files)  # the model's kind against the images given, images read
         apply_defaults(args, tiny=args.model is None)
-        generate(args, files, vace)
+        generate(args, files, vace, image)
         return 0
     if args.command == "stream":
         for key, value in (TINY_STREAM_DEFAULTS if args.model is None else REAL_STREAM_DEFAULTS).items():

@@ -24,6 +24,7 @@ from ..tensor_files import save_tensors_atomic
 from ..validation import GenerateInputs, check_model_file, validate_generate
 from ..video_io import CONTAINERS, check_fps
 from .layout import auto_layout_config
+from .image_inputs import ImageInputs
 from .vace_inputs import VaceInputs, VaceSources
 from .video_file import write_mp4
 
@@ -83,7 +84,8 @@ def end_progress_line() -> None:
         _progress_line["open"] = False
 
 
-def generate(args, files: dict[str, str | None], vace: VaceSources | None = None) -> None:
+def generate(args, files: dict[str, str | None], vace: VaceSources | None = None,
+             image: ImageInputs | None = None) -> None:
     """Validate, sample, save the latents, decode and write; every input is checked before the pool starts."""
     inputs = vace.build(args.width, args.height, args.frames) if vace is not None else None
     config = auto_layout_config(args, files["model"], check_generate(args, files), streaming=False)
@@ -93,7 +95,7 @@ def generate(args, files: dict[str, str | None], vace: VaceSources | None = None
     with timings.phase("pool_start"):
         workers = WorkerPool(config)
     with workers as pool:
-        frames = _run(PoolRunner(pool), args, files, shape, inputs, timings)
+        frames = _run(PoolRunner(pool), args, files, shape, inputs, timings, image)
     with timings.phase("write"):
         write_mp4(frames, args.out, fps=args.fps)
         if args.save_frames:
@@ -105,9 +107,10 @@ def generate(args, files: dict[str, str | None], vace: VaceSources | None = None
     print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
 
 
-def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None, timings: RunTimings) -> torch.Tensor:
-    """Text encoding, VAE load (before sampling, so a bad VAE fails first), (VACE encoding,) sampling, saving
-    the latents (before decoding, so a failed decode never loses them) and decoding."""
+def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None, timings: RunTimings,
+         image: ImageInputs | None = None) -> torch.Tensor:
+    """Text encoding, VAE load (before sampling, so a bad VAE fails first), (VACE or image encoding,) sampling,
+    saving the latents (before decoding, so a failed decode never loses them) and decoding."""
     with timings.phase("text_encode"):
         prompts = encode_prompts(runner, args, files)
     with timings.phase("vae_load"):
@@ -116,7 +119,11 @@ def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None, timing
     if vace is not None:
         with timings.phase("vae_encode"):
             encoded = vace.encode(runner, vae, args)
-    latents = _sample(runner, args, files, shape, prompts, vace, encoded, timings)
+    image_fields = {}
+    if image is not None:
+        with timings.phase("vae_encode"):
+            image_fields = image.sample_fields(runner, vae, args)
+    latents = _sample(runner, args, files, shape, prompts, vace, encoded, timings, image_fields)
     if args.save_latents:
         save_tensors_atomic({"latents": latents.float()}, args.save_latents)
     with timings.phase("vae_decode"):
@@ -124,9 +131,9 @@ def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None, timing
 
 
 def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | None, encoded,
-            timings: RunTimings) -> torch.Tensor:
+            timings: RunTimings, image_fields: dict | None = None) -> torch.Tensor:
     """The sampled latents; with VACE the latent starts with the reference frames, which are trimmed off after."""
-    fields, trim = {}, 0
+    fields, trim = dict(image_fields or {}), 0
     if encoded is not None:
         fields, trim = vace.sample_fields(encoded), encoded.trim_latent
         shape = (*shape[:2], encoded.frames.shape[2], *shape[3:])

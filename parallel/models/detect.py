@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import IMAGE_CONCAT_CHANNELS
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, is_quantisation_key, read_safetensors_header
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -132,14 +133,10 @@ def _head_count(dim: int, metadata: Mapping[str, str] | None) -> int:
 def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None) -> dict:
     """diffusers `WanTransformer3DModel` / `WanVACETransformer3DModel` kwargs from original-layout shapes.
 
-    A `vace_layers` entry is present exactly when the shapes describe a VACE model.
+    A `vace_layers` entry is present exactly when the shapes describe a VACE model; `image_dim` exactly when the
+    model takes CLIP vision image tokens (Wan 2.1 I2V / FLF2V).
     """
     shapes = {key.removeprefix(COMFY_TRANSFORMER_PREFIX): tuple(shape) for key, shape in shapes.items()}
-    if any(key.startswith("img_emb.") for key in shapes):
-        raise ModelFileError(
-            "Wan image-to-video (I2V) transformers (keys img_emb.*) are not supported; use a Wan 2.1 T2V or "
-            "VACE model."
-        )
     dim, in_channels, *patch_size = _require(shapes, "patch_embedding.weight", "patch size")
     check_latent_channels(in_channels)
     num_layers = _block_count(shapes, "blocks.")
@@ -162,6 +159,7 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
         "qk_norm": "rms_norm_across_heads" if "blocks.0.self_attn.norm_q.weight" in shapes else None,
         "eps": 1e-6,
     }
+    config.update(_image_embedding_config(shapes))
     vace_count = _block_count(shapes, "vace_blocks.")
     if vace_count:
         config["vace_layers"] = [i * num_layers // vace_count for i in range(vace_count)]
@@ -169,21 +167,48 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
     return config
 
 
+def _image_embedding_config(shapes: Shapes) -> dict:
+    """The image-token part of the config (diffusers' names): CLIP feature width, the image cross-attention's
+    input width and, for first-last-frame models, the learned position embedding's length (two images' tokens)."""
+    if "img_emb.proj.0.weight" not in shapes:
+        return {}
+    config = {"image_dim": shapes["img_emb.proj.0.weight"][0],
+              "added_kv_proj_dim": _require(shapes, "blocks.0.cross_attn.k_img.weight", "image key width")[1]}
+    if "img_emb.emb_pos" in shapes:
+        config["pos_embed_seq_len"] = shapes["img_emb.emb_pos"][1]
+    return config
+
+
 WAN21_LATENT_CHANNELS = 16
 WAN22_TI2V_LATENT_CHANNELS = 48
+I2V_IN_CHANNELS = WAN21_LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS
 
 
 def check_latent_channels(in_channels: int) -> None:
-    """Only transformers on the 16-channel Wan 2.1 latent load (Wan 2.1, and both experts of Wan 2.2 A14B T2V)."""
+    """Transformers on the 16-channel Wan 2.1 latent load: text-to-video and VACE (16 input channels) and
+    image-to-video (36: Wan 2.1 I2V / FLF2V, both Wan 2.2 I2V A14B experts)."""
     if in_channels == WAN22_TI2V_LATENT_CHANNELS:
         raise ModelFileError(
             "This is the Wan 2.2 TI2V 5B transformer (48 latent channels, for the 48-channel Wan 2.2 VAE), which is "
-            "not supported; use Wan 2.1 T2V/VACE or the Wan 2.2 A14B T2V experts (16 latent channels).")
-    if in_channels != WAN21_LATENT_CHANNELS:
+            "not supported yet; use Wan 2.1 T2V/VACE/I2V or the Wan 2.2 A14B T2V/I2V experts (16 latent channels).")
+    if in_channels not in (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS):
         raise ModelFileError(
-            f"This transformer takes {in_channels} input channels (an image-to-video or other conditioned model, e.g. "
-            f"Wan 2.2 I2V A14B with 36), which is not supported; use a T2V or VACE model with "
-            f"{WAN21_LATENT_CHANNELS} input channels.")
+            f"This transformer takes {in_channels} input channels (a Fun-control, camera or other conditioned model), "
+            f"which is not supported; use a T2V or VACE model ({WAN21_LATENT_CHANNELS} input channels) or an "
+            f"image-to-video model ({I2V_IN_CHANNELS}).")
+
+
+def image_inputs(config: Mapping) -> str | None:
+    """What image conditioning a transformer config takes: "clip_vision" (Wan 2.1 I2V: latents of the start image
+    and CLIP vision tokens), "first_last" (Wan 2.1 FLF2V: two images' tokens), "latents" (Wan 2.2 I2V A14B:
+    image latents only), or None (text-to-video and VACE)."""
+    if config.get("pos_embed_seq_len"):
+        return "first_last"
+    if config.get("image_dim"):
+        return "clip_vision"
+    if config.get("in_channels", WAN21_LATENT_CHANNELS) == I2V_IN_CHANNELS:
+        return "latents"
+    return None
 
 
 def infer_vae_config(shapes: Shapes) -> dict:

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checkpoint import TensorSlice, WeightSource, build_empty, load_weights_into
 from .quantized import StoredTensor, logical_name
-from .wan import pad_inputs_to_patches, transformer_weight_source
+from .wan import transformer_weight_source, with_native_inputs
 from ..distributed.tensor_parallel import (
     TensorParallelPlan,
     check_tp_degree,
@@ -91,7 +91,7 @@ def load_transformer_shard(
             shard_modules_(model, plan, tp_rank, tp_size, tp_group)
             source = ShardedWeightSource(source, plan.shard_dims(), tp_rank, tp_size)
         model = load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
-        return pad_inputs_to_patches(model)
+        return with_native_inputs(model)
 
 
 def load_transformer_tp(

@@ -20,6 +20,7 @@ from diffusers.loaders.single_file_utils import (
     convert_wan_vae_to_diffusers,
 )
 
+from ..config import TEXT_TOKENS
 from .checkpoint import (
     COMFY_TRANSFORMER_PREFIX,
     CheckpointFile,
@@ -40,7 +41,7 @@ from .detect import (WAN21_LATENT_CHANNELS, check_latent_channels, describe_kind
                      infer_vae_config)
 
 __all__ = ["ModelFileError", "TextEncoder", "load_text_encoder", "load_transformer", "load_vae", "pad_to_patches",
-           "pad_inputs_to_patches", "resolve_model_location", "transformer_weight_source"]
+           "pad_inputs_to_patches", "with_native_inputs", "resolve_model_location", "transformer_weight_source"]
 
 # diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support.
 TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext}
@@ -69,10 +70,20 @@ def _wrong_kind(path: Path, expected: str, keys: list[str]) -> ModelFileError:
     return ModelFileError(f"{path}: expected {expected}, but this looks like {describe_kind(keys)}.")
 
 
+# diffusers' converter has no name for FLF2V's learned image-token position embedding; everything else is its own.
+EXTRA_TRANSFORMER_KEYS = {"img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed"}
+
+
+def convert_wan_transformer_keys(checkpoint: dict) -> dict:
+    """diffusers' Wan key converter (original layout -> diffusers names), with the keys it does not know."""
+    extra = {EXTRA_TRANSFORMER_KEYS[key]: checkpoint.pop(key) for key in list(checkpoint) if key in EXTRA_TRANSFORMER_KEYS}
+    return {**convert_wan_transformer_to_diffusers(checkpoint), **extra}
+
+
 def _original_transformer_source(checkpoint: CheckpointFile) -> tuple[WeightSource, dict[str, tuple[int, ...]]]:
     """Name map (diffusers name -> stored key) and prefix-free shapes of an original-layout file."""
     unprefixed_to_stored = strip_prefix(checkpoint.weight_keys(), COMFY_TRANSFORMER_PREFIX)
-    diffusers_to_unprefixed = rename_map(unprefixed_to_stored, convert_wan_transformer_to_diffusers)
+    diffusers_to_unprefixed = rename_map(unprefixed_to_stored, convert_wan_transformer_keys)
     refs = {name: TensorRef(checkpoint, unprefixed_to_stored[original])
             for name, original in diffusers_to_unprefixed.items()}
     shapes = {original: checkpoint.shape(stored) for original, stored in unprefixed_to_stored.items()}
@@ -165,7 +176,52 @@ def load_transformer(
         model_class, config, source = transformer_weight_source(path, vace_module, stack)
         model = build_empty(lambda: model_class.from_config(config))
         model = load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
-        return pad_inputs_to_patches(model)
+        return with_native_inputs(model)
+
+
+def with_native_inputs(model: torch.nn.Module) -> torch.nn.Module:
+    """The loaded transformer taking its inputs as native Wan takes them: latents of any size (padded to patches)
+    and, for models with image tokens, native text lengths and first-last-frame tokens. In place; returns it."""
+    pad_inputs_to_patches(model)
+    if getattr(model.config, "image_dim", None):
+        pad_text_for_image_tokens(model)
+        if getattr(model.config, "pos_embed_seq_len", None):
+            embed_image_tokens_natively(model.condition_embedder.image_embedder)
+    return model
+
+
+# -- image tokens (Wan 2.1 I2V / FLF2V) ------------------------------------------------------------------------------
+
+
+def pad_text_for_image_tokens(model: torch.nn.Module) -> None:
+    """diffusers' attention tells image tokens from text tokens by assuming exactly TEXT_TOKENS (512) text tokens
+    after them; native Wan's text encoder pads every prompt to 512 with zero embeddings, so a shorter context is
+    padded the same way here, and a longer one (which native splits by the image token count) is refused."""
+
+    def pad_text(module, args, kwargs):
+        text = kwargs.get("encoder_hidden_states")
+        if text is None or text.shape[1] == TEXT_TOKENS:
+            return args, kwargs
+        if text.shape[1] > TEXT_TOKENS:
+            raise ValueError(f"image-to-video models take at most {TEXT_TOKENS} text tokens; this prompt has "
+                             f"{text.shape[1]}: shorten it")
+        kwargs["encoder_hidden_states"] = torch.nn.functional.pad(text, (0, 0, 0, TEXT_TOKENS - text.shape[1]))
+        return args, kwargs
+
+    model.register_forward_pre_hook(pad_text, with_kwargs=True)
+
+
+def embed_image_tokens_natively(embedder: torch.nn.Module) -> None:
+    """FLF2V's image embedding as native Wan computes it: the learned position embedding added to however many
+    tokens are given (two images, or one when there is no end image). diffusers' version folds the batch into
+    pairs of images and cannot take one image's tokens."""
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        positions = embedder.pos_embed.shape[1]
+        tokens = tokens[:, :positions] + embedder.pos_embed[:, : tokens.shape[1]].to(tokens.dtype)
+        return embedder.norm2(embedder.ff(embedder.norm1(tokens)))
+
+    embedder.forward = forward
 
 
 # -- latents of any size: padded to the patch grid, the output cropped back ----------------------------------------

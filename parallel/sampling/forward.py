@@ -12,7 +12,8 @@ import torch
 
 from ..protocol import ModelForward
 from ..vace.context import default_vace_context
-from .guidance import flow_prediction
+from ..config import LATENT_CHANNELS
+from .guidance import IMAGE_CONCAT, flow_prediction
 from .latents import LATENTS_MEAN, LATENTS_STD
 
 
@@ -50,10 +51,47 @@ def forward_vace_inputs(model, request: ModelForward, rows: range, dtype, device
     return vace_call_inputs(contexts, request.vace_strengths, len(vace_layers), dtype, device)
 
 
+def image_inputs(model, image_concat: torch.Tensor | None, clip_fea: torch.Tensor | None, rows: range,
+                 latent_shape: tuple, dtype, device) -> dict:
+    """The image-to-video inputs of the given rows: the image channels concatenated to the latents (zeros when
+    none are given, as native Wan fills them) and the CLIP vision tokens of models that take them. A model
+    without image inputs refuses image channels; one whose image tokens are missing is refused too."""
+    config = model.config
+    extra_channels = config.in_channels - LATENT_CHANNELS
+    if image_concat is not None and not extra_channels:
+        raise ValueError("the conditioning carries a start image but this model is not an image-to-video model; load "
+                         "a Wan I2V model, or sample without the image conditioning")
+    inputs = {}
+    if extra_channels:
+        if image_concat is None:
+            image_concat = torch.zeros(1, extra_channels, *latent_shape[2:])
+        inputs[IMAGE_CONCAT] = _batch_rows(image_concat, rows, latent_shape[0]).to(device=device, dtype=dtype)
+    if getattr(config, "image_dim", None):
+        if clip_fea is None:
+            raise ValueError("this image-to-video model (Wan 2.1 I2V / FLF2V) needs CLIP vision image tokens: connect "
+                             "a CLIP Vision Encode output to the image-to-video node (--clip-vision on the command line)")
+        inputs["encoder_hidden_states_image"] = _batch_rows(clip_fea, rows, latent_shape[0]).to(device=device, dtype=dtype)
+    return inputs
+
+
+def _batch_rows(tensor: torch.Tensor, rows: range, batch: int) -> torch.Tensor:
+    """The given rows of a tensor that holds one row for every batch row, or one for all of them."""
+    if tensor.shape[0] == 1 and batch != 1:
+        return tensor.expand(batch, *tensor.shape[1:])[rows.start : rows.stop]
+    return tensor[rows.start : rows.stop]
+
+
 def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> torch.Tensor:
-    """The flow prediction [len(rows), 16, T, h, w] (float32, CPU) of the given rows of a model call."""
+    """The flow prediction [len(rows), 16, T, h, w] (float32, CPU) of the given rows of a model call; an
+    image-to-video model's input arrives with its image channels already concatenated (36 channels)."""
     latents = request.latent[rows.start : rows.stop].to(device=device, dtype=dtype)
     timestep = request.timestep[rows.start : rows.stop].to(device)
     context = request.context[rows.start : rows.stop].to(device=device, dtype=dtype)
     extra = forward_vace_inputs(model, request, rows, dtype, device)
+    if latents.shape[1] != model.config.in_channels:
+        raise ValueError(f"the model call gives {latents.shape[1]} input channels but this model takes "
+                         f"{model.config.in_channels}; use image-to-video conditioning with image-to-video models only")
+    shape = (request.latent.shape[0], LATENT_CHANNELS, *request.latent.shape[2:])
+    extra.update(image_inputs(model, None, request.clip_fea, rows, shape, dtype, device))
+    extra.pop(IMAGE_CONCAT, None)  # the input holds its image channels already
     return flow_prediction(model, latents, timestep, context, extra).float().cpu()

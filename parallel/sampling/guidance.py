@@ -14,17 +14,25 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["combine_guidance", "flow_prediction", "guided_prediction", "cfg_parallel_prediction", "guidance_for"]
+__all__ = ["IMAGE_CONCAT", "combine_guidance", "flow_prediction", "guided_prediction", "cfg_parallel_prediction", "guidance_for"]
 
 
 def combine_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, guidance_scale: float) -> torch.Tensor:
     return unconditional + guidance_scale * (conditional - unconditional)
 
 
+IMAGE_CONCAT = "image_concat"  # the ``extra`` entry whose channels are concatenated to the latents (image-to-video)
+
+
 def flow_prediction(model, latents, t, context, extra: dict) -> torch.Tensor:
-    """One model call: the flow prediction of ``latents`` at timestep ``t`` (one value, or one per row)."""
+    """One model call: the flow prediction of ``latents`` at timestep ``t`` (one value, or one per row). ``extra``
+    holds further model inputs; its ``IMAGE_CONCAT`` entry is concatenated to the latents' channels, as native
+    Wan feeds image-to-video models."""
     timestep = t.expand(latents.shape[0]).to(latents.device)
-    return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=context, return_dict=False, **extra)[0]
+    kwargs = {name: value for name, value in extra.items() if name != IMAGE_CONCAT}
+    if extra.get(IMAGE_CONCAT) is not None:
+        latents = torch.cat([latents, extra[IMAGE_CONCAT].to(latents.dtype)], dim=1)
+    return model(hidden_states=latents, timestep=timestep, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
 
 
 def guided_prediction(model, latents, t, positive, negative, guidance_scale: float, extra: dict) -> torch.Tensor:

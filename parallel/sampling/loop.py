@@ -18,11 +18,12 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from ..config import COMFY_SAMPLERS, DISCARD_PENULTIMATE_SIGMA, SAMPLERS, TEXT_TOKENS, WAN_UNIPC, WAN_UNIPC_ALIAS
 from ..errors import Cancelled
+from ..image_to_video import image_concat
 from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import vace_call_inputs, vace_layers_of
+from .forward import image_inputs, vace_call_inputs, vace_layers_of
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
@@ -140,7 +141,7 @@ def sample(
     negative = None
     if experts.needs_negative:
         negative = _rows(text_context(request.negative, request.latent.shape[0], dtype, device), rows)
-    extra = vace_model_inputs(model, request, rows, dtype, device)
+    extra = conditioning_inputs(model, request, rows, dtype, device)
     latents = initial_latents(request, schedule.start_sigma, rows).to(device)
     run_steps = len(schedule.timesteps)
     for index, t in enumerate(schedule.timesteps):
@@ -176,7 +177,7 @@ def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype
     positive = _rows(text_context(request.positive, batch, dtype, device), rows)
     negative = (_rows(text_context(request.negative, batch, dtype, device), rows)
                 if experts.needs_negative else None)
-    extra = vace_model_inputs(model, request, rows, dtype, device)
+    extra = conditioning_inputs(model, request, rows, dtype, device)
     start = normalize_latents(request.latent[rows.start : rows.stop]).to(device)
     noise = (seeded_noise(tuple(request.latent.shape), request.seed)[rows.start : rows.stop].to(device)
              if request.add_noise else torch.zeros_like(start))
@@ -227,6 +228,17 @@ def ancestral_noise(seed: int, shape: tuple[int, ...], rows: range, device) -> C
 
 def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
     return tensor[rows.start : rows.stop]
+
+
+def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
+    """The model inputs beside latents, timestep and text: VACE contexts and image-to-video inputs."""
+    shape = tuple(request.latent.shape)
+    concat = None
+    if request.image_latents is not None:
+        concat = image_concat(request.image_latents, request.image_mask, shape, LATENTS_MEAN.flatten(),
+                              LATENTS_STD.flatten())
+    return {**vace_model_inputs(model, request, rows, dtype, device),
+            **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device)}
 
 
 def vace_model_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:

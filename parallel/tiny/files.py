@@ -19,6 +19,13 @@ TINY_FILES = {
     "model_native": "diffusion_models/wan_native_t2v.safetensors",
     "vace_native": "diffusion_models/wan_native_vace.safetensors",
     "text_encoder_native": "text_encoders/umt5_native.safetensors",
+    # Image-to-video (native-loadable; text from the native umT5 twin): Wan 2.1 I2V and FLF2V with the tiny CLIP
+    # vision encoder, the Wan 2.2 I2V A14B-like expert pair
+    "i2v": "diffusion_models/wan_tiny_i2v.safetensors",
+    "flf2v": "diffusion_models/wan_tiny_flf2v.safetensors",
+    "i2v_high": "diffusion_models/wan22_tiny_i2v_high.safetensors",
+    "i2v_low": "diffusion_models/wan22_tiny_i2v_low.safetensors",
+    "clip_vision": "clip_vision/clip_vision_tiny.safetensors",
 }
 
 # `wanmesh make-tiny DIR --preset medium`: a ~150M-parameter T2V transformer in the formats users have, with the

@@ -36,6 +36,7 @@ from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 from transformers.utils import logging as transformers_logging
 
 from ..models.checkpoint import rename_map
+from ..models.wan import convert_wan_transformer_keys
 from ..models.umt5 import SPIECE_FILENAME, SPIECE_KEY
 from ..tensor_files import save_tensors_atomic
 from .files import MEDIUM_FILES, TINY_FILES
@@ -55,6 +56,12 @@ MEDIUM_TRANSFORMER = dict(TINY_TRANSFORMER, num_attention_heads=16, attention_he
 NATIVE_TRANSFORMER = dict(TINY_TRANSFORMER, num_attention_heads=2, attention_head_dim=128, text_dim=4096,
                           ffn_dim=512, num_layers=2)
 NATIVE_VACE = dict(NATIVE_TRANSFORMER, vace_layers=[0], vace_in_channels=96)
+# Image-to-video, native-loadable like the twins: Wan 2.1 I2V (36 input channels, CLIP vision tokens through an image
+# embedding of width 1280 and an image cross-attention), FLF2V (two images' tokens with a position embedding) and
+# the Wan 2.2 I2V A14B experts (36 input channels, no image tokens).
+NATIVE_I2V = dict(NATIVE_TRANSFORMER, in_channels=36, image_dim=1280, added_kv_proj_dim=256)
+NATIVE_FLF2V = dict(NATIVE_I2V, pos_embed_seq_len=2 * 257)
+NATIVE_I2V_EXPERT = dict(NATIVE_TRANSFORMER, in_channels=36)
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])
 TINY_UMT5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
@@ -168,12 +175,22 @@ def _pairs(*names: str) -> list[str]:
     return [f"{name}.{suffix}" for name in names for suffix in ("weight", "bias")]
 
 
-def _wan_block_names(prefix: str) -> list[str]:
+def _wan_block_names(prefix: str, image_tokens: bool = False) -> list[str]:
     names = [f"{prefix}.modulation"]
     for attention in ("self_attn", "cross_attn"):
         names += _pairs(*(f"{prefix}.{attention}.{proj}" for proj in "qkvo"))
         names += [f"{prefix}.{attention}.norm_q.weight", f"{prefix}.{attention}.norm_k.weight"]
+    if image_tokens:
+        names += _pairs(f"{prefix}.cross_attn.k_img", f"{prefix}.cross_attn.v_img")
+        names += [f"{prefix}.cross_attn.norm_k_img.weight"]
     return names + _pairs(f"{prefix}.norm3", f"{prefix}.ffn.0", f"{prefix}.ffn.2")
+
+
+def _image_embedding_names(config: dict) -> list[str]:
+    if not config.get("image_dim"):
+        return []
+    names = _pairs("img_emb.proj.0", "img_emb.proj.1", "img_emb.proj.3", "img_emb.proj.4")
+    return names + (["img_emb.emb_pos"] if config.get("pos_embed_seq_len") else [])
 
 
 def original_transformer_names(config: dict) -> list[str]:
@@ -181,7 +198,8 @@ def original_transformer_names(config: dict) -> list[str]:
     names = _pairs("patch_embedding", "text_embedding.0", "text_embedding.2", "time_embedding.0",
                    "time_embedding.2", "time_projection.1", "head.head") + ["head.modulation"]
     for index in range(config["num_layers"]):
-        names += _wan_block_names(f"blocks.{index}")
+        names += _wan_block_names(f"blocks.{index}", image_tokens=bool(config.get("image_dim")))
+    names += _image_embedding_names(config)
     for index in range(len(config.get("vace_layers", []))):
         names += _wan_block_names(f"vace_blocks.{index}") + _pairs(f"vace_blocks.{index}.after_proj")
         names += _pairs(f"vace_blocks.{index}.before_proj") if index == 0 else []
@@ -321,7 +339,7 @@ def _write_vae_and_text_encoder(models: TinyModels, paths: dict[str, Path]) -> N
 
 
 def _transformer_state(model: torch.nn.Module, config: dict) -> dict[str, torch.Tensor]:
-    return original_state_dict(model, original_transformer_names(config), convert_wan_transformer_to_diffusers)
+    return original_state_dict(model, original_transformer_names(config), convert_wan_transformer_keys)
 
 
 def _head_metadata(config: dict) -> dict[str, str]:
@@ -361,6 +379,29 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
     _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
     _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
     paths.update(make_native_twins(root, models.spiece_model))
+    paths.update(make_image_to_video_models(root))
+    return paths
+
+
+IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
+    "i2v": (NATIVE_I2V, 10), "flf2v": (NATIVE_FLF2V, 11), "i2v_high": (NATIVE_I2V_EXPERT, 12),
+    "i2v_low": (NATIVE_I2V_EXPERT, 13),
+}
+
+
+def make_image_to_video_models(root: Path, seed: int = SEED) -> dict[str, Path]:
+    """The tiny image-to-video transformers (native-loadable, text width 4096: they take the native umT5 twin's
+    embeddings) and the tiny CLIP vision encoder their image tokens come from."""
+    from .clip_vision import write_tiny_clip_vision
+
+    paths = {}
+    for name, (config, offset) in IMAGE_TO_VIDEO_MODELS.items():
+        model = WanTransformer3DModel(**config)
+        randomise_(model, seed + offset)
+        paths[name] = root / TINY_FILES[name]
+        save_tensors_atomic(_transformer_state(model.eval(), config), paths[name], metadata=_head_metadata(config))
+    paths["clip_vision"] = root / TINY_FILES["clip_vision"]
+    write_tiny_clip_vision(paths["clip_vision"])
     return paths
 
 

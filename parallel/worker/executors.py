@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import encode_geometry
+from ..config import LATENT_CHANNELS, encode_geometry
 from ..errors import Cancelled
 from ..distributed.patch_parallel import effective_patch_size
 from ..models.frames import frames_to_pixels, pixels_to_frames
@@ -81,7 +81,7 @@ class RankExecutor(ResidentModels):
         if len(rows):
             prediction = forward_rows(model, request, rows, dtype, self.device)
         else:  # a replica with no rows (fewer rows than replicas) only joins the gather
-            prediction = request.latent.new_zeros((0, *request.latent.shape[1:]))
+            prediction = request.latent.new_zeros((0, LATENT_CHANNELS, *request.latent.shape[2:]))
         return self._gather_replicas(prediction, batch)
 
     def sample_latents(self, request: SampleRequest, progress=None, should_stop=None):

@@ -42,6 +42,7 @@ MODEL_FOLDERS = {
     "vae": "vae/",
     "loras": "loras/",
     "diffusers": "diffusers/",
+    "clip_vision": "clip_vision/",
 }
 # A second transformer folder known only by the 2024 name: files there must be listed as well (today's ComfyUI
 # maps "unet" onto its diffusion_models).

@@ -1,0 +1,92 @@
+"""`wanmesh generate --image START [--last-image END] [--clip-vision FILE]`: image-to-video on the command line;
+runs in the CLI (driver) process.
+
+The model's kind (its header) decides what is needed: Wan 2.1 I2V a start image and a CLIP vision file, FLF2V a
+start and an end image and a CLIP vision file, Wan 2.2 I2V A14B a start image only; a text-to-video model takes no
+image. Every such mistake is a one-line error before the pool starts. The conditioning is what ComfyUI's native
+WanImageToVideo / WanFirstLastFrameToVideo make (``image_to_video.py``): the video is VAE-encoded on the pool; the
+CLIP vision encoder (one or two images) runs here, as ComfyUI runs it in its own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..image_to_video import first_last_video, start_image_video
+from ..validation import model_image_inputs
+
+IMAGE_FLAGS = {"image": "--image", "last_image": "--last-image", "clip_vision": "--clip-vision"}
+KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B"}
+
+
+def add_image_arguments(parser) -> None:
+    group = parser.add_argument_group("image to video (the model's kind decides what it needs)")
+    group.add_argument("--image", help="the start image (image-to-video and first-last-frame models)")
+    group.add_argument("--last-image", help="the end image (first-last-frame models)")
+    group.add_argument("--clip-vision", help="CLIP vision file, e.g. clip_vision_h.safetensors (Wan 2.1 I2V / FLF2V)")
+
+
+def wants_image(args) -> bool:
+    return getattr(args, "image", None) is not None or getattr(args, "last_image", None) is not None
+
+
+def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
+    """What the model of ``kind`` (``detect.image_inputs``) needs against what was given; one line each."""
+    if kind is None:
+        if wants_image(args):
+            raise ValueError("--image/--last-image were given but the model is text-to-video; use an image-to-video "
+                             "model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B) or leave the images out")
+        return
+    name = KIND_NAMES[kind]
+    if args.image is None and not (kind == "first_last" and args.last_image is not None):
+        raise ValueError(f"the model is {name}: give the start image with --image")
+    if args.last_image is not None and kind != "first_last":
+        raise ValueError(f"the model is {name}, which takes one image; --last-image needs a first-last-frame (FLF2V) "
+                         "model")
+    if kind in ("clip_vision", "first_last") and clip_vision is None:
+        raise ValueError(f"the model is {name}: give its CLIP vision file with --clip-vision "
+                         "(clip_vision_h.safetensors)")
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """The images of an image-to-video run, read and checked before the pool starts."""
+
+    kind: str
+    start: torch.Tensor | None
+    end: torch.Tensor | None
+    clip_vision: str | None
+
+    @classmethod
+    def read(cls, args, files: dict) -> ImageInputs | None:
+        from .media import read_image
+
+        _, kind = model_image_inputs(files["model"])
+        clip_vision = files.get("clip_vision")
+        check_image_arguments(kind, args, clip_vision)
+        if kind is None:
+            return None
+        start = None if args.image is None else read_image(args.image, "--image")
+        end = None if args.last_image is None else read_image(args.last_image, "--last-image")
+        return cls(kind, start, end, clip_vision if kind != "latents" else None)
+
+    def sample_fields(self, runner, vae: str, args) -> dict:
+        """The SampleRequest's image fields: the video encoded on the pool, its mask, the CLIP vision tokens."""
+        if self.kind == "first_last":
+            video, mask = first_last_video(self.start, self.end, args.width, args.height, args.frames)
+        else:
+            video, mask = start_image_video(self.start, args.width, args.height, args.frames)
+        latents = runner.encode(vae, video, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
+        return {"image_latents": latents, "image_mask": mask, "clip_fea": self._clip_tokens()}
+
+    def _clip_tokens(self) -> torch.Tensor | None:
+        if self.clip_vision is None:
+            return None
+        from ..models.clip_vision import encode_images, load_clip_vision
+
+        encoder = load_clip_vision(self.clip_vision)
+        images = [image for image in (self.start, self.end) if image is not None]
+        return torch.cat([encode_images(encoder, image[..., :3]).penultimate_hidden_states for image in images],
+                         dim=-2)

@@ -1,0 +1,121 @@
+"""Image-to-video conditioning as native ComfyUI builds it; light (torch only), used by the driver and the workers.
+
+The driver side (the WanMesh Image To Video node, ``wanmesh generate --image``) builds what native
+``WanImageToVideo`` and ``WanFirstLastFrameToVideo`` build: the video the VAE encodes (the given frames resized and
+center-cropped, grey elsewhere) and the mask of the given frames. The worker side turns the encoded image latents
+and that mask into the 20 channels concatenated to an image-to-video model's input, as ComfyUI's Wan model does
+(``image_concat``). The resizing helpers mirror ComfyUI's ``common_upscale`` (bilinear, center crop) and
+``resize_to_batch_size`` because WanMesh must give the same numbers as the native nodes and nothing in
+``parallel/`` imports ComfyUI.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import IMAGE_CONCAT_CHANNELS, LATENT_CHANNELS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR
+
+MASK_CHANNELS = IMAGE_CONCAT_CHANNELS - LATENT_CHANNELS  # 4: one per frame a latent frame covers
+GREY = 0.5  # the value of the frames no image is given for
+
+
+def upscale_center(samples: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """``samples`` [..., C, H, W] (4-D images or 5-D [B, C, T, H, W]) center-cropped to the aspect of
+    ``width`` x ``height`` and resized bilinearly to it (ComfyUI's ``common_upscale(..., "bilinear", "center")``)."""
+    shape = tuple(samples.shape)
+    if len(shape) > 4:
+        samples = samples.reshape(shape[0], shape[1], -1, shape[-2], shape[-1]).movedim(2, 1)
+        samples = samples.reshape(-1, shape[1], shape[-2], shape[-1])
+    old_height, old_width = samples.shape[-2:]
+    old_aspect, new_aspect = old_width / old_height, width / height
+    x = round((old_width - old_width * (new_aspect / old_aspect)) / 2) if old_aspect > new_aspect else 0
+    y = round((old_height - old_height * (old_aspect / new_aspect)) / 2) if old_aspect < new_aspect else 0
+    cropped = samples.narrow(-2, y, old_height - 2 * y).narrow(-1, x, old_width - 2 * x)
+    out = F.interpolate(cropped, size=(height, width), mode="bilinear")
+    if len(shape) == 4:
+        return out
+    return out.reshape(shape[0], -1, shape[1], height, width).movedim(2, 1).reshape(*shape[:-2], height, width)
+
+
+def resize_to_batch(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """``tensor`` with ``batch`` rows, picking rows evenly (ComfyUI's ``resize_to_batch_size``)."""
+    given = tensor.shape[0]
+    if given == batch:
+        return tensor
+    if batch <= 1:
+        return tensor[:batch]
+    if batch < given:
+        scale = (given - 1) / (batch - 1)
+        picks = [min(round(i * scale), given - 1) for i in range(batch)]
+    else:
+        scale = given / batch
+        picks = [min(math.floor((i + 0.5) * scale), given - 1) for i in range(batch)]
+    return tensor[picks]
+
+
+def latent_frame_count(length: int) -> int:
+    return (length - 1) // TEMPORAL_STRIDE + 1
+
+
+def _fitted(images: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """IMAGE [F, H, W, C] resized and center-cropped to width x height."""
+    return upscale_center(images.movedim(-1, 1), width, height).movedim(1, -1)
+
+
+def start_image_video(start: torch.Tensor | None, width: int, height: int, length: int):
+    """(video [length, height, width, 3], mask [1, 1, latent frames, h, w]) as ``WanImageToVideo`` builds them:
+    the start frames (at most ``length``) then grey; the mask 0 on the latent frames the start frames cover.
+    None for both without a start image (the node then adds no image conditioning)."""
+    if start is None:
+        return None, None
+    start = _fitted(start[:length].float(), width, height)
+    video = torch.full((length, height, width, start.shape[-1]), GREY)
+    video[: start.shape[0]] = start
+    latent_frames = latent_frame_count(length)
+    mask = torch.ones(1, 1, latent_frames, height // VAE_SPATIAL_FACTOR, width // VAE_SPATIAL_FACTOR)
+    mask[:, :, : latent_frame_count(start.shape[0])] = 0.0
+    return video[..., :3], mask
+
+
+def first_last_video(start: torch.Tensor | None, end: torch.Tensor | None, width: int, height: int, length: int):
+    """(video [length, height, width, 3], mask [1, 4, latent frames, h, w]) as ``WanFirstLastFrameToVideo`` builds
+    them: start frames first, end frames last, grey between; the mask 0 on the frames given (a start frame also
+    covers the three frames after it, as the VAE's first latent frame is one frame)."""
+    latent_frames = latent_frame_count(length)
+    video = torch.full((length, height, width, 3), GREY)
+    mask = torch.ones(1, 1, latent_frames * TEMPORAL_STRIDE, height // VAE_SPATIAL_FACTOR, width // VAE_SPATIAL_FACTOR)
+    if start is not None:
+        start = _fitted(start[:length].float(), width, height)
+        video[: start.shape[0]] = start[..., :3]
+        mask[:, :, : start.shape[0] + 3] = 0.0
+    if end is not None:
+        end = _fitted(end[-length:].float(), width, height)
+        video[-end.shape[0]:] = end[..., :3]
+        mask[:, :, -end.shape[0]:] = 0.0
+    mask = mask.view(1, latent_frames, TEMPORAL_STRIDE, *mask.shape[-2:]).transpose(1, 2)
+    return video, mask
+
+
+def image_concat(image_latents: torch.Tensor, mask: torch.Tensor | None, latent_shape: tuple,
+                 mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """The 20 channels [B, 20, T, h, w] concatenated to an image-to-video model's input (ComfyUI's Wan
+    ``concat_cond``): the mask of the given frames, inverted (1 where a frame is given) and one channel per frame
+    of a latent frame, then the image latents normalised with the Wan latent ``mean``/``std``; both resized to the
+    latent's size and batch. Without a mask, the mask channels are zeros."""
+    batch, _, frames, h, w = latent_shape
+    image = upscale_center(image_latents.float(), w, h)[:, :LATENT_CHANNELS]
+    image = resize_to_batch((image - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1), batch)
+    if mask is None:
+        return torch.cat([torch.zeros(batch, MASK_CHANNELS, *image.shape[2:]), image], dim=1)
+    mask = mask.float()
+    if mask.shape[1] != MASK_CHANNELS:
+        mask = mask.mean(dim=1, keepdim=True)
+    mask = upscale_center(1.0 - mask, w, h)
+    if mask.shape[2] < frames:
+        mask = F.pad(mask, (0, 0, 0, 0, 0, frames - mask.shape[2]))
+    if mask.shape[1] == 1:
+        mask = mask.repeat(1, MASK_CHANNELS, 1, 1, 1)
+    return torch.cat([resize_to_batch(mask, batch), image], dim=1)
