@@ -4,6 +4,7 @@ from . import errors, memory
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .lora import WanMeshLoraLoader
+from .clip_vision import WanMeshCLIPVisionEncode, WanMeshCLIPVisionLoader
 from .image_to_video import WanMeshImageToVideo
 from .native_model import WanMeshNativeModel
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
@@ -28,6 +29,8 @@ _NODES = {
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
     "WanMeshVaceEncode": (WanMeshVaceEncode, "WanMesh VACE Encode"),
     "WanMeshImageToVideo": (WanMeshImageToVideo, "WanMesh Image To Video"),
+    "WanMeshCLIPVisionLoader": (WanMeshCLIPVisionLoader, "WanMesh CLIP Vision Loader"),
+    "WanMeshCLIPVisionEncode": (WanMeshCLIPVisionEncode, "WanMesh CLIP Vision Encode"),
     "WanMeshTrimLatent": (WanMeshTrimLatent, "WanMesh Trim Latent"),
     "WanMeshVaceMask": (WanMeshVaceMask, "WanMesh VACE Mask"),
     "WanMeshVaceReference": (WanMeshVaceReference, "WanMesh VACE Reference"),

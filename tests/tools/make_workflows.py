@@ -47,10 +47,10 @@ def pool(w: WorkflowBuilder, **modes: Any) -> int:
 
 
 def text_and_model(w: WorkflowBuilder, pool_id: int, positive: str, model: str,
-                   vace_module: str = "none") -> tuple[int, int, int]:
+                   vace_module: str = "none", text_encoder: str = "umt5_tiny.safetensors") -> tuple[int, int, int]:
     """Text encoder loader, positive and negative prompts, model loader: (positive, negative, model) ids."""
     encoder = w.node("WanMeshTextEncoderLoader", [COLUMNS[1], 40],
-                     {"text_encoder_name": "umt5_tiny.safetensors", "dtype": "auto"}, {"pool": (pool_id, 0)})
+                     {"text_encoder_name": text_encoder, "dtype": "auto"}, {"pool": (pool_id, 0)})
     positive_id = w.node("WanMeshTextEncode", [COLUMNS[2], 40], {"text": positive}, {"text_encoder": (encoder, 0)},
                          title="Positive prompt", size=TEXT_NODE_SIZE)
     negative_id = w.node("WanMeshTextEncode", [COLUMNS[2], 230], {"text": NEGATIVE}, {"text_encoder": (encoder, 0)},
@@ -154,6 +154,76 @@ def wan22_two_experts(info: dict[str, Any]) -> WorkflowBuilder:
     decode = w.node("WanMeshVAEDecode", [COLUMNS[5], 40], {"tile_px": 0, "overlap_px": 64},
                     {"vae": (vae, 0), "samples": (second, 0)})
     save_video(w, 6, decode, "wan22_two_experts")
+    return w
+
+
+# ---- image to video --------------------------------------------------------------------------------------------
+
+I2V_PROMPT = "the red circle rolls to the right"
+I2V_SIZE = {"width": 64, "height": 48, "length": 9, "batch_size": 1}
+
+
+def clip_vision_of(w: WorkflowBuilder, images: list[int]) -> list[int]:
+    """WanMesh CLIP Vision Loader (the tiny encoder) and one WanMesh CLIP Vision Encode per image."""
+    loader = w.node("WanMeshCLIPVisionLoader", [COLUMNS[0], 560], {"clip_name": "clip_vision_tiny.safetensors"})
+    return [w.node("WanMeshCLIPVisionEncode", [COLUMNS[1], 700 + 160 * index], {"crop": "center"},
+                   {"clip_vision": (loader, 0), "image": (image, 0)}) for index, image in enumerate(images)]
+
+
+def image_to_video_graph(w: WorkflowBuilder, name: str, model: str, end_image: bool, clip: bool,
+                         low_model: str | None = None, **modes: Any) -> None:
+    """Start (and end) image -> WanMesh Image To Video -> WanMesh Sampler (two chained ones with a low-noise
+    expert) -> decode -> MP4."""
+    pool_id = pool(w, **modes)
+    positive, negative, high = text_and_model(w, pool_id, I2V_PROMPT, model, text_encoder="umt5_native.safetensors")
+    vae = wanmesh_vae(w, pool_id)
+    images = [load_image(w, "ref_circle.png", 860)] + ([load_image(w, "ref_texture.png", 1200)] if end_image else [])
+    links: dict[str, Output] = {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0),
+                                "start_image": (images[0], 0)}
+    if end_image:
+        links["end_image"] = (images[1], 0)
+    if clip:
+        encodes = clip_vision_of(w, images)
+        links["clip_vision_output"] = (encodes[0], 0)
+        if end_image:
+            links["clip_vision_end_output"] = (encodes[1], 0)
+    conditioning = w.node("WanMeshImageToVideo", [COLUMNS[2], 460], dict(I2V_SIZE), links, size=[320, 260])
+    texts, latent = ((conditioning, 0), (conditioning, 1)), (conditioning, 2)
+    if low_model is None:
+        sampled = sampler(w, 3, high, *texts, latent, seed=5, steps=3, sampler_name="euler")
+    else:
+        low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
+                     {"model_name": low_model, "dtype": "auto", "vace_module": "none"}, {"pool": (pool_id, 0)},
+                     title="Low-noise expert")
+        values = {"seed": 5, "steps": 4, "cfg": 5.0, "shift": 3.0, "sampler_name": "euler", "denoise": 1.0,
+                  "boundary": 0.9}
+        sampled = w.node("WanMeshSampler", [COLUMNS[3], 40], values,
+                         {"model": (high, 0), "positive": texts[0], "negative": texts[1], "latent_image": latent,
+                          "model_low_noise": (low, 0)})
+    decode = w.node("WanMeshVAEDecode", [COLUMNS[4], 40], {"tile_px": 0, "overlap_px": 64},
+                    {"vae": (vae, 0), "samples": (sampled, 0)})
+    save_video(w, 5, decode, name)
+
+
+def i2v(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.1 image-to-video: a start image and its CLIP vision tokens, on two Ulysses ranks."""
+    w = WorkflowBuilder(info)
+    image_to_video_graph(w, "i2v", "wan_tiny_i2v.safetensors", end_image=False, clip=True, ulysses=2)
+    return w
+
+
+def flf2v(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.1 first-last-frame: start and end images and both images' CLIP vision tokens, CFG parallel."""
+    w = WorkflowBuilder(info)
+    image_to_video_graph(w, "flf2v", "wan_tiny_flf2v.safetensors", end_image=True, clip=True, cfg_parallel=True)
+    return w
+
+
+def wan22_i2v_two_experts(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.2 I2V A14B: a start image (no CLIP vision), the two experts split at the I2V boundary 0.9, tp 2."""
+    w = WorkflowBuilder(info)
+    image_to_video_graph(w, "wan22_i2v_two_experts", "wan22_tiny_i2v_high.safetensors", end_image=False, clip=False,
+                         low_model="wan22_tiny_i2v_low.safetensors", tp=2)
     return w
 
 
@@ -373,6 +443,9 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("", "t2v_auto_layout", "2024", t2v_auto_layout),
     ("", "wan22_two_experts", "2024", wan22_two_experts),
     ("", "stream_t2v", "2024", stream_t2v),
+    ("", "i2v", "2024", i2v),
+    ("", "flf2v", "2024", flf2v),
+    ("", "wan22_i2v_two_experts", "2024", wan22_i2v_two_experts),
     ("", "vace_r2v", "2024", vace_r2v),
     ("", "vace_v2v_control", "2024", vace_v2v_control),
     ("", "vace_inpaint", "2024", vace_inpaint),

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-CATEGORIES = {"WanMesh/loaders", "WanMesh/sampling", "WanMesh/vace", "WanMesh/pool", "WanMesh/video"}
+CATEGORIES = {"WanMesh/loaders", "WanMesh/sampling", "WanMesh/vace", "WanMesh/image to video", "WanMesh/pool",
+              "WanMesh/video"}
 
 
 @pytest.fixture(scope="module")
