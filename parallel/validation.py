@@ -116,10 +116,10 @@ def has_vace_blocks(paths: list[str]) -> bool:
     return False
 
 
-def model_image_inputs(path: str | Path) -> tuple[int, str | None]:
+def model_image_inputs(path: str | Path, flag: str = "model") -> tuple[int, str | None]:
     """(input channels, ``detect.image_inputs`` kind) of the transformer at ``path``, from its header or config:
-    what image conditioning it takes (the native MODEL and the image-to-video checks need it)."""
-    config = transformer_config(inspect_model_file(path, "model", TRANSFORMER_KINDS)) or {}
+    what image conditioning it takes (the native MODEL and the image-to-video checks need it); errors name ``flag``."""
+    config = transformer_config(inspect_model_file(path, flag, TRANSFORMER_KINDS)) or {}
     return config.get("in_channels", LATENT_CHANNELS), image_inputs(config)
 
 

@@ -63,7 +63,7 @@ class ImageInputs:
     def read(cls, args, files: dict) -> ImageInputs | None:
         from .media import read_image
 
-        _, kind = model_image_inputs(files["model"])
+        _, kind = model_image_inputs(files["model"], "--model")
         clip_vision = files.get("clip_vision")
         check_image_arguments(kind, args, clip_vision)
         if kind is None:

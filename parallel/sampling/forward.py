@@ -56,8 +56,8 @@ def image_inputs(model, image_concat: torch.Tensor | None, clip_fea: torch.Tenso
     """The image-to-video inputs of the given rows: the image channels concatenated to the latents (zeros when
     none are given, as native Wan fills them) and the CLIP vision tokens of models that take them. A model
     without image inputs refuses image channels; one whose image tokens are missing is refused too."""
-    config = model.config
-    extra_channels = config.in_channels - LATENT_CHANNELS
+    config = getattr(model, "config", None)  # test doubles and wrappers may have none: a text-to-video model
+    extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - LATENT_CHANNELS
     if image_concat is not None and not extra_channels:
         raise ValueError("the conditioning carries a start image but this model is not an image-to-video model; load "
                          "a Wan I2V model, or sample without the image conditioning")
@@ -88,9 +88,10 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
     timestep = request.timestep[rows.start : rows.stop].to(device)
     context = request.context[rows.start : rows.stop].to(device=device, dtype=dtype)
     extra = forward_vace_inputs(model, request, rows, dtype, device)
-    if latents.shape[1] != model.config.in_channels:
+    in_channels = getattr(model.config, "in_channels", LATENT_CHANNELS)
+    if latents.shape[1] != in_channels:
         raise ValueError(f"the model call gives {latents.shape[1]} input channels but this model takes "
-                         f"{model.config.in_channels}; use image-to-video conditioning with image-to-video models only")
+                         f"{in_channels}; use image-to-video conditioning with image-to-video models only")
     shape = (request.latent.shape[0], LATENT_CHANNELS, *request.latent.shape[2:])
     extra.update(image_inputs(model, None, request.clip_fea, rows, shape, dtype, device))
     extra.pop(IMAGE_CONCAT, None)  # the input holds its image channels already

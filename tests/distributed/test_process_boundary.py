@@ -21,11 +21,12 @@ from wanmesh.parallel.protocol import Diagnostic
 
 MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "cv2", "av", "ray", "matplotlib")
 COMFYUI_SIDE = {
-    "nodes", "nodes.convert", "nodes.errors", "nodes.files", "nodes.loaders", "nodes.lora", "nodes.memory",
-    "nodes.native_model", "nodes.pool_model",
+    "nodes", "nodes.clip_vision", "nodes.convert", "nodes.errors", "nodes.files", "nodes.image_to_video",
+    "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video",
-    "parallel", "parallel.auto_layout", "parallel.config", "parallel.errors", "parallel.fields", "parallel.protocol",
+    "parallel", "parallel.auto_layout", "parallel.config", "parallel.errors", "parallel.fields",
+    "parallel.image_to_video", "parallel.protocol",
     "parallel.pool_memory",
     "parallel.driver", "parallel.driver.pool", "parallel.driver.runner", "parallel.driver.timings",
     "parallel.validation", "parallel.video_io",

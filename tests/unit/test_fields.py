@@ -22,7 +22,7 @@ from wanmesh.parallel.fields import FIELDS, Field, flag_help
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING")
-# Node widgets that belong to one node only: file lists, the prompt, output names, the VACE builders' geometry
+# Node widgets that belong to one node only: file lists, the prompt, output names, CLIP vision crop, the VACE builders' geometry
 # (the command line takes it as --outpaint L,T,R,B and --extend-keep FIRST,LAST), the trim count.
 NODE_ONLY = {
     "WanMeshModelLoader.model_name", "WanMeshModelLoader.vace_module", "WanMeshVAELoader.vae_name",
@@ -30,16 +30,17 @@ NODE_ONLY = {
     "WanMeshStreamSampler.filename_prefix", "WanMeshSaveVideo.filename_prefix", "WanMeshVaceEncode.reference_images",
     "WanMeshTrimLatent.trim_amount", "WanMeshVaceControl.low_threshold", "WanMeshVaceControl.high_threshold",
     "WanMeshVaceControl.width", "WanMeshVaceControl.height", "WanMeshVaceReference.width",
-    "WanMeshVaceReference.height",
+    "WanMeshVaceReference.height", "WanMeshCLIPVisionLoader.clip_name", "WanMeshCLIPVisionEncode.crop",
     *(f"WanMeshVaceMask.{name}" for name in (
         "mode", "width", "height", "length", "box_x", "box_y", "box_w", "box_h", "end_box_x", "end_box_y",
         "end_box_w", "end_box_h", "pad_left", "pad_top", "pad_right", "pad_bottom", "keep_first", "keep_last")),
 }
-# Flags that are not settings of a node: files, prompts, outputs, the device kind, VACE inputs given as files.
+# Flags that are not settings of a node: files, prompts, outputs, the device kind, VACE and image inputs given as
+# files.
 FLAG_ONLY = {"--models", "--model", "--vae", "--text-encoder", "--vace-module", "--model-low", "--prompt",
              "--negative", "--device", "--out", "--save-latents", "--save-frames", "--lora", "--vace-video",
              "--vace-mask", "--vace-ref", "--outpaint", "--extend-keep", "--save-vace", "--no-kv-cache",
-             "--chunk-dir", "--help", "-h"}
+             "--chunk-dir", "--image", "--last-image", "--clip-vision", "--help", "-h"}
 
 
 @pytest.fixture(scope="module")

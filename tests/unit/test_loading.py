@@ -268,12 +268,11 @@ def test_vace_module_misuse(tiny_models):
         load_transformer(str(tiny_models["t2v"]), vace_module=str(tiny_models["vae"]))
 
 
-def test_i2v_file_is_rejected(tiny_models, tmp_path):
-    path = tmp_path / "i2v.safetensors"
-    tensors = load_file(tiny_models["t2v"])
-    save_file({**tensors, "img_emb.proj.1.weight": torch.zeros(128, 1280)}, path)
-    with pytest.raises(ModelFileError, match="image-to-video.*not supported"):
-        load_transformer(str(path))
+def test_image_to_video_files_load_with_their_image_inputs(tiny_models):
+    expected = {"i2v": (36, 1280, None), "flf2v": (36, 1280, 514), "i2v_high": (36, None, None)}
+    for name, (channels, image_dim, positions) in expected.items():
+        config = load_transformer(str(tiny_models[name])).config
+        assert (config.in_channels, config.image_dim, config.pos_embed_seq_len) == (channels, image_dim, positions)
 
 
 def test_missing_tensor_is_named(tiny_models, tmp_path):

@@ -24,7 +24,7 @@ def request(**changes) -> ModelForward:
     (dict(vace_context=torch.zeros(2, 1, 96, 2, 4, 4), vace_strengths=[1.0, 1.0]), "VACE context has shape"),
     (dict(vace_context=torch.zeros(2, 1, 96, 2, 4, 4), vace_strengths=[float("nan")]), "finite"),
     (dict(loras=[("a.safetensors", 500.0)]), "LoRA strength"),
-    (dict(latent=torch.zeros(2, 15, 2, 4, 4)), "latent must be"),
+    (dict(latent=torch.zeros(2, 15, 2, 4, 4)), "model input must be"),
 ])
 def test_bad_model_calls_are_refused_in_one_line(changes, message) -> None:
     with pytest.raises(ValueError, match=message) as caught:
