@@ -11,7 +11,7 @@ class WanMeshNativeModel:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("WANMESH_MODEL", {
-            "tooltip": "the loaded Wan T2V or VACE transformer (after any WanMesh LoRA Loader)"})}}
+            "tooltip": "the loaded Wan T2V, VACE or image-to-video transformer (after any WanMesh LoRA Loader)"})}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "wrap"

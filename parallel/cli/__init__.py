@@ -126,6 +126,7 @@ BENCHMARKS = {
     "lora": ("lora", "LoRA merge on the workers: load, switch and remove times per tp degree"),
     "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
     "native-model": ("native", "ComfyUI's KSampler on the WanMesh MODEL against the WanMesh Sampler: step time"),
+    "i2v": ("i2v", "image-to-video against text-to-video: one guided step of each model kind at the same size"),
     "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice"),
     "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
 }
