@@ -24,6 +24,7 @@ CLIP_TOKENS = {"i2v": 257, "flf2v": 2 * 257}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", type=Path, help="a tree written by `wanmesh make-tiny` (default: the cache's)")
     for kind in KINDS:
         parser.add_argument(f"--{kind.replace('_', '-')}", dest=kind, help=f"the {kind} transformer file "
                             "(default: the tiny model of that kind)")
@@ -42,7 +43,7 @@ def _paths(args) -> dict[str, str]:
     paths = {}
     for kind, tiny_name in KINDS.items():
         if getattr(args, kind) is None and root is None:
-            root = ensure_tiny_models(tiny_cache_dir())
+            root = ensure_tiny_models(args.models or tiny_cache_dir())
         paths[kind] = getattr(args, kind) or str(root / TINY_FILES[tiny_name])
     return paths
 
