@@ -1,0 +1,107 @@
+"""`wanmesh generate --image [--last-image] [--clip-vision]` end to end on the tiny image-to-video models.
+
+The latents the command saves are compared with a SampleRequest built here from the same pieces, run in this process
+(RankExecutor): the image conditioning as native WanImageToVideo / WanFirstLastFrameToVideo build it (resize and
+center-crop of an image of another aspect), the video VAE-encoded, the CLIP vision tokens of the tiny encoder. A
+two-rank Ulysses run saves the same latents as one rank; each mistake is exit code 2 and one line before any pool.
+"""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from wanmesh.parallel.cli import generate as generate_module
+from wanmesh.parallel.cli import main
+from wanmesh.parallel.cli.media import read_image
+from wanmesh.parallel.image_to_video import first_last_video, start_image_video
+from wanmesh.parallel.models.clip_vision import encode_images, load_clip_vision
+from wanmesh.parallel.protocol import SampleRequest
+from wanmesh.parallel.worker.executors import RankExecutor
+
+WIDTH, HEIGHT, FRAMES, STEPS, SEED = 48, 32, 5, 2, 3
+COMMON = ["--prompt", "a fox turns", "--negative", "blurry", "--width", str(WIDTH), "--height", str(HEIGHT),
+          "--frames", str(FRAMES), "--steps", str(STEPS), "--seed", str(SEED), "--sampler", "euler", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("i2v_images")
+    rng = np.random.default_rng(5)
+    cv2.imwrite(str(folder / "start.png"), rng.integers(0, 256, (40, 72, 3), dtype=np.uint8))
+    cv2.imwrite(str(folder / "end.png"), rng.integers(0, 256, (50, 40, 3), dtype=np.uint8))
+    return folder
+
+
+def _generate(tiny_models_root, out_dir, *flags: str) -> torch.Tensor:
+    latents = out_dir / "latents.safetensors"
+    code = main(["generate", "--models", str(tiny_models_root), *COMMON, "--out", str(out_dir / "out.mp4"),
+                 "--save-latents", str(latents), *flags])
+    assert code == 0
+    return load_file(latents)["latents"]
+
+
+def _expected(tiny_models, start, end) -> torch.Tensor:
+    """The same run built here: conditioning, encode, CLIP vision tokens and sampling in this process."""
+    engine = RankExecutor("cpu")
+    build = first_last_video if end is not None else start_image_video
+    video, mask = build(start, end, WIDTH, HEIGHT, FRAMES) if end is not None else build(start, WIDTH, HEIGHT, FRAMES)
+    vae = engine.load_vae(str(tiny_models["vae"]))
+    image_latents = engine.encode(vae, video)
+    encoder = load_clip_vision(tiny_models["clip_vision"])
+    clip = torch.cat([encode_images(encoder, image[..., :3]).penultimate_hidden_states
+                      for image in (start, end) if image is not None], dim=-2)
+    text = engine.load_text_encoder(str(tiny_models["text_encoder_native"]))
+    positive, negative = engine.encode_text(text, ["a fox turns"]), engine.encode_text(text, ["blurry"])
+    model = engine.load_model(str(tiny_models["flf2v" if end is not None else "i2v"]))
+    request = SampleRequest(handle=model, latent=torch.zeros(1, 16, (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8),
+                            positive=positive, negative=negative, seed=SEED, steps=STEPS, guidance_scale=5.0,
+                            shift=3.0, sampler="euler", image_latents=image_latents, image_mask=mask, clip_fea=clip)
+    return engine.sample(request)
+
+
+def test_i2v_from_the_command_line_equals_the_same_request_in_process(tiny_models, tiny_models_root, images,
+                                                                      tmp_path):
+    saved = _generate(tiny_models_root, tmp_path, "--image", str(images / "start.png"))
+    expected = _expected(tiny_models, read_image(images / "start.png"), None)
+    torch.testing.assert_close(saved, expected, rtol=0, atol=1e-5)
+
+
+def test_flf2v_on_two_ulysses_ranks_equals_one_rank_and_the_request_in_process(tiny_models, tiny_models_root, images,
+                                                                               tmp_path):
+    flags = ["--image", str(images / "start.png"), "--last-image", str(images / "end.png")]
+    one = _generate(tiny_models_root, tmp_path, *flags)
+    (tmp_path / "two").mkdir()
+    two = _generate(tiny_models_root, tmp_path / "two", *flags, "--world", "2", "--ulysses", "2")
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-4)
+    expected = _expected(tiny_models, read_image(images / "start.png"), read_image(images / "end.png"))
+    torch.testing.assert_close(one, expected, rtol=0, atol=1e-5)
+
+
+class _NoPool:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("a worker pool was started for bad input")
+
+
+@pytest.mark.parametrize("model, flags, message", [
+    ("t2v", ["--image", "{images}/start.png"], "--image/--last-image were given but the model is text-to-video"),
+    ("i2v", ["--image", "{images}/start.png"], "the model is Wan 2.1 I2V: give its CLIP vision file with --clip-vision"),
+    ("i2v_high", ["--image", "{images}/start.png", "--last-image", "{images}/end.png"],
+     "the model is Wan 2.2 I2V A14B, which takes one image; --last-image needs a first-last-frame (FLF2V) model"),
+    ("i2v_high", [], "the model is Wan 2.2 I2V A14B: give the start image with --image"),
+    ("i2v_high", ["--image", "{images}/missing.png"], "--image {images}/missing.png does not exist"),
+])
+def test_bad_image_input_exits_2_with_one_line_before_any_pool(tiny_models, images, tmp_path, monkeypatch, capsys,
+                                                                model, flags, message):
+    monkeypatch.setattr(generate_module, "WorkerPool", _NoPool)
+    text_encoder = tiny_models["text_encoder" if model == "t2v" else "text_encoder_native"]
+    files = ["--model", str(tiny_models[model]), "--vae", str(tiny_models["vae"]), "--text-encoder", str(text_encoder)]
+    flags = [flag.format(images=images) for flag in flags]
+    code = main(["generate", *files, *COMMON, "--out", str(tmp_path / "x.mp4"), *flags])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert error.startswith("wanmesh: error: ") and error.count("\n") == 1 and "Traceback" not in error
+    assert message.format(images=images) in error
