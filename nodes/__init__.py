@@ -6,6 +6,7 @@ from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoa
 from .lora import WanMeshLoraLoader
 from .clip_vision import WanMeshCLIPVisionEncode, WanMeshCLIPVisionLoader
 from .image_to_video import WanMeshImageToVideo
+from .ti2v import WanMeshWan22ImageToVideoLatent
 from .native_model import WanMeshNativeModel
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
 from .stream import WanMeshStreamSampler
@@ -29,6 +30,7 @@ _NODES = {
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
     "WanMeshVaceEncode": (WanMeshVaceEncode, "WanMesh VACE Encode"),
     "WanMeshImageToVideo": (WanMeshImageToVideo, "WanMesh Image To Video"),
+    "WanMeshWan22ImageToVideoLatent": (WanMeshWan22ImageToVideoLatent, "WanMesh Wan22 Image To Video Latent"),
     "WanMeshCLIPVisionLoader": (WanMeshCLIPVisionLoader, "WanMesh CLIP Vision Loader"),
     "WanMeshCLIPVisionEncode": (WanMeshCLIPVisionEncode, "WanMesh CLIP Vision Encode"),
     "WanMeshTrimLatent": (WanMeshTrimLatent, "WanMesh Trim Latent"),

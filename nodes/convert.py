@@ -98,15 +98,22 @@ def embeddings_to_conditioning(embeddings: list[torch.Tensor]) -> list:
 
 
 def latent_to_tensor(latent: dict) -> torch.Tensor:
-    """LATENT -> raw Wan latents [B, 16, T, h, w]."""
+    """LATENT -> raw Wan latents [B, 16, T, h, w] (Wan 2.1 VAE) or [B, 48, T, h, w] (Wan 2.2 VAE)."""
     samples = latent["samples"]
     if samples.ndim != 5:
-        raise ValueError(f"this LATENT is {list(samples.shape)}, not a Wan video latent [B, 16, T, H/8, W/8]")
+        raise ValueError(f"this LATENT is {list(samples.shape)}, not a Wan video latent [B, 16, T, H/8, W/8] or "
+                         "[B, 48, T, H/16, W/16]")
     return samples.float().cpu()
 
 
-def tensor_to_latent(samples: torch.Tensor) -> dict:
-    return {"samples": samples}
+def latent_noise_mask(latent: dict) -> torch.Tensor | None:
+    """The LATENT's ``noise_mask`` (Wan22ImageToVideoLatent's, SetLatentNoiseMask's), as given; None without one."""
+    return _tensor_or_none(latent.get("noise_mask"))
+
+
+def tensor_to_latent(samples: torch.Tensor, noise_mask: torch.Tensor | None = None) -> dict:
+    """A LATENT of raw latents; a noise mask stays with the latent, as ComfyUI's samplers pass it on."""
+    return {"samples": samples} if noise_mask is None else {"samples": samples, "noise_mask": noise_mask}
 
 
 def image_to_frames(image: torch.Tensor) -> torch.Tensor:

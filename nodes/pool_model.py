@@ -1,9 +1,10 @@
 """ComfyUI's MODEL type over a transformer resident in the worker pool; runs in the ComfyUI process.
 
 ComfyUI's samplers (KSampler, KSamplerAdvanced, SamplerCustom(Advanced), the guiders, sigma and model-sampling
-nodes) drive a ``ModelPatcher`` around a ``BaseModel``. The BaseModel here is ComfyUI's own Wan model class, so
-its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and VACE context
-code are ComfyUI's; only its transformer is replaced by ``PoolTransformer``, whose every call is one
+nodes) drive a ``ModelPatcher`` around a ``BaseModel``. The BaseModel here is ComfyUI's own Wan model class (WAN22
+with the Wan 2.2 latent format for the 48-channel TI2V 5B, whose noise mask ComfyUI turns into per-frame
+timesteps), so its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and
+VACE context code are ComfyUI's; only its transformer is replaced by ``PoolTransformer``, whose every call is one
 ``ModelForward`` on the pool. A call that batches conditional and unconditional rows goes out as one request,
 and the pool's CFG-parallel ranks split the rows. ComfyUI's progress bar, latent previews and interrupt work
 as with a native model (the interrupt also stops a model call that is under way).
@@ -20,11 +21,11 @@ from types import SimpleNamespace
 import torch
 
 from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
+from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
 from .runtime import ResidentModel, interrupted, raise_if_interrupted
 
 log = logging.getLogger("wanmesh")
 
-LATENT_CHANNELS = 16
 # The model inputs ComfyUI's Wan conditioning can send that the pool's transformer does not take yet.
 UNSUPPORTED_INPUTS = {
     "time_dim_concat": "frames concatenated in time",
@@ -48,8 +49,7 @@ class PoolTransformer(torch.nn.Module):
     def forward(self, x, timestep, context, clip_fea=None, control=None, transformer_options=None, **extra):
         check_supported_inputs(control, extra)
         request = ModelForward(
-            handle=self.resident.handle, latent=x.detach().float().cpu(),
-            timestep=timestep.detach().float().cpu().reshape(-1).expand(x.shape[0]).clone(),
+            handle=self.resident.handle, latent=x.detach().float().cpu(), timestep=call_timesteps(timestep, x),
             context=context.detach().float().cpu(), loras=list(self.resident.loras),
             clip_fea=None if clip_fea is None else clip_fea.detach().float().cpu(), **vace_inputs(extra),
         )
@@ -59,6 +59,15 @@ class PoolTransformer(torch.nn.Module):
             raise_if_interrupted()
             raise
         return prediction.to(device=x.device, dtype=x.dtype)
+
+
+def call_timesteps(timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's timestep of a call as ModelForward carries it: one per row [B], or, from WAN22's
+    ``process_timestep`` with a noise mask (``denoise_mask``), one per row and latent frame [B, T]."""
+    timestep = timestep.detach().float().cpu()
+    if timestep.ndim == 2:
+        return timestep.clone()
+    return timestep.reshape(-1).expand(x.shape[0]).clone()
 
 
 def check_supported_inputs(control, extra: dict) -> None:
@@ -82,7 +91,8 @@ def vace_inputs(extra: dict) -> dict:
 
 @functools.cache
 def comfy_classes():
-    """(the BaseModel class for T2V, for VACE, the ModelPatcher class), made from the running ComfyUI's own."""
+    """(the BaseModel class for T2V, for VACE, for Wan 2.2 TI2V, the ModelPatcher class), made from the running
+    ComfyUI's own (an older ComfyUI without WAN22 gets None for the last)."""
     import comfy.model_base
     import comfy.model_patcher
 
@@ -102,27 +112,55 @@ def comfy_classes():
     class PoolWanVace(PoolMemory, comfy.model_base.WAN21_Vace):
         pass
 
+    PoolWan22 = None
+    if hasattr(comfy.model_base, "WAN22"):
+        class PoolWan22(PoolMemory, comfy.model_base.WAN22):
+            pass
+
     class PoolModelPatcher(comfy.model_patcher.ModelPatcher):
         def add_patches(self, *args, **kwargs):
             raise ValueError(LORA_REFUSAL)
 
-    return PoolWan, PoolWanVace, PoolModelPatcher
+    return PoolWan, PoolWanVace, PoolWan22, PoolModelPatcher
 
 
 def pool_model(resident: ResidentModel):
-    """ComfyUI's MODEL (a ModelPatcher) over the resident transformer, configured as ComfyUI configures a Wan 2.1
-    model it loads itself (latent format, flow sampling with shift 8; an image-to-video model with its input
-    channels, the Wan 2.1 I2V / FLF2V ones as image-to-video, as ComfyUI's model detection sets them)."""
+    """ComfyUI's MODEL (a ModelPatcher) over the resident transformer, configured as ComfyUI configures a Wan model
+    it loads itself (latent format, flow sampling with shift 8; an image-to-video model with its input channels, the
+    Wan 2.1 I2V / FLF2V ones as image-to-video; Wan 2.2 TI2V 5B as WAN22 with the WAN22_T2V config, as ComfyUI's
+    model detection sets them)."""
     import comfy.model_management
+
+    *_, patcher = comfy_classes()
+    in_channels, image_kind = model_image_inputs(resident.path)
+    device = comfy.model_management.get_torch_device()
+    if image_kind == "first_frame":
+        model = _wan22_model(in_channels, device)
+    else:
+        model = _wan21_model(has_vace_blocks(resident.model_files()), in_channels, image_kind, device)
+    model.diffusion_model = PoolTransformer(resident, in_channels)
+    return patcher(model, load_device=device, offload_device=comfy.model_management.unet_offload_device())
+
+
+def _wan21_model(vace: bool, in_channels: int, image_kind: str | None, device):
     import comfy.supported_models
 
-    wan, wan_vace, patcher = comfy_classes()
-    vace = has_vace_blocks(resident.model_files())
-    in_channels, image_kind = model_image_inputs(resident.path)
+    wan, wan_vace, *_ = comfy_classes()
     takes_tokens = image_kind in ("clip_vision", "first_last")
     config_class = comfy.supported_models.WAN21_I2V if takes_tokens else comfy.supported_models.WAN21_T2V
     config = config_class({"image_model": "wan2.1", "in_dim": in_channels, "disable_unet_model_creation": True})
-    device = comfy.model_management.get_torch_device()
-    model = wan_vace(config, device=device) if vace else wan(config, image_to_video=takes_tokens, device=device)
-    model.diffusion_model = PoolTransformer(resident, in_channels)
-    return patcher(model, load_device=device, offload_device=comfy.model_management.unet_offload_device())
+    return wan_vace(config, device=device) if vace else wan(config, image_to_video=takes_tokens, device=device)
+
+
+def _wan22_model(in_channels: int, device):
+    """Wan 2.2 TI2V 5B: ComfyUI's WAN22 model (image_to_video, as WAN22_T2V makes it) on the Wan22 latent format."""
+    import comfy.supported_models
+
+    _, _, wan22, _ = comfy_classes()
+    config_class = getattr(comfy.supported_models, "WAN22_T2V", None)
+    if wan22 is None or config_class is None:
+        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan 2.2 support (July 2025 or newer) for Wan "
+                         "2.2 TI2V 5B; update ComfyUI, or sample with the WanMesh Sampler")
+    config = config_class({"image_model": "wan2.1", "model_type": "t2v", "in_dim": in_channels,
+                           "out_dim": WAN22_LATENT_CHANNELS, "disable_unet_model_creation": True})
+    return wan22(config, image_to_video=True, device=device)

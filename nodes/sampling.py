@@ -14,6 +14,7 @@ from .convert import (
     check_same_image,
     check_same_vace,
     embeddings_to_conditioning,
+    latent_noise_mask,
     latent_to_tensor,
     read_conditioning,
     tensor_to_latent,
@@ -104,7 +105,8 @@ class WanMeshSampler:
                 "model": ("WANMESH_MODEL", {"tooltip": "the loaded Wan T2V or VACE transformer"}),
                 "positive": ("CONDITIONING", {"tooltip": "prompt; VACE contexts (from a VACE encode) ride on it"}),
                 "negative": ("CONDITIONING", {"tooltip": "negative prompt (with the same VACE contexts)"}),
-                "latent_image": ("LATENT", {"tooltip": "empty latent (or the VACE encode's) fixing size and length"}),
+                "latent_image": ("LATENT", {"tooltip": "empty latent (or the VACE encode's, or Wan 2.2 TI2V's with "
+                                                       "its noise mask) fixing size and length"}),
                 "seed": node_input("seed"),
                 "steps": node_input("steps"),
                 "cfg": node_input("cfg"),
@@ -147,6 +149,7 @@ class WanMeshSampler:
             guidance_scale_low=None if cfg_low_noise < 0 else cfg_low_noise, start_step=start_step, end_step=end,
             add_noise=add_noise, timings=True, image_latents=conditional.image_latents,
             image_mask=conditional.image_mask, clip_fea=conditional.clip_fea,
+            noise_mask=latent_noise_mask(latent_image),
         )
         request.validate()  # before a layout auto rearranges the pool for it
         arrange_for_job(model, request.latent, steps, cfg)
@@ -161,7 +164,7 @@ class WanMeshSampler:
             raise
         timings.add_sampling(reply.rank_timings)
         logger.info("WanMesh sampler: %s; %s", reply.expert_steps, timings.summary())
-        return (tensor_to_latent(reply.latents),)
+        return (tensor_to_latent(reply.latents, latent_image.get("noise_mask")),)
 
 
 def check_same_pool(model, model_low_noise) -> None:

@@ -44,7 +44,27 @@ CONTROL_MODES = ("canny", "scribble", "gray", "flow", "none")  # what a VACE con
 SPATIAL_STRIDE = 16  # VAE 8x times the transformer's 2x2 patches (VACE sizes; other sizes are padded to patches)
 VAE_SPATIAL_FACTOR = 8
 TEMPORAL_STRIDE = 4  # frames are 4k + 1
+# The two Wan latent spaces (the channel facts, once): the Wan 2.1 VAE's 16 channels at 8x (Wan 2.1 models, Wan 2.2
+# A14B) and the Wan 2.2 VAE's 48 channels at 16x (Wan 2.2 TI2V 5B). LATENT_CHANNELS alone means the Wan 2.1 one.
 LATENT_CHANNELS = 16
+WAN22_LATENT_CHANNELS = 48
+WAN22_VAE_SPATIAL_FACTOR = 16
+LATENT_CHANNEL_COUNTS = (LATENT_CHANNELS, WAN22_LATENT_CHANNELS)
+LATENT_SPATIAL_FACTORS = {LATENT_CHANNELS: VAE_SPATIAL_FACTOR, WAN22_LATENT_CHANNELS: WAN22_VAE_SPATIAL_FACTOR}
+# The Wan 2.2 VAE's latent mean/std (ComfyUI's Wan22 latent format, diffusers' Wan 2.2 VAE config.json). Written out
+# because diffusers' AutoencoderKLWan defaults hold only the Wan 2.1 values (sampling/latents.py reads those).
+WAN22_LATENTS_MEAN = (
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891,
+    0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723,
+    -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+)
+WAN22_LATENTS_STD = (
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+    0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+    0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+)
 DEFAULT_WORKER_TIMEOUT_S = 60.0
 MIN_WORKER_TIMEOUT_S = 1.0  # heartbeats come every second: a shorter timeout would flag healthy ranks
 MAX_HEARTBEAT_S = 1.0
@@ -361,11 +381,14 @@ def latent_shape(width: int, height: int, frames: int, batch: int = 1) -> tuple[
             width // VAE_SPATIAL_FACTOR)
 
 
-def check_latent(latent) -> None:
-    """A latent the transformer can take: [B, 16, T, h, w] of any positive size (the model pads h and w to its 2x2
-    patches and crops its output back, as native Wan does)."""
-    if latent.ndim != 5 or latent.shape[1] != LATENT_CHANNELS or min(latent.shape) < 1:
-        raise ValueError(f"latent must be [B, 16, T, H/8, W/8] raw Wan latents, got shape {list(latent.shape)}")
+def check_latent(latent, channels: tuple[int, ...] = LATENT_CHANNEL_COUNTS) -> None:
+    """A latent the transformer can take: [B, 16, T, H/8, W/8] (Wan 2.1 VAE) or [B, 48, T, H/16, W/16] (Wan 2.2
+    VAE, TI2V 5B) of any positive size (the model pads h and w to its 2x2 patches and crops its output back, as
+    native Wan does). ``channels``: the channel counts the caller takes."""
+    if latent.ndim != 5 or latent.shape[1] not in channels or min(latent.shape) < 1:
+        valid = " or ".join(f"[B, {c}, T, H/{LATENT_SPATIAL_FACTORS[c]}, W/{LATENT_SPATIAL_FACTORS[c]}]"
+                            for c in channels)
+        raise ValueError(f"latent must be {valid} raw Wan latents, got shape {list(latent.shape)}")
 
 
 def resolve_tile_options(tile_px: int, overlap_px: int | None, ratio: int = VAE_SPATIAL_FACTOR) -> tuple[int, int]:
@@ -435,15 +458,35 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
 
 
 IMAGE_CONCAT_CHANNELS = 20  # image-to-video: a 4-channel mask of the given frames and their 16-channel latents
-MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS)  # T2V/VACE; image-to-video
+# T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B
+MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS)
 CLIP_VISION_WIDTH = 1280  # the CLIP vision (ViT-H/14) features Wan's image embedding takes
 
 
 def check_model_input(latent) -> None:
-    """A model call's input: the latent, with an image-to-video model's image channels concatenated (36)."""
+    """A model call's input: the latent, with an image-to-video model's image channels concatenated (36), or a
+    Wan 2.2 latent (48)."""
     if latent.ndim != 5 or latent.shape[1] not in MODEL_INPUT_CHANNELS or min(latent.shape) < 1:
-        raise ValueError(f"the model input must be [B, 16 or 36, T, H/8, W/8] (latents, with the image channels of "
-                         f"image-to-video), got shape {list(latent.shape)}")
+        raise ValueError(f"the model input must be [B, C, T, h, w] with C 16 or 36 (Wan 2.1 latents, with the image "
+                         f"channels of image-to-video) or 48 (Wan 2.2 TI2V latents), got shape {list(latent.shape)}")
+
+
+def check_noise_mask(noise_mask, latent_shape: tuple, sampler: str) -> None:
+    """A LATENT's ``noise_mask`` (ComfyUI's: 0 where the latent is kept, 1 where it is sampled; e.g.
+    Wan22ImageToVideoLatent's [B, 1, T, h, w] or SetLatentNoiseMask's [F, 1, H, W]), resized to the latent as
+    ComfyUI resizes it. Only Wan 2.2 latents (TI2V 5B: per-frame timesteps) take one, with ComfyUI's samplers."""
+    if noise_mask is None:
+        return
+    if latent_shape[1] != WAN22_LATENT_CHANNELS:
+        raise ValueError(f"the latent carries a noise_mask but has {latent_shape[1]} channels: native inpainting "
+                         f"masks are not supported for Wan 2.1 latents; only Wan 2.2 TI2V 5B latents "
+                         f"({WAN22_LATENT_CHANNELS} channels) take one (remove SetLatentNoiseMask or the mask)")
+    if sampler not in COMFY_SAMPLERS:
+        raise ValueError(f"sampler {sampler!r} does not take a noise_mask (Wan 2.2 image-to-video); use one of "
+                         f"{', '.join(COMFY_SAMPLERS)}")
+    if noise_mask.ndim not in (3, 4, 5) or min(noise_mask.shape) < 1:
+        raise ValueError(f"the noise_mask has shape {list(noise_mask.shape)}; expected [F, H, W], [F, 1, H, W] or "
+                         f"[B, C, T, h, w] (a MASK, SetLatentNoiseMask's or Wan22ImageToVideoLatent's)")
 
 
 def check_clip_vision_tokens(tokens, batch: int) -> None:
@@ -474,14 +517,16 @@ def check_image_conditioning(image_latents, image_mask, latent_shape: tuple) -> 
 
 
 def check_model_forward(latent, timestep, context, vace_context, vace_strengths: list, clip_fea=None) -> None:
-    """One model call from a sampler in the driver's process: the timestep, context, CLIP vision and VACE rows
-    match the latent's rows, and the VACE contexts its positions."""
+    """One model call from a sampler in the driver's process: the timestep (one per row, or one per row and latent
+    frame: Wan 2.2's per-frame timesteps of a noise mask), context, CLIP vision and VACE rows match the latent's
+    rows, and the VACE contexts its positions."""
     check_model_input(latent)
     batch, _, *positions = latent.shape
     check_clip_vision_tokens(clip_fea, batch)
-    if timestep.ndim != 1 or timestep.shape[0] != batch:
-        raise ValueError(f"the model call has {batch} latent rows but timesteps of shape {list(timestep.shape)}; "
-                         f"give one timestep per row ([{batch}])")
+    if list(timestep.shape) not in ([batch], [batch, positions[0]]):
+        raise ValueError(f"the model call has {batch} latent rows of {positions[0]} frames but timesteps of shape "
+                         f"{list(timestep.shape)}; give one timestep per row ([{batch}]) or per row and latent "
+                         f"frame ([{batch}, {positions[0]}])")
     if context.ndim != 3 or context.shape[0] != batch:
         raise ValueError(f"the model call has {batch} latent rows but a text context of shape "
                          f"{list(context.shape)}; expected [{batch}, tokens, text width]")

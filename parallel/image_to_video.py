@@ -7,6 +7,12 @@ and that mask into the 20 channels concatenated to an image-to-video model's inp
 (``image_concat``). The resizing helpers mirror ComfyUI's ``common_upscale`` (bilinear, center crop) and
 ``resize_to_batch_size`` because WanMesh must give the same numbers as the native nodes and nothing in
 ``parallel/`` imports ComfyUI.
+
+Wan 2.2 TI2V 5B takes no concatenated channels: its image-to-video is the LATENT itself (native
+``Wan22ImageToVideoLatent``: the start image's latents in the first latent frames, a ``noise_mask`` of 0 there). The
+driver builds that LATENT (``wan22_start_frames``, ``wan22_image_latent``); the workers resize the mask to the latent
+(``latent_noise_mask``, ComfyUI's ``reshape_mask``) and give each latent frame its timestep (``frame_timesteps``,
+ComfyUI's WAN22 ``process_timestep``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .config import IMAGE_CONCAT_CHANNELS, LATENT_CHANNELS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR
+from .config import (IMAGE_CONCAT_CHANNELS, LATENT_CHANNELS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR, WAN22_LATENT_CHANNELS,
+                     WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, WAN22_VAE_SPATIAL_FACTOR, check_frame_size)
 
 MASK_CHANNELS = IMAGE_CONCAT_CHANNELS - LATENT_CHANNELS  # 4: one per frame a latent frame covers
 GREY = 0.5  # the value of the frames no image is given for
@@ -119,3 +126,68 @@ def image_concat(image_latents: torch.Tensor, mask: torch.Tensor | None, latent_
     if mask.shape[1] == 1:
         mask = mask.repeat(1, MASK_CHANNELS, 1, 1, 1)
     return torch.cat([resize_to_batch(mask, batch), image], dim=1)
+
+
+# -- Wan 2.2 TI2V 5B: the start image in the latent, a noise mask ------------------------------------------------------
+
+
+def wan22_start_frames(start: torch.Tensor | None, width: int, height: int, length: int) -> torch.Tensor | None:
+    """The frames ``Wan22ImageToVideoLatent`` VAE-encodes: the first ``length`` start images IMAGE [F, H, W, C]
+    resized and center-cropped to width x height, RGB; None without a start image."""
+    check_frame_size(width, height, WAN22_VAE_SPATIAL_FACTOR)
+    if start is None:
+        return None
+    return _fitted(start[:length].float(), width, height)[..., :3]
+
+
+def wan22_image_latent(encoded: torch.Tensor | None, width: int, height: int, length: int,
+                       batch_size: int) -> dict[str, torch.Tensor]:
+    """The LATENT of ``Wan22ImageToVideoLatent`` (``samples``, and ``noise_mask`` with a start image) from the raw
+    latents of the encoded start frames [1, 48, t, h, w]: those latents in the first ``t`` latent frames (raw), the
+    empty latent elsewhere (the latent mean: zero once normalised), the mask 0 on the encoded frames. Without a
+    start image, one empty latent row and no mask (as native, which then ignores ``batch_size``)."""
+    check_frame_size(width, height, WAN22_VAE_SPATIAL_FACTOR)
+    shape = (1, WAN22_LATENT_CHANNELS, latent_frame_count(length), height // WAN22_VAE_SPATIAL_FACTOR,
+             width // WAN22_VAE_SPATIAL_FACTOR)
+    latent = torch.zeros(shape)
+    if encoded is None:
+        return {"samples": latent}
+    if tuple(encoded.shape[:2]) != shape[:2] or tuple(encoded.shape[3:]) != shape[3:] or encoded.shape[2] > shape[2]:
+        raise ValueError(f"the encoded start image has shape {list(encoded.shape)}; expected [1, "
+                         f"{WAN22_LATENT_CHANNELS}, at most {shape[2]}, {shape[3]}, {shape[4]}] (the Wan 2.2 VAE's "
+                         "latents of width x height frames)")
+    mask = torch.ones(1, 1, *shape[2:])
+    latent[:, :, : encoded.shape[2]] = encoded.float()
+    mask[:, :, : encoded.shape[2]] *= 0.0
+    mean = torch.tensor(WAN22_LATENTS_MEAN).view(1, -1, 1, 1, 1)
+    std = torch.tensor(WAN22_LATENTS_STD).view(1, -1, 1, 1, 1)
+    latent = (latent * std / 1.0 + mean) * mask + latent * (1.0 - mask)  # native: Wan22 process_out, scale 1
+    repeat = (batch_size, 1, 1, 1, 1)
+    return {"samples": latent.repeat(repeat), "noise_mask": mask.repeat(repeat)}
+
+
+def latent_noise_mask(noise_mask: torch.Tensor, latent_shape: tuple) -> torch.Tensor:
+    """A LATENT's ``noise_mask`` resized to the latent [B, C, T, h, w] as ComfyUI's sampler prepares it
+    (``reshape_mask``): a mask without its 5 dimensions taken as frames [1, 1, F, H, W], trilinear to the latent's
+    frames and size, repeated over the channels and to the batch."""
+    mask = noise_mask.float()
+    if mask.ndim < 5:
+        mask = mask.reshape(1, 1, -1, mask.shape[-2], mask.shape[-1])
+    mask = F.interpolate(mask, size=tuple(latent_shape[2:]), mode="trilinear")
+    channels, batch = latent_shape[1], latent_shape[0]
+    if mask.shape[1] < channels:
+        mask = mask.repeat(1, channels, 1, 1, 1)[:, :channels]
+    if mask.shape[0] > batch:
+        return mask[:batch]
+    if mask.shape[0] < batch:
+        return mask.repeat(math.ceil(batch / mask.shape[0]), 1, 1, 1, 1)[:batch]
+    return mask
+
+
+def frame_timesteps(mask: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+    """Per-frame timesteps [B, T] of a model call on a masked latent (ComfyUI's WAN22 ``process_timestep``): each
+    latent frame's share of sampled positions (the mask's mean over channels, height and width) times the
+    timestep (one value, or one per row)."""
+    rows = mask.shape[0]
+    shares = torch.mean(mask, dim=(1, 3, 4), keepdim=True)
+    return (shares * timestep.expand(rows).view(rows, 1, 1, 1, 1)).reshape(rows, -1)

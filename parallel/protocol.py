@@ -14,8 +14,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import (T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
-                     check_dtype_name, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_timesteps,
+from .config import (LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
+                     check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
@@ -141,7 +141,7 @@ class SampleRequest(Request):
 
     kind: ClassVar[str] = "sample"
     handle: str
-    latent: torch.Tensor  # raw latents [B, 16, T, h, w]
+    latent: torch.Tensor  # raw latents [B, 16, T, h, w] (Wan 2.1 VAE) or [B, 48, T, h, w] (Wan 2.2 VAE, TI2V 5B)
     positive: list[torch.Tensor]  # prompt embeddings, each [L, text_dim]
     negative: list[torch.Tensor]
     seed: int
@@ -171,6 +171,9 @@ class SampleRequest(Request):
     image_latents: torch.Tensor | None = None  # raw latents of the conditioning video [rows, 16, T, h', w']
     image_mask: torch.Tensor | None = None  # [rows, 1 or 4, T' <= T, h'', w'']: 0 where a frame is given
     clip_fea: torch.Tensor | None = None  # [1 or B, 257 per image, 1280]
+    # The LATENT's noise_mask as ComfyUI holds it (Wan22ImageToVideoLatent: 0 on the start image's latent frames):
+    # Wan 2.2 latents only; each model call gets per-frame timesteps and the kept latent, as native KSampler does
+    noise_mask: torch.Tensor | None = None  # [B, 1, T, h, w], [F, 1, H, W] or [F, H, W]; resized to the latent
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -183,6 +186,7 @@ class SampleRequest(Request):
         check_vace_contexts(self.vace_frames, self.vace_masks, self.vace_strengths, self.latent.shape)
         check_image_conditioning(self.image_latents, self.image_mask, tuple(self.latent.shape))
         check_clip_vision_tokens(self.clip_fea, self.latent.shape[0])
+        check_noise_mask(self.noise_mask, tuple(self.latent.shape), self.sampler)
         check_model_loras(self.model_loras)
         check_experts(boundary=self.boundary, guidance_scale_low=self.guidance_scale_low)
         check_step_range(self.start_step, self.end_step, self.steps)
@@ -197,8 +201,8 @@ class ModelForward(Request):
 
     kind: ClassVar[str] = "model_forward"
     handle: str
-    latent: torch.Tensor  # the model input [B, 16 or 36, T, h, w]: normalised latents (+ image channels of I2V)
-    timestep: torch.Tensor  # [B]: the model's timestep, sigma x 1000
+    latent: torch.Tensor  # the model input [B, 16 / 36 / 48, T, h, w]: normalised latents (+ I2V's image channels)
+    timestep: torch.Tensor  # [B] or [B, T] (per latent frame: Wan 2.2 with a noise mask): sigma x 1000
     context: torch.Tensor  # [B, L, text_dim]: prompt embeddings, one row per latent row
     vace_context: torch.Tensor | None = None  # [B, N, 96, T, h, w]: normalised VACE frames and masks, N contexts
     vace_strengths: list[float] = field(default_factory=list)  # one per VACE context
@@ -240,7 +244,7 @@ class StreamSample(Request):
         check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
                        guidance_scale=self.guidance_scale)
         check_seed(self.seed)
-        check_latent(self.latent)
+        check_latent(self.latent, (LATENT_CHANNELS,))  # the causal checkpoints are Wan 2.1 models
         check_stream_options(self.latent.shape[2], self.chunk, self.kv_window, self.sink)
         check_stream_timesteps(self.timesteps)
         if not self.positive:

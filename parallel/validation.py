@@ -21,6 +21,7 @@ from pathlib import Path
 from .config import (
     LATENT_CHANNELS,
     TEXT_TOKENS,
+    WAN22_LATENT_CHANNELS,
     ParallelConfig,
     check_head_split,
     check_seed,
@@ -31,6 +32,7 @@ from .config import (
     ranks_over_cores_warning,
 )
 from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
+from .models.vae22 import is_wan22_vae
 from .models.detect import KIND_DESCRIPTIONS, detect_kind, image_inputs, infer_transformer_config, read_header
 
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
@@ -121,6 +123,28 @@ def model_image_inputs(path: str | Path, flag: str = "model") -> tuple[int, str 
     what image conditioning it takes (the native MODEL and the image-to-video checks need it); errors name ``flag``."""
     config = transformer_config(inspect_model_file(path, flag, TRANSFORMER_KINDS)) or {}
     return config.get("in_channels", LATENT_CHANNELS), image_inputs(config)
+
+
+def vae_latent_channels(info: ModelFileInfo) -> int | None:
+    """The latent channels of a VAE file (48: the Wan 2.2 VAE's nested layout, 16: the Wan 2.1 VAE's), from its
+    header; None for a folder or a file whose kind the header does not tell."""
+    if info.kind != "wan_vae":
+        return None
+    keys = {key.removeprefix(prefix) for key in info.shapes for prefix in ("first_stage_model.", "vae.")}
+    return WAN22_LATENT_CHANNELS if is_wan22_vae(keys) else LATENT_CHANNELS
+
+
+def check_vae_for_model(vae: ModelFileInfo, model_path: str | Path, vae_flag: str, model_flag: str) -> None:
+    """The VAE's latent space is the model's: the Wan 2.2 VAE (48 channels) for TI2V 5B, the Wan 2.1 VAE (16) for
+    every other Wan model (Wan 2.1, Wan 2.2 A14B); a one-line error naming what to use instead."""
+    vae_channels = vae_latent_channels(vae)
+    in_channels, kind = model_image_inputs(model_path, model_flag)
+    model_channels = WAN22_LATENT_CHANNELS if kind == "first_frame" else LATENT_CHANNELS
+    if vae_channels is not None and vae_channels != model_channels:
+        names = {LATENT_CHANNELS: "the Wan 2.1 VAE (wan_2.1_vae.safetensors)",
+                 WAN22_LATENT_CHANNELS: "the Wan 2.2 VAE (wan2.2_vae.safetensors)"}
+        raise ValueError(f"{vae_flag} {vae.path} is {names[vae_channels]}, but {model_flag} {model_path} works on "
+                         f"{model_channels}-channel latents: use {names[model_channels]} with it")
 
 
 def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
@@ -304,7 +328,9 @@ def validate_generate(request: GenerateInputs, config: ParallelConfig) -> list[s
     if request.vace_module is not None:
         inspect_model_file(request.vace_module, "--vace-module", VACE_MODULE_KINDS)
     if request.vae is not None:
-        inspect_model_file(request.vae, "--vae", VAE_KINDS)
+        vae = inspect_model_file(request.vae, "--vae", VAE_KINDS)
+        if request.model is not None:
+            check_vae_for_model(vae, request.model, "--vae", "--model")
     if request.text_encoder is not None:
         inspect_model_file(request.text_encoder, "--text-encoder", TEXT_ENCODER_KINDS)
     warnings = check_ranks(config)

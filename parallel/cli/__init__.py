@@ -244,8 +244,8 @@ def _run(args) -> int:
         files = resolve_model_files(args)
         files["loras"] = read_loras(args.lora, files)  # headers checked against the model before the pool starts
         vace = read_vace_inputs(args, files)  # VACE files read and checked; sizes default to the video's
-        image = ImageInputs.read(args, files)  # the model's kind against the images given, images read
         apply_defaults(args, tiny=args.model is None)
+        image = ImageInputs.read(args, files)  # the model's kind against the images given, images read
         generate(args, files, vace, image)
         return 0
     if args.command == "stream":

@@ -138,7 +138,8 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
         fields, trim = vace.sample_fields(encoded), encoded.trim_latent
         shape = (*shape[:2], encoded.frames.shape[2], *shape[3:])
     request = SampleRequest(
-        handle="", latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
+        handle="", latent=fields.pop("latent") if "latent" in fields else torch.zeros(shape), positive=prompts[0],
+        negative=prompts[1], seed=args.seed,
         steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler,
         scheduler=args.scheduler, timings=args.timings is not None, **fields,
         **_expert_fields(args),

@@ -2,8 +2,9 @@
 runs in the CLI (driver) process.
 
 The model's kind (its header) decides what is needed: Wan 2.1 I2V a start image and a CLIP vision file, FLF2V a
-start and an end image and a CLIP vision file, Wan 2.2 I2V A14B a start image only; a text-to-video model takes no
-image. Every such mistake is a one-line error before the pool starts. The conditioning is what ComfyUI's native
+start and an end image and a CLIP vision file, Wan 2.2 I2V A14B a start image only, Wan 2.2 TI2V 5B an optional
+start image (its latents kept in the first frames, as native Wan22ImageToVideoLatent); a text-to-video model takes
+no image. Every such mistake is a one-line error before the pool starts. The conditioning is what ComfyUI's native
 WanImageToVideo / WanFirstLastFrameToVideo make (``image_to_video.py``): the video is VAE-encoded on the pool; the
 CLIP vision encoder (one or two images) runs here, as ComfyUI runs it in its own process.
 """
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..image_to_video import first_last_video, start_image_video
+from ..config import WAN22_VAE_SPATIAL_FACTOR, check_video_size
+from ..image_to_video import first_last_video, start_image_video, wan22_image_latent, wan22_start_frames
 from ..validation import model_image_inputs
 
 IMAGE_FLAGS = {"image": "--image", "last_image": "--last-image", "clip_vision": "--clip-vision"}
-KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B"}
+KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
+              "first_frame": "Wan 2.2 TI2V 5B"}
 
 
 def add_image_arguments(parser) -> None:
@@ -40,7 +43,9 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
                              "model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B) or leave the images out")
         return
     name = KIND_NAMES[kind]
-    if args.image is None and not (kind == "first_last" and args.last_image is not None):
+    if kind == "first_frame":  # text-to-video, or image-to-video from the start image's latents
+        check_video_size(args.width, args.height, args.frames, WAN22_VAE_SPATIAL_FACTOR)
+    elif args.image is None and not (kind == "first_last" and args.last_image is not None):
         raise ValueError(f"the model is {name}: give the start image with --image")
     if args.last_image is not None and kind != "first_last":
         raise ValueError(f"the model is {name}, which takes one image; --last-image needs a first-last-frame (FLF2V) "
@@ -70,10 +75,17 @@ class ImageInputs:
             return None
         start = None if args.image is None else read_image(args.image, "--image")
         end = None if args.last_image is None else read_image(args.last_image, "--last-image")
-        return cls(kind, start, end, clip_vision if kind != "latents" else None)
+        return cls(kind, start, end, clip_vision if kind in ("clip_vision", "first_last") else None)
 
     def sample_fields(self, runner, vae: str, args) -> dict:
-        """The SampleRequest's image fields: the video encoded on the pool, its mask, the CLIP vision tokens."""
+        """The SampleRequest's image fields: the video encoded on the pool, its mask, the CLIP vision tokens; for
+        TI2V the 48-channel latent (the start image's latents in its first frames) and its noise mask."""
+        if self.kind == "first_frame":
+            frames = wan22_start_frames(self.start, args.width, args.height, args.frames)
+            encoded = None if frames is None else runner.encode(vae, frames, tile_px=args.vae_tile,
+                                                                 overlap_px=args.vae_overlap)
+            latent = wan22_image_latent(encoded, args.width, args.height, args.frames, 1)
+            return {"latent": latent["samples"], "noise_mask": latent.get("noise_mask")}
         if self.kind == "first_last":
             video, mask = first_last_video(self.start, self.end, args.width, args.height, args.frames)
         else:

@@ -7,6 +7,9 @@ hooks and attention kernels:
   rank's global positions. This hook also opens the per-forward :class:`SequenceShard`.
 * ``blocks.0`` (and the first VACE block): the patch-embedded video tokens (and the VACE context tokens) are
   padded to a multiple of the degree and cut to this rank's slice before the first block runs.
+* ``condition_embedder``: per-token timestep embeddings (Wan 2.2's per-frame timesteps, which diffusers takes as
+  one timestep per token) are cut to this rank's slice too, so every block and the output modulation get the
+  timesteps of the rank's own tokens; one timestep per row passes unchanged.
 * ``attn1`` of every block and VACE block: a processor that attends this rank's queries over the whole
   sequence with ring, Ulysses or USP attention (``attention.py``); the padding is masked out of the keys.
   Cross-attention (``attn2``) stays local: the text tokens are replicated on every rank.
@@ -89,6 +92,7 @@ class ContextParallelPlan:
     split_inputs: dict[str, tuple[str, ...]]
     attention_modules: tuple[str, ...]
     gather: str
+    timestep_embedding: str = "condition_embedder"  # its per-token outputs (temb, timestep_proj) are split
 
 
 def context_parallel_plan(model: nn.Module) -> ContextParallelPlan:
@@ -214,6 +218,15 @@ class ContextParallel:
 
         return split_arguments
 
+    def _split_token_embeddings(self, module, args, output: tuple) -> tuple:
+        """diffusers' condition embedder returns (temb, timestep_proj, text, image); with one timestep per token
+        temb is [B, tokens, dim] and timestep_proj [B, tokens, 6 * dim]: keep this rank's tokens."""
+        temb, timestep_proj, *rest = output
+        if temb.ndim != 3:
+            return output
+        shard = self.current_shard()
+        return (shard.local_slice(temb), shard.local_slice(timestep_proj), *rest)
+
     def _gather_output(self, module, args, output: torch.Tensor) -> torch.Tensor:
         shard = self.current_shard()
         gathered = output.contiguous()
@@ -229,6 +242,7 @@ class ContextParallel:
     def install(self, model: nn.Module, plan: ContextParallelPlan) -> None:
         submodule = model.get_submodule
         self._handles.append(submodule(plan.rope).register_forward_hook(self._open_shard_and_slice_rope))
+        self._handles.append(submodule(plan.timestep_embedding).register_forward_hook(self._split_token_embeddings))
         for path, names in plan.split_inputs.items():
             if names:
                 hook = self._split_hook(submodule(path), names)

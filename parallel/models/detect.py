@@ -2,7 +2,8 @@
 runs in the workers (and the driver, for header-only checks).
 
 Keys here are in the ORIGINAL layouts users have as single files: Wan / VACE transformers
-(`patch_embedding`, `blocks.N.self_attn.q`, ...), the Wan 2.1 VAE (`encoder.downsamples.N`, ...) and
+(`patch_embedding`, `blocks.N.self_attn.q`, ...), the Wan 2.1 VAE (`encoder.downsamples.N`, ...), the Wan 2.2 VAE
+(`encoder.downsamples.L.downsamples.J`, ...: `vae22.py`) and
 umT5 in transformers' T5 naming (`encoder.block.N.layer.0.SelfAttention.q`, ...). The configs returned
 are keyword arguments for diffusers' / transformers' model classes.
 """
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import IMAGE_CONCAT_CHANNELS
+from ..config import IMAGE_CONCAT_CHANNELS, LATENT_CHANNELS, WAN22_LATENT_CHANNELS
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, ModelFileError, is_quantisation_key, read_safetensors_header
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -30,7 +31,7 @@ KIND_DESCRIPTIONS = {
     "vace_module": "a VACE module (only vace_* keys; it needs a Wan T2V base model)",
     "wan_i2v": "a Wan image-to-video transformer (keys img_emb.*)",
     "diffusers_transformer": "a Wan transformer in diffusers key layout (keys condition_embedder.*, blocks.N.attn1.*)",
-    "wan_vae": "a Wan VAE (keys encoder.*/decoder.*)",
+    "wan_vae": "a Wan VAE, 2.1 or 2.2 (keys encoder.*/decoder.*)",
     "diffusers_vae": "a Wan VAE in diffusers key layout (keys encoder.conv_in, decoder.up_blocks.*)",
     "umt5": "a umT5 text encoder (keys shared.weight, encoder.block.N.layer.*)",
     "clip_vision": "a CLIP vision encoder (keys visual.* / vision_model.*)",
@@ -179,45 +180,58 @@ def _image_embedding_config(shapes: Shapes) -> dict:
     return config
 
 
-WAN21_LATENT_CHANNELS = 16
-WAN22_TI2V_LATENT_CHANNELS = 48
+WAN21_LATENT_CHANNELS = LATENT_CHANNELS
+WAN22_TI2V_LATENT_CHANNELS = WAN22_LATENT_CHANNELS
 I2V_IN_CHANNELS = WAN21_LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS
+TRANSFORMER_IN_CHANNELS = (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS, WAN22_TI2V_LATENT_CHANNELS)
 
 
 def check_latent_channels(in_channels: int) -> None:
     """Transformers on the 16-channel Wan 2.1 latent load: text-to-video and VACE (16 input channels) and
-    image-to-video (36: Wan 2.1 I2V / FLF2V, both Wan 2.2 I2V A14B experts)."""
-    if in_channels == WAN22_TI2V_LATENT_CHANNELS:
-        raise ModelFileError(
-            "This is the Wan 2.2 TI2V 5B transformer (48 latent channels, for the 48-channel Wan 2.2 VAE), which is "
-            "not supported yet; use Wan 2.1 T2V/VACE/I2V or the Wan 2.2 A14B T2V/I2V experts (16 latent channels).")
-    if in_channels not in (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS):
+    image-to-video (36: Wan 2.1 I2V / FLF2V, both Wan 2.2 I2V A14B experts); so does Wan 2.2 TI2V 5B on the
+    48-channel Wan 2.2 latent (text- and image-to-video: the start image is in the latent)."""
+    if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(
             f"This transformer takes {in_channels} input channels (a Fun-control, camera or other conditioned model), "
-            f"which is not supported; use a T2V or VACE model ({WAN21_LATENT_CHANNELS} input channels) or an "
-            f"image-to-video model ({I2V_IN_CHANNELS}).")
+            f"which is not supported; use a T2V or VACE model ({WAN21_LATENT_CHANNELS} input channels), an "
+            f"image-to-video model ({I2V_IN_CHANNELS}) or Wan 2.2 TI2V 5B ({WAN22_TI2V_LATENT_CHANNELS}).")
 
 
 def image_inputs(config: Mapping) -> str | None:
     """What image conditioning a transformer config takes: "clip_vision" (Wan 2.1 I2V: latents of the start image
     and CLIP vision tokens), "first_last" (Wan 2.1 FLF2V: two images' tokens), "latents" (Wan 2.2 I2V A14B:
-    image latents only), or None (text-to-video and VACE)."""
+    image latents only), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or image-to-video with the start image's
+    latents kept in the latent by a noise mask), or None (text-to-video and VACE)."""
     if config.get("pos_embed_seq_len"):
         return "first_last"
     if config.get("image_dim"):
         return "clip_vision"
-    if config.get("in_channels", WAN21_LATENT_CHANNELS) == I2V_IN_CHANNELS:
+    in_channels = config.get("in_channels", WAN21_LATENT_CHANNELS)
+    if in_channels == I2V_IN_CHANNELS:
         return "latents"
+    if in_channels == WAN22_TI2V_LATENT_CHANNELS:
+        return "first_frame"
     return None
 
 
 def infer_vae_config(shapes: Shapes) -> dict:
-    """diffusers `AutoencoderKLWan` kwargs from Wan 2.1 VAE shapes (original layout)."""
+    """diffusers `AutoencoderKLWan` kwargs from original-layout VAE shapes (unprefixed keys): the Wan 2.2 VAE (48
+    latent channels, nested levels; ``vae22.py``) or the Wan 2.1 VAE (16 channels, one flat block sequence)."""
+    from .vae22 import infer_wan22_vae_config, is_wan22_vae  # here: this module loads at ComfyUI start-up
+
+    if is_wan22_vae(shapes):
+        return infer_wan22_vae_config(shapes)
+    return _infer_wan21_vae_config(shapes)
+
+
+def _infer_wan21_vae_config(shapes: Shapes) -> dict:
     base_dim = _require(shapes, "encoder.conv1.weight", "VAE base dim")[0]
     z_dim = _require(shapes, "conv2.weight", "VAE latent channels")[0]
     if z_dim != WAN21_LATENT_CHANNELS:
-        raise ModelFileError(f"This VAE has {z_dim} latent channels (the Wan 2.2 VAE of TI2V 5B has 48), which is not "
-                             f"supported; use the Wan 2.1 VAE ({WAN21_LATENT_CHANNELS} channels, also used by Wan 2.2 A14B).")
+        raise ModelFileError(f"This VAE has {z_dim} latent channels in the Wan 2.1 key layout, which is not "
+                             f"supported; use the Wan 2.1 VAE ({WAN21_LATENT_CHANNELS} channels, also used by Wan 2.2 "
+                             f"A14B) or the Wan 2.2 VAE ({WAN22_TI2V_LATENT_CHANNELS} channels, "
+                             f"wan2.2_vae.safetensors).")
     # diffusers' key converter is written for 4 levels of 2 residual blocks with resamples between them.
     resample_indices = [level * (VAE_RES_BLOCKS + 1) + VAE_RES_BLOCKS for level in range(VAE_LEVELS - 1)]
     expected_blocks = VAE_LEVELS * VAE_RES_BLOCKS + VAE_LEVELS - 1

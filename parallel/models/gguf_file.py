@@ -22,6 +22,7 @@ import gguf
 import numpy as np
 import torch
 
+from ..config import LATENT_CHANNEL_COUNTS
 from .checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, ModelFileError, TensorSlice
 from .dequant import SUPPORTED_TYPES, supported_names  # the types this package can dequantise are the ones a file may hold
 from .quantized import StoredTensor, dequantize_stored
@@ -32,7 +33,6 @@ GGUF_SUFFIX = ".gguf"
 WAN_ARCHITECTURE = "wan"
 ORIGINAL_SHAPE_FIELD = "comfy.gguf.orig_shape."  # ComfyUI-GGUF's key for tensors stored reshaped
 HEAD_COUNT_FIELD = "{arch}.attention.head_count"
-WAN_LATENT_CHANNELS = 16  # Wan 2.1 / 2.2 A14B; the 5B TI2V model uses 48-channel latents
 _Q = gguf.GGMLQuantizationType
 FLOAT_TYPES = frozenset({_Q.F32, _Q.F16, _Q.BF16})
 
@@ -129,10 +129,10 @@ class GGUFFile:
         if head is None or patch is None or len(patch) != 5:
             return  # not recognisably a Wan transformer: the loader's kind detection says what it is
         channels = head[0] // math.prod(patch[2:])
-        if channels != WAN_LATENT_CHANNELS:
+        if channels not in LATENT_CHANNEL_COUNTS:
             raise ModelFileError(
-                f"{self.path}: the model predicts {channels}-channel latents; only Wan 2.1 / 2.2 A14B transformers "
-                f"({WAN_LATENT_CHANNELS}-channel latents) are supported, not the 48-channel Wan 2.2 TI2V 5B")
+                f"{self.path}: the model predicts {channels}-channel latents; supported: Wan 2.1 / 2.2 A14B "
+                f"transformers (16-channel latents) and Wan 2.2 TI2V 5B (48-channel latents)")
 
     def is_quantized(self, key: str) -> bool:
         return self.tensor_type(key) not in FLOAT_TYPES

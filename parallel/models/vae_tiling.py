@@ -1,11 +1,12 @@
 """Spatially tiled Wan VAE decode and encode, on one device or spread over ranks by the patch executor.
 
-Decode cuts the raw latent ``[B, 16, T, h, w]`` into overlapping spatial tiles; each tile is decoded over all frames by
-diffusers' ``AutoencoderKLWan`` (its causal temporal cache included) and the pixel tiles are blended where they
-overlap. Tiles are decoded and blended raw; nothing is clamped here, so the output can leave -1..1 a little where
+Decode cuts the raw latent ``[B, z, T, h, w]`` (z: 16 for the Wan 2.1 VAE, 48 for the Wan 2.2 VAE) into overlapping
+spatial tiles; each tile is decoded over all frames by diffusers' ``AutoencoderKLWan`` (its causal temporal cache
+included) and the pixel tiles are blended where they overlap. Tiles are decoded and blended raw; nothing is clamped here, so the output can leave -1..1 a little where
 the decoder overshoots, as a whole-frame decode does, and is clamped once when it becomes frames. Encode does the same from pixels ``[B, 3, F, H, W]`` (the VAE chunks frames as 1 + 4n) and blends in latent
 space. The split and merge are ours (rather than diffusers' ``enable_tiling``) so that tiles can run on different
-ranks; the result does not depend on how many ranks run them.
+ranks; the result does not depend on how many ranks run them. Sizes follow the loaded VAE's spatial factor (8 for
+Wan 2.1, 16 for Wan 2.2, whose pixels enter and leave as 2x2 patches): tiles and overlaps are multiples of it.
 
 Tiles start every ``tile - overlap`` along each axis; the last tile is cut at the border, and the grid is chosen so
 it always extends past the previous tile's overlap. Blending uses linear ramps across each overlap whose weights sum to
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
 Span = tuple[int, int]
+PIXEL_CHANNELS = 3  # RGB; the Wan 2.2 VAE's 12 input channels are these in 2x2 patches, made inside diffusers' encode
 
 
 @dataclass(frozen=True)
@@ -136,13 +138,13 @@ def tiled_decode(
     overlap_px: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Tensor | None:
-    """Decode raw Wan latents ``[B, z, T, h, w]`` to raw pixels ``[B, 3, 1 + 4(T - 1), 8h, 8w]`` (about -1..1, not
-    clamped), tile by tile.
+    """Decode raw Wan latents ``[B, z, T, h, w]`` to raw pixels ``[B, 3, 1 + 4(T - 1), s*h, s*w]`` (s: the VAE's
+    spatial factor; about -1..1, not clamped), tile by tile.
 
     ``tile_px`` / ``overlap_px`` are the tile edge and overlap in pixels. With a process group the tiles run on all its
     ranks and the pixels are returned on group rank 0; the other ranks get ``None``.
     """
-    ratio = _spatial_ratio(vae)
+    ratio = spatial_factor(vae)
     tile_px, overlap_px = resolve_tile_options(tile_px, overlap_px, ratio)
     _check_latents(vae, latents)
     latents = latents.to(device=_device(vae), dtype=_dtype(vae))
@@ -169,15 +171,15 @@ def tiled_encode(
     overlap_px: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """Encode pixels ``[B, 3, F, H, W]`` in -1..1 (sizes multiples of 8; any F, encoded as 1 + (F - 1) // 4 latent
-    frames as the causal encoder does) to raw latents (the posterior mode), tile by tile.
+    """Encode pixels ``[B, 3, F, H, W]`` in -1..1 (sizes multiples of the VAE's spatial factor; any F, encoded as
+    1 + (F - 1) // 4 latent frames as the causal encoder does) to raw latents (the posterior mode), tile by tile.
 
     The tiles overlap by ``overlap_px`` pixels and are blended in latent space. With a process group the tiles run on
     all its ranks and the latents are broadcast so every rank returns them.
     """
-    ratio = _spatial_ratio(vae)
+    ratio = spatial_factor(vae)
     tile_px, overlap_px = resolve_tile_options(tile_px, overlap_px, ratio)
-    _check_pixels(vae, pixels, ratio)
+    _check_pixels(pixels, ratio)
     pixels = pixels.to(device=_device(vae), dtype=_dtype(vae))
 
     def encode_tile(task: TileTask) -> Tensor:
@@ -202,16 +204,17 @@ def _check_latents(vae: AutoencoderKLWan, latents: Tensor) -> None:
         raise ValueError(f"latents must not be empty, got shape {tuple(latents.shape)}")
 
 
-def _check_pixels(vae: AutoencoderKLWan, pixels: Tensor, ratio: int) -> None:
-    channels = vae.config.in_channels
-    if pixels.ndim != 5 or pixels.shape[1] != channels:
-        raise ValueError(f"pixels must be [B, {channels}, F, H, W] in -1..1, got shape {tuple(pixels.shape)}")
+def _check_pixels(pixels: Tensor, ratio: int) -> None:
+    if pixels.ndim != 5 or pixels.shape[1] != PIXEL_CHANNELS:
+        raise ValueError(f"pixels must be [B, {PIXEL_CHANNELS}, F, H, W] in -1..1, got shape {tuple(pixels.shape)}")
     frames, height, width = pixels.shape[2:]
     check_encode_frames(width, height, frames)
     check_frame_size(width, height, multiple=ratio)
 
 
-def _spatial_ratio(vae: AutoencoderKLWan) -> int:
+def spatial_factor(vae: AutoencoderKLWan) -> int:
+    """Pixels per latent along each spatial axis: 8 for the Wan 2.1 VAE, 16 for the Wan 2.2 VAE (from its config,
+    which the loader checks against the structure)."""
     return int(vae.config.scale_factor_spatial)
 
 

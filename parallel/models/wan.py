@@ -1,4 +1,4 @@
-"""Public model loaders: Wan / VACE transformers, the Wan VAE and the umT5 text encoder.
+"""Public model loaders: Wan / VACE transformers, the Wan VAEs (2.1 and 2.2) and the umT5 text encoder.
 
 Each loader accepts a ComfyUI-style single file in the original key layout, a diffusers model folder
 (`config.json` + safetensors, maybe sharded) or a diffusers pipeline folder (`model_index.json` with
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from .checkpoint import (
 )
 from .gguf_file import open_files
 from .umt5 import TextEncoder, load_text_encoder
+from .vae22 import WAN22_LATENT_CHANNELS, check_wan22_folder_config, convert_wan22_vae_keys, is_wan22_vae
 from .wan_vace import WanVaceMultiContext
 from .detect import (WAN21_LATENT_CHANNELS, check_latent_channels, describe_kind, detect_kind, infer_transformer_config,
                      infer_vae_config)
@@ -279,22 +281,42 @@ def _strip_first_matching_prefix(keys: list[str], prefixes: tuple[str, ...]) -> 
     return {key: key for key in keys}
 
 
+def _vae_name_converter(unprefixed_keys) -> Callable[[dict], dict]:
+    """The original-layout -> diffusers key renamer of a Wan VAE file: ours for the 2.2 layout, diffusers' for 2.1."""
+    return convert_wan22_vae_keys if is_wan22_vae(unprefixed_keys) else convert_wan_vae_to_diffusers
+
+
+def _original_vae_source(location: Path, stack: contextlib.ExitStack) -> tuple[dict, WeightSource]:
+    """(config, weight source) of a single-file Wan 2.1 or 2.2 VAE in the original layout, maybe prefixed."""
+    (checkpoint,) = open_files([location], stack)
+    unprefixed_to_stored = _strip_first_matching_prefix(checkpoint.weight_keys(), VAE_PREFIXES)
+    if detect_kind(unprefixed_to_stored) != "wan_vae":
+        raise _wrong_kind(location, "a Wan VAE (keys encoder.*/decoder.*)", list(unprefixed_to_stored))
+    shapes = {original: checkpoint.shape(stored) for original, stored in unprefixed_to_stored.items()}
+    config = infer_vae_config(shapes)
+    names = rename_map(unprefixed_to_stored, _vae_name_converter(unprefixed_to_stored))
+    source = WeightSource({name: TensorRef(checkpoint, unprefixed_to_stored[original])
+                           for name, original in names.items()}, str(location))
+    return config, source
+
+
+def _vae_folder_config(location: Path) -> dict:
+    config = _read_folder_config(location, {"AutoencoderKLWan"}, "Wan VAE")
+    if config.get("z_dim") == WAN22_LATENT_CHANNELS:
+        return check_wan22_folder_config(config, location)
+    return config
+
+
 def load_vae(path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> AutoencoderKLWan:
-    """The Wan 2.1 VAE (diffusers `AutoencoderKLWan`) in eval mode with frozen weights."""
+    """The Wan 2.1 VAE (16 latent channels, 8x spatial) or the Wan 2.2 VAE (48 channels, 16x spatial: ``vae22.py``)
+    as diffusers' `AutoencoderKLWan` in eval mode with frozen weights; its config holds the factors
+    (``scale_factor_spatial`` / ``scale_factor_temporal``), ``z_dim`` and the latent statistics."""
     location = resolve_model_location(path, "vae")
     with contextlib.ExitStack() as stack:
         if location.is_dir():
-            config = _read_folder_config(location, {"AutoencoderKLWan"}, "Wan VAE")
+            config = _vae_folder_config(location)
             source = _identity_source(location, stack, DIFFUSERS_WEIGHTS_NAME)
         else:
-            (checkpoint,) = open_files([location], stack)
-            unprefixed_to_stored = _strip_first_matching_prefix(checkpoint.weight_keys(), VAE_PREFIXES)
-            if detect_kind(unprefixed_to_stored) != "wan_vae":
-                raise _wrong_kind(location, "a Wan VAE (keys encoder.*/decoder.*)", list(unprefixed_to_stored))
-            names = rename_map(unprefixed_to_stored, convert_wan_vae_to_diffusers)
-            source = WeightSource({name: TensorRef(checkpoint, unprefixed_to_stored[original])
-                                   for name, original in names.items()}, str(location))
-            shapes = {original: checkpoint.shape(stored) for original, stored in unprefixed_to_stored.items()}
-            config = infer_vae_config(shapes)
+            config, source = _original_vae_source(location, stack)
         model = build_empty(lambda: AutoencoderKLWan.from_config(config))
         return load_weights_into(model, source, dtype=dtype, device=device)

@@ -12,7 +12,7 @@ import torch
 
 from ..protocol import ModelForward
 from ..vace.context import default_vace_context
-from ..config import LATENT_CHANNELS
+from ..config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
 from .guidance import IMAGE_CONCAT, flow_prediction
 from .latents import LATENTS_MEAN, LATENTS_STD
 
@@ -51,13 +51,27 @@ def forward_vace_inputs(model, request: ModelForward, rows: range, dtype, device
     return vace_call_inputs(contexts, request.vace_strengths, len(vace_layers), dtype, device)
 
 
+def latent_channels(model) -> int:
+    """The channels of the latents a transformer samples (its output): 16 (Wan 2.1 VAE) or 48 (Wan 2.2 TI2V 5B)."""
+    return getattr(getattr(model, "config", None), "out_channels", LATENT_CHANNELS)
+
+
+def check_latent_for_model(model, channels: int) -> None:
+    """The latent's channels are the model's: a Wan 2.2 VAE latent (48) for TI2V 5B, a Wan 2.1 one (16) else."""
+    expected = latent_channels(model)
+    if channels != expected:
+        raise ValueError(f"the latent has {channels} channels but this model samples {expected}-channel latents; "
+                         f"use the latent made for it ({WAN22_LATENT_CHANNELS}: Wan 2.2 TI2V 5B with the Wan 2.2 VAE, "
+                         f"e.g. Wan22ImageToVideoLatent; {LATENT_CHANNELS}: every other Wan model)")
+
+
 def image_inputs(model, image_concat: torch.Tensor | None, clip_fea: torch.Tensor | None, rows: range,
                  latent_shape: tuple, dtype, device) -> dict:
     """The image-to-video inputs of the given rows: the image channels concatenated to the latents (zeros when
     none are given, as native Wan fills them) and the CLIP vision tokens of models that take them. A model
     without image inputs refuses image channels; one whose image tokens are missing is refused too."""
     config = getattr(model, "config", None)  # test doubles and wrappers may have none: a text-to-video model
-    extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - LATENT_CHANNELS
+    extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - latent_channels(model)
     if image_concat is not None and not extra_channels:
         raise ValueError("the conditioning carries a start image but this model is not an image-to-video model; load "
                          "a Wan I2V model, or sample without the image conditioning")
@@ -82,8 +96,9 @@ def _batch_rows(tensor: torch.Tensor, rows: range, batch: int) -> torch.Tensor:
 
 
 def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> torch.Tensor:
-    """The flow prediction [len(rows), 16, T, h, w] (float32, CPU) of the given rows of a model call; an
-    image-to-video model's input arrives with its image channels already concatenated (36 channels)."""
+    """The flow prediction [len(rows), 16 or 48, T, h, w] (float32, CPU) of the given rows of a model call; an
+    image-to-video model's input arrives with its image channels already concatenated (36 channels), per-frame
+    timesteps [B, T] (Wan 2.2 with a noise mask) are spread over each frame's tokens."""
     latents = request.latent[rows.start : rows.stop].to(device=device, dtype=dtype)
     timestep = request.timestep[rows.start : rows.stop].to(device)
     context = request.context[rows.start : rows.stop].to(device=device, dtype=dtype)
@@ -91,8 +106,9 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
     in_channels = getattr(model.config, "in_channels", LATENT_CHANNELS)
     if latents.shape[1] != in_channels:
         raise ValueError(f"the model call gives {latents.shape[1]} input channels but this model takes "
-                         f"{in_channels}; use image-to-video conditioning with image-to-video models only")
-    shape = (request.latent.shape[0], LATENT_CHANNELS, *request.latent.shape[2:])
+                         f"{in_channels}; use image-to-video conditioning with image-to-video models only, and the "
+                         "latent made for the model (48 channels: Wan 2.2 TI2V 5B only)")
+    shape = (request.latent.shape[0], latent_channels(model), *request.latent.shape[2:])
     extra.update(image_inputs(model, None, request.clip_fea, rows, shape, dtype, device))
     extra.pop(IMAGE_CONCAT, None)  # the input holds its image channels already
     return flow_prediction(model, latents, timestep, context, extra).float().cpu()

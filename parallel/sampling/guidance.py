@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["IMAGE_CONCAT", "combine_guidance", "flow_prediction", "guided_prediction", "cfg_parallel_prediction", "guidance_for"]
+__all__ = ["IMAGE_CONCAT", "combine_guidance", "flow_prediction", "guided_prediction", "cfg_parallel_prediction", "guidance_for",
+           "token_timesteps"]
 
 
 def combine_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, guidance_scale: float) -> torch.Tensor:
@@ -24,11 +25,33 @@ def combine_guidance(conditional: torch.Tensor, unconditional: torch.Tensor, gui
 IMAGE_CONCAT = "image_concat"  # the ``extra`` entry whose channels are concatenated to the latents (image-to-video)
 
 
+DEFAULT_PATCH = (1, 2, 2)  # Wan's patch size: test doubles without a config
+
+
+def token_timesteps(frame_timesteps: torch.Tensor, latent_shape: tuple, patch: tuple) -> torch.Tensor:
+    """Per-frame timesteps [B, T] as diffusers' Wan transformer takes them: one per token [B, tokens], each latent
+    frame's value repeated over that frame's tokens (the patch grid of the size the model pads to), as native
+    Wan's ``repeat_e`` spreads per-frame modulation. Wan's patches are one frame deep."""
+    if patch[0] != 1:
+        raise ValueError(f"per-frame timesteps need patches one frame deep; this model's patch is {tuple(patch)}")
+    height, width = latent_shape[-2:]
+    per_frame = -(-height // patch[1]) * -(-width // patch[2])
+    return frame_timesteps.repeat_interleave(per_frame, dim=1)
+
+
+def model_timestep(model, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    """The timestep argument of one call: one value per row, or, for per-frame timesteps [B, T], one per token."""
+    if t.ndim < 2:
+        return t.expand(latents.shape[0]).to(latents.device)
+    patch = tuple(getattr(getattr(model, "config", None), "patch_size", DEFAULT_PATCH))
+    return token_timesteps(t, tuple(latents.shape), patch).to(latents.device)
+
+
 def flow_prediction(model, latents, t, context, extra: dict) -> torch.Tensor:
-    """One model call: the flow prediction of ``latents`` at timestep ``t`` (one value, or one per row). ``extra``
-    holds further model inputs; its ``IMAGE_CONCAT`` entry is concatenated to the latents' channels, as native
-    Wan feeds image-to-video models."""
-    timestep = t.expand(latents.shape[0]).to(latents.device)
+    """One model call: the flow prediction of ``latents`` at timestep ``t`` (one value, one per row, or one per row
+    and latent frame [B, T]: Wan 2.2's noise mask). ``extra`` holds further model inputs; its ``IMAGE_CONCAT``
+    entry is concatenated to the latents' channels, as native Wan feeds image-to-video models."""
+    timestep = model_timestep(model, t, latents)
     kwargs = {name: value for name, value in extra.items() if name != IMAGE_CONCAT}
     if extra.get(IMAGE_CONCAT) is not None:
         latents = torch.cat([latents, extra[IMAGE_CONCAT].to(latents.dtype)], dim=1)

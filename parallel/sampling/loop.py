@@ -1,11 +1,14 @@
-"""The flow-matching denoising loop for Wan 2.1 and VACE (samplers, schedules, denoise < 1); runs in the workers.
+"""The flow-matching denoising loop for Wan 2.1, VACE and Wan 2.2 (samplers, schedules, denoise < 1); runs in the
+workers.
 
 Latents enter and leave as raw Wan VAE latents (ComfyUI's convention); the loop works on latents normalised with the
-Wan 2.1 latent mean/std (``latents.py``); guidance is ``guidance.py``'s. Two families of samplers: ComfyUI's
-(``solvers.py`` on a ``schedules.py`` sigma schedule, each model call turned into a clean-latent estimate, the start
-noise and the leftover-noise result scaled as ComfyUI's KSampler does), and Wan's reference flow UniPC (diffusers'
-scheduler configured as Wan's code samples). The model is any callable with the diffusers Wan transformer signature,
-so parallel wrappers plug in unchanged.
+latent mean/std of their VAE (``latents.py``: 16 channels Wan 2.1, 48 Wan 2.2); guidance is ``guidance.py``'s. Two
+families of samplers: ComfyUI's (``solvers.py`` on a ``schedules.py`` sigma schedule, each model call turned into a
+clean-latent estimate, the start noise and the leftover-noise result scaled as ComfyUI's KSampler does; a Wan 2.2
+latent's noise mask handled as ComfyUI's ``KSamplerX0Inpaint`` with the WAN22 model: the kept latent blended into
+each model input and output, per-frame timesteps), and Wan's reference flow UniPC (diffusers' scheduler configured
+as Wan's code samples; no noise mask). The model is any callable with the diffusers Wan transformer signature, so
+parallel wrappers plug in unchanged.
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ from typing import Callable
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from ..config import COMFY_SAMPLERS, DISCARD_PENULTIMATE_SIGMA, SAMPLERS, TEXT_TOKENS, WAN_UNIPC, WAN_UNIPC_ALIAS
+from ..config import (COMFY_SAMPLERS, DISCARD_PENULTIMATE_SIGMA, SAMPLERS, TEXT_TOKENS, WAN_UNIPC, WAN_UNIPC_ALIAS,
+                      check_noise_mask)
 from ..errors import Cancelled
-from ..image_to_video import image_concat
+from ..image_to_video import frame_timesteps, image_concat, latent_noise_mask
 from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import image_inputs, vace_call_inputs, vace_layers_of
+from .forward import check_latent_for_model, image_inputs, vace_call_inputs, vace_layers_of
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
-from .latents import LATENTS_MEAN, LATENTS_STD, check_finite, denormalize_latents, normalize_latents, seeded_noise
+from .latents import (LATENTS_MEAN, LATENTS_STD, check_finite, denormalize_latents, model_space_latents,
+                      normalize_latents, seeded_noise)
 
 
 
@@ -122,7 +127,7 @@ def sample(
     preview: Callable | None = None,
     low_model: Callable | None = None,
 ) -> torch.Tensor:
-    """Run the denoising loop and return raw latents [B, 16, T, h, w] (float32, CPU).
+    """Run the denoising loop and return raw latents [B, 16 or 48, T, h, w] (float32, CPU).
 
     `rows` samples only those batch rows (a data-parallel share); an empty share still follows every step so
     that collective progress and cancel checks stay in step with the other replicas. `guidance` replaces
@@ -130,6 +135,8 @@ def sample(
     RGB image of the denoised estimate at every step, before that step's progress call. `low_model` is the
     low-noise expert of a two-expert run (``experts.py`` says which steps it runs); both share one architecture.
     Progress counts the steps this run covers (start_step up to end_step)."""
+    check_latent_for_model(model, request.latent.shape[1])
+    check_noise_mask(request.noise_mask, tuple(request.latent.shape), request.sampler)
     if request.sampler in COMFY_SAMPLERS:
         return sample_with_solver(model, request, device=device, dtype=dtype, progress=progress,
                                   should_stop=should_stop, rows=rows, guidance=guidance, preview=preview,
@@ -178,12 +185,13 @@ def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype
     negative = (_rows(text_context(request.negative, batch, dtype, device), rows)
                 if experts.needs_negative else None)
     extra = conditioning_inputs(model, request, rows, dtype, device)
-    start = normalize_latents(request.latent[rows.start : rows.stop]).to(device)
+    start = model_space_latents(request.latent)[rows.start : rows.stop].to(device)
     noise = (seeded_noise(tuple(request.latent.shape), request.seed)[rows.start : rows.stop].to(device)
              if request.add_noise else torch.zeros_like(start))
     x = sigmas[0] * noise + (1.0 - sigmas[0]) * start
     step_noise = ancestral_noise(request.seed, tuple(request.latent.shape), rows, device)
     run_steps = len(sigmas) - 1
+    kept = KeptLatent.of(request, start, rows, device)
 
     def denoise(index: int, latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         step = request.start_step + index + 1  # 1-based over the whole schedule, for messages
@@ -194,10 +202,11 @@ def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype
             return latents
         t = (sigma * TIMESTEP_SCALE).reshape(1).to(device)
         expert = experts.at(t)
+        latents, model_t = kept.model_input(latents, t)
         prediction = (guidance or guided_prediction)(
-            expert.model, latents.to(dtype), t, positive, negative if expert.guidance_scale != 1.0 else None,
+            expert.model, latents.to(dtype), model_t, positive, negative if expert.guidance_scale != 1.0 else None,
             expert.guidance_scale, extra).float()
-        denoised = latents - prediction * sigma.to(device)
+        denoised = kept.output(latents - prediction * sigma.to(device))
         check_finite(denoised, step, request.steps)
         if preview is not None:
             preview(preview_image(denoised))
@@ -213,6 +222,35 @@ def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype
     x = solve(request.sampler, denoise, x, sigmas, step_noise)  # uni_pc may turn a final sigma of 0 into 0.001
     check_finite(x, request.start_step + run_steps, request.steps)
     return denormalize_latents(x / (1.0 - sigmas[-1])).cpu()
+
+
+@dataclass
+class KeptLatent:
+    """A noise mask's part of ComfyUI's ``KSamplerX0Inpaint`` with Wan 2.2's WAN22 model: where the mask is 0 the
+    start latent (normalised) replaces the model input and the denoised output; every latent frame's timestep is
+    the mask's mean over that frame times the step's timestep. Without a mask both pass through."""
+
+    mask: torch.Tensor | None = None  # [rows, C, T, h, w], the noise mask resized to the latent
+    latent: torch.Tensor | None = None  # the start latent's rows, normalised
+
+    @classmethod
+    def of(cls, request: SampleRequest, start: torch.Tensor, rows: range, device) -> "KeptLatent":
+        if request.noise_mask is None:
+            return cls()
+        mask = latent_noise_mask(request.noise_mask, tuple(request.latent.shape))[rows.start : rows.stop]
+        return cls(mask.to(device), start)
+
+    def model_input(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the model input, its timestep: the step's, or one per row and latent frame)."""
+        if self.mask is None:
+            return x, t
+        return self._blend(x), frame_timesteps(self.mask, t)
+
+    def output(self, denoised: torch.Tensor) -> torch.Tensor:
+        return denoised if self.mask is None else self._blend(denoised)
+
+    def _blend(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask + self.latent * (1.0 - self.mask)  # ComfyUI's order of operations
 
 
 def ancestral_noise(seed: int, shape: tuple[int, ...], rows: range, device) -> Callable[[], torch.Tensor]:

@@ -62,6 +62,8 @@ NATIVE_VACE = dict(NATIVE_TRANSFORMER, vace_layers=[0], vace_in_channels=96)
 NATIVE_I2V = dict(NATIVE_TRANSFORMER, in_channels=36, image_dim=1280, added_kv_proj_dim=256)
 NATIVE_FLF2V = dict(NATIVE_I2V, pos_embed_seq_len=2 * 257)
 NATIVE_I2V_EXPERT = dict(NATIVE_TRANSFORMER, in_channels=36)
+# Wan 2.2 TI2V 5B, native-loadable: the 48-channel Wan 2.2 latent in and out (text- and image-to-video)
+NATIVE_TI2V = dict(NATIVE_TRANSFORMER, in_channels=48, out_channels=48)
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])
 TINY_UMT5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
@@ -385,14 +387,16 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
 
 IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
     "i2v": (NATIVE_I2V, 10), "flf2v": (NATIVE_FLF2V, 11), "i2v_high": (NATIVE_I2V_EXPERT, 12),
-    "i2v_low": (NATIVE_I2V_EXPERT, 13),
+    "i2v_low": (NATIVE_I2V_EXPERT, 13), "ti2v": (NATIVE_TI2V, 14),
 }
 
 
 def make_image_to_video_models(root: Path, seed: int = SEED) -> dict[str, Path]:
     """The tiny image-to-video transformers (native-loadable, text width 4096: they take the native umT5 twin's
-    embeddings) and the tiny CLIP vision encoder their image tokens come from."""
+    embeddings; the Wan 2.2 TI2V 5B-like one on 48-channel latents, with the tiny Wan 2.2 VAE) and the tiny CLIP
+    vision encoder their image tokens come from."""
     from .clip_vision import write_tiny_clip_vision
+    from .vae22 import write_tiny_vae22
 
     paths = {}
     for name, (config, offset) in IMAGE_TO_VIDEO_MODELS.items():
@@ -402,6 +406,7 @@ def make_image_to_video_models(root: Path, seed: int = SEED) -> dict[str, Path]:
         save_tensors_atomic(_transformer_state(model.eval(), config), paths[name], metadata=_head_metadata(config))
     paths["clip_vision"] = root / TINY_FILES["clip_vision"]
     write_tiny_clip_vision(paths["clip_vision"])
+    paths["vae22"] = write_tiny_vae22(root)
     return paths
 
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from ..config import LATENT_CHANNELS, encode_geometry
 from ..errors import Cancelled
 from ..distributed.patch_parallel import effective_patch_size
-from ..models.frames import frames_to_pixels, pixels_to_frames
-from ..models.vae_tiling import decode_raw, tiled_decode, tiled_encode
+from ..models.frames import centre_crop, frames_to_pixels, pixels_to_frames
+from ..models.vae_tiling import decode_raw, spatial_factor, tiled_decode, tiled_encode
 from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace
@@ -68,7 +68,7 @@ class RankExecutor(ResidentModels):
         """One model call of a sampler in the driver's process (``protocol.ModelForward``): the flow prediction of
         every row. The CFG-parallel and data-parallel ranks split the rows (conditional and unconditional rows
         batched together land on different halves); every rank gets the whole result."""
-        from ..sampling.forward import forward_rows
+        from ..sampling.forward import forward_rows, latent_channels
 
         if should_stop is not None and should_stop():
             raise Cancelled("the model call was cancelled before it started")
@@ -81,7 +81,7 @@ class RankExecutor(ResidentModels):
         if len(rows):
             prediction = forward_rows(model, request, rows, dtype, self.device)
         else:  # a replica with no rows (fewer rows than replicas) only joins the gather
-            prediction = request.latent.new_zeros((0, LATENT_CHANNELS, *request.latent.shape[2:]))
+            prediction = request.latent.new_zeros((0, latent_channels(model), *request.latent.shape[2:]))
         return self._gather_replicas(prediction, batch)
 
     def sample_latents(self, request: SampleRequest, progress=None, should_stop=None):
@@ -187,7 +187,8 @@ class RankExecutor(ResidentModels):
 
     @torch.no_grad()
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
-        """Raw latents [B, 16, T, h, w] -> frames [B*F, H, W, 3] in 0..1 on the first rank (None on the others).
+        """Raw latents [B, z, T, h, w] (z = the VAE's latent channels: 16 for Wan 2.1, 48 for Wan 2.2) -> frames
+        [B*F, H, W, 3] in 0..1 on the first rank (None on the others); H, W are the latent's times the VAE's factor.
 
         With a tile edge (or vae_patch > 1) the frames are cut into overlapping tiles spread over the tile ranks.
         Pixels stay raw (tiles blended unclamped) and are clamped once, as they become frames."""
@@ -205,14 +206,16 @@ class RankExecutor(ResidentModels):
 
     @torch.no_grad()
     def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
-        """Frames [F, H, W, 3] in 0..1 -> raw latents [1, 16, T, h, w] (the posterior mode, as Wan uses).
+        """Frames [F, H, W, 3] in 0..1 -> raw latents [1, z, T, h, w] (the posterior mode, as Wan uses).
 
-        As native VAEEncode, sizes that are not multiples of 8 are cut around the centre and frames past the last
-        4k+1 are dropped (``config.encode_geometry``). Tiling works as in `decode`; the merged latents reach every
+        As native VAEEncode, sizes that are not multiples of the VAE's spatial factor (8, or 16 for Wan 2.2) are cut
+        around the centre (``frames.centre_crop``) and frames past the last 4k+1 are dropped
+        (``config.encode_geometry``). Tiling works as in `decode`; the merged latents reach every
         tile rank."""
         vae = self._get(handle, "vae")
         if frames.ndim != 4:
             raise ValueError(f"expected frames [F, H, W, 3], got shape {list(frames.shape)}")
+        frames = centre_crop(frames, spatial_factor(vae))  # then a multiple of 8 too: encode_geometry keeps it whole
         rows, cols, count = encode_geometry(frames.shape[2], frames.shape[1], frames.shape[0])
         pixels = frames_to_pixels(frames[:count, rows, cols])
         group, tile_px, takes_part = self._tiling(tile_px)
@@ -226,6 +229,9 @@ class RankExecutor(ResidentModels):
     def encode_vace(self, request) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """VACE inputs -> native (vace_frames, vace_mask, trim_latent), every VAE encode tiled like ``encode``."""
         vae = self._get(request.handle, "vae")
+        if vae.config.z_dim != LATENT_CHANNELS:
+            raise ValueError(f"VACE conditioning is made with the Wan 2.1 VAE ({LATENT_CHANNELS} latent channels); "
+                             f"this VAE has {vae.config.z_dim}: load the Wan 2.1 VAE for VACE")
         if not self._tiling(request.tile_px)[2]:
             return None  # not a tile rank: the tile ranks encode together, rank 0 answers
 

@@ -2,7 +2,8 @@
 
 The latents the command saves are compared with a SampleRequest built here from the same pieces, run in this process
 (RankExecutor): the image conditioning as native WanImageToVideo / WanFirstLastFrameToVideo build it (resize and
-center-crop of an image of another aspect), the video VAE-encoded, the CLIP vision tokens of the tiny encoder. A
+center-crop of an image of another aspect), the video VAE-encoded, the CLIP vision tokens of the tiny encoder; for
+Wan 2.2 TI2V the latent and noise mask of native Wan22ImageToVideoLatent on the Wan 2.2 VAE. A
 two-rank Ulysses run saves the same latents as one rank; each mistake is exit code 2 and one line before any pool.
 """
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 from wanmesh.parallel.cli import generate as generate_module
 from wanmesh.parallel.cli import main
 from wanmesh.parallel.cli.media import read_image
-from wanmesh.parallel.image_to_video import first_last_video, start_image_video
+from wanmesh.parallel.image_to_video import first_last_video, start_image_video, wan22_image_latent, wan22_start_frames
 from wanmesh.parallel.models.clip_vision import encode_images, load_clip_vision
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.worker.executors import RankExecutor
@@ -81,6 +82,29 @@ def test_flf2v_on_two_ulysses_ranks_equals_one_rank_and_the_request_in_process(t
     torch.testing.assert_close(one, expected, rtol=0, atol=1e-5)
 
 
+def test_ti2v_from_the_command_line_keeps_the_start_image_latents_as_native(tiny_models, images, tmp_path):
+    files = ["--model", str(tiny_models["ti2v"]), "--vae", str(tiny_models["vae22"]), "--text-encoder",
+             str(tiny_models["text_encoder_native"])]
+    latents = tmp_path / "latents.safetensors"
+    size = ["--width", "64", "--height", "48", "--frames", "9", "--steps", "2", "--seed", str(SEED), "--sampler",
+            "euler", "--shift", "3", "--cfg", "5", "--device", "cpu", "--prompt", "a fox turns", "--negative", "blurry"]
+    assert main(["generate", *files, *size, "--image", str(images / "start.png"), "--out", str(tmp_path / "o.mp4"),
+                 "--save-latents", str(latents)]) == 0
+    engine = RankExecutor("cpu")
+    vae = engine.load_vae(str(tiny_models["vae22"]))
+    latent = wan22_image_latent(engine.encode(vae, wan22_start_frames(read_image(images / "start.png"), 64, 48, 9)),
+                                64, 48, 9, 1)
+    text = engine.load_text_encoder(str(tiny_models["text_encoder_native"]))
+    request = SampleRequest(handle=engine.load_model(str(tiny_models["ti2v"])), latent=latent["samples"],
+                            noise_mask=latent["noise_mask"], positive=engine.encode_text(text, ["a fox turns"]),
+                            negative=engine.encode_text(text, ["blurry"]), seed=SEED, steps=2, guidance_scale=5.0,
+                            shift=3.0, sampler="euler")
+    saved = load_file(latents)["latents"]
+    torch.testing.assert_close(saved, engine.sample(request), rtol=0, atol=1e-5)
+    # the first latent frame is the start image's, kept through sampling
+    torch.testing.assert_close(saved[:, :, :1], latent["samples"][:, :, :1], rtol=0, atol=1e-5)
+
+
 class _NoPool:
     def __init__(self, *args, **kwargs):
         raise AssertionError("a worker pool was started for bad input")
@@ -93,15 +117,21 @@ class _NoPool:
      "the model is Wan 2.2 I2V A14B, which takes one image; --last-image needs a first-last-frame (FLF2V) model"),
     ("i2v_high", [], "the model is Wan 2.2 I2V A14B: give the start image with --image"),
     ("i2v_high", ["--image", "{images}/missing.png"], "--image {images}/missing.png does not exist"),
+    ("ti2v", ["--image", "{images}/start.png", "--width", "72"], "width 72 is not a positive multiple of 16"),
+    ("ti2v", ["--vae", "{vae}"], "is the Wan 2.1 VAE (wan_2.1_vae.safetensors), but --model"),
+    ("model_native", ["--vae", "{vae22}"], "is the Wan 2.2 VAE (wan2.2_vae.safetensors), but --model"),
 ])
 def test_bad_image_input_exits_2_with_one_line_before_any_pool(tiny_models, images, tmp_path, monkeypatch, capsys,
                                                                 model, flags, message):
     monkeypatch.setattr(generate_module, "WorkerPool", _NoPool)
     text_encoder = tiny_models["text_encoder" if model == "t2v" else "text_encoder_native"]
-    files = ["--model", str(tiny_models[model]), "--vae", str(tiny_models["vae"]), "--text-encoder", str(text_encoder)]
-    flags = [flag.format(images=images) for flag in flags]
+    vae = tiny_models["vae22" if model == "ti2v" else "vae"]
+    names = {"images": images, "vae": tiny_models["vae"], "vae22": tiny_models["vae22"]}
+    flags = [flag.format(**names) for flag in flags]
+    files = ["--model", str(tiny_models[model]), "--text-encoder", str(text_encoder)]
+    files += [] if "--vae" in flags else ["--vae", str(vae)]
     code = main(["generate", *files, *COMMON, "--out", str(tmp_path / "x.mp4"), *flags])
     error = capsys.readouterr().err
     assert code == 2
     assert error.startswith("wanmesh: error: ") and error.count("\n") == 1 and "Traceback" not in error
-    assert message.format(images=images) in error
+    assert message.format(**names) in error

@@ -245,7 +245,7 @@ def test_not_safetensors_and_truncated_files(tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize(("loader", "key", "looks_like"), [
-    (load_transformer, "vae", r"looks like a Wan VAE \(keys encoder\.\*/decoder\.\*\)"),
+    (load_transformer, "vae", r"looks like a Wan VAE, 2.1 or 2.2 \(keys encoder\.\*/decoder\.\*\)"),
     (load_transformer, "text_encoder", "looks like a umT5 text encoder"),
     (load_vae, "t2v", "looks like a Wan text-to-video transformer"),
     (load_vae, "text_encoder", "looks like a umT5 text encoder"),

@@ -22,7 +22,8 @@ from wanmesh.parallel.tiny.fp8_write import write_fp8_file
 EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers_t2v", "diffusers_vace",
                  "t2v_gguf_q8_0", "t2v_gguf_q4_k", "t2v_fp8_scaled",
                  "lora_comfy", "lora_peft", "lora_kohya", "lora_diff", "t2v_low",
-                 "model_native", "vace_native", "text_encoder_native", "i2v", "flf2v", "i2v_high", "i2v_low", "clip_vision"}
+                 "model_native", "vace_native", "text_encoder_native", "i2v", "flf2v", "i2v_high", "i2v_low", "clip_vision",
+                 "ti2v", "vae22"}
 WAN_LATENTS_MEAN_FIRST = -0.7571
 WAN_LATENTS_STD_FIRST = 2.8184
 
