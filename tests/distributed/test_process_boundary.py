@@ -22,7 +22,7 @@ from wanmesh.parallel.protocol import Diagnostic
 MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "cv2", "av", "ray", "matplotlib")
 COMFYUI_SIDE = {
     "nodes", "nodes.clip_vision", "nodes.convert", "nodes.errors", "nodes.files", "nodes.image_to_video",
-    "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model",
+    "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model", "nodes.ti2v",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video",
     "parallel", "parallel.auto_layout", "parallel.config", "parallel.errors", "parallel.fields",
@@ -32,7 +32,7 @@ COMFYUI_SIDE = {
     "parallel.validation", "parallel.video_io",
     "parallel.vace", "parallel.vace.builders", "parallel.vace.encode",
     "parallel.models", "parallel.models.checkpoint", "parallel.models.detect", "parallel.models.gguf_file",
-    "parallel.models.lora", "parallel.models.quantized",
+    "parallel.models.lora", "parallel.models.quantized", "parallel.models.vae22",
 }
 WORKER_IDLE = {"parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.transport",
                "parallel.distributed", "parallel.distributed.mesh", "parallel.worker", "parallel.worker.main",
