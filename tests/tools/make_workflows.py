@@ -227,6 +227,25 @@ def wan22_i2v_two_experts(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+def ti2v_5b(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.2 TI2V 5B: the start image's latents kept in the first frames of a 48-channel latent (WanMesh Wan22
+    Image To Video Latent on the Wan 2.2 VAE), sampled with euler on two Ulysses ranks."""
+    w = WorkflowBuilder(info)
+    pool_id = pool(w, ulysses=2)
+    positive, negative, model = text_and_model(w, pool_id, I2V_PROMPT, "wan22_tiny_ti2v.safetensors",
+                                               text_encoder="umt5_native.safetensors")
+    vae = w.node("WanMeshVAELoader", [COLUMNS[1], 400], {"vae_name": "wan22_tiny_vae.safetensors", "dtype": "auto"},
+                 {"pool": (pool_id, 0)})
+    image = load_image(w, "ref_circle.png", 860)
+    latent = w.node("WanMeshWan22ImageToVideoLatent", [COLUMNS[2], 460], dict(I2V_SIZE),
+                    {"vae": (vae, 0), "start_image": (image, 0)})
+    sampled = sampler(w, 3, model, (positive, 0), (negative, 0), (latent, 0), seed=5, steps=3, sampler_name="euler")
+    decode = w.node("WanMeshVAEDecode", [COLUMNS[4], 40], {"tile_px": 0, "overlap_px": 64},
+                    {"vae": (vae, 0), "samples": (sampled, 0)})
+    save_video(w, 5, decode, "ti2v_5b")
+    return w
+
+
 def stream_t2v(info: dict[str, Any]) -> WorkflowBuilder:
     """Causal streaming on two Ulysses ranks: chunks of 2 latent frames, each decoded, saved and announced."""
     w = WorkflowBuilder(info)
@@ -446,6 +465,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("", "i2v", "2024", i2v),
     ("", "flf2v", "2024", flf2v),
     ("", "wan22_i2v_two_experts", "2024", wan22_i2v_two_experts),
+    ("", "ti2v_5b", "2024", ti2v_5b),
     ("", "vace_r2v", "2024", vace_r2v),
     ("", "vace_v2v_control", "2024", vace_v2v_control),
     ("", "vace_inpaint", "2024", vace_inpaint),
