@@ -70,22 +70,35 @@ def image_inputs(model, image_concat: torch.Tensor | None, clip_fea: torch.Tenso
     """The image-to-video inputs of the given rows: the image channels concatenated to the latents (zeros when
     none are given, as native Wan fills them) and the CLIP vision tokens of models that take them. A model
     without image inputs refuses image channels; one whose image tokens are missing is refused too."""
+    return {**image_concat_input(model, image_concat, rows, latent_shape, dtype, device),
+            **image_token_inputs(model, clip_fea, rows, latent_shape[0], dtype, device)}
+
+
+def image_concat_input(model, image_concat: torch.Tensor | None, rows: range, latent_shape: tuple, dtype,
+                       device) -> dict:
+    """The ``IMAGE_CONCAT`` entry of an image-to-video model (its given rows, or zeros); none for other models,
+    which refuse image channels."""
     config = getattr(model, "config", None)  # test doubles and wrappers may have none: a text-to-video model
     extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - latent_channels(model)
     if image_concat is not None and not extra_channels:
         raise ValueError("the conditioning carries a start image but this model is not an image-to-video model; load "
                          "a Wan I2V model, or sample without the image conditioning")
-    inputs = {}
-    if extra_channels:
-        if image_concat is None:
-            image_concat = torch.zeros(1, extra_channels, *latent_shape[2:])
-        inputs[IMAGE_CONCAT] = _batch_rows(image_concat, rows, latent_shape[0]).to(device=device, dtype=dtype)
-    if getattr(config, "image_dim", None):
-        if clip_fea is None:
-            raise ValueError("this image-to-video model (Wan 2.1 I2V / FLF2V) needs CLIP vision image tokens: connect "
-                             "a CLIP Vision Encode output to the image-to-video node (--clip-vision on the command line)")
-        inputs["encoder_hidden_states_image"] = _batch_rows(clip_fea, rows, latent_shape[0]).to(device=device, dtype=dtype)
-    return inputs
+    if not extra_channels:
+        return {}
+    if image_concat is None:
+        image_concat = torch.zeros(1, extra_channels, *latent_shape[2:])
+    return {IMAGE_CONCAT: _batch_rows(image_concat, rows, latent_shape[0]).to(device=device, dtype=dtype)}
+
+
+def image_token_inputs(model, clip_fea: torch.Tensor | None, rows: range, batch: int, dtype, device) -> dict:
+    """The CLIP vision tokens of the given rows for a model that takes them (Wan 2.1 I2V / FLF2V), which refuses to
+    run without them; none for other models (native ignores tokens they cannot take)."""
+    if not getattr(getattr(model, "config", None), "image_dim", None):
+        return {}
+    if clip_fea is None:
+        raise ValueError("this image-to-video model (Wan 2.1 I2V / FLF2V) needs CLIP vision image tokens: connect "
+                         "a CLIP Vision Encode output to the image-to-video node (--clip-vision on the command line)")
+    return {"encoder_hidden_states_image": _batch_rows(clip_fea, rows, batch).to(device=device, dtype=dtype)}
 
 
 def _batch_rows(tensor: torch.Tensor, rows: range, batch: int) -> torch.Tensor:
@@ -108,7 +121,6 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
         raise ValueError(f"the model call gives {latents.shape[1]} input channels but this model takes "
                          f"{in_channels}; use image-to-video conditioning with image-to-video models only, and the "
                          "latent made for the model (48 channels: Wan 2.2 TI2V 5B only)")
-    shape = (request.latent.shape[0], latent_channels(model), *request.latent.shape[2:])
-    extra.update(image_inputs(model, None, request.clip_fea, rows, shape, dtype, device))
-    extra.pop(IMAGE_CONCAT, None)  # the input holds its image channels already
+    # the input holds its image channels already: only the CLIP vision tokens are added
+    extra.update(image_token_inputs(model, request.clip_fea, rows, request.latent.shape[0], dtype, device))
     return flow_prediction(model, latents, timestep, context, extra).float().cpu()
