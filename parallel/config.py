@@ -614,10 +614,38 @@ def check_stream_options(latent_frames: int, chunk: int, kv_window: int | None, 
                          f"pinned frames and a whole chunk (sink <= {kv_window - chunk} or kv_window >= {sink + chunk})")
 
 
-def stream_chunks(latent_frames: int, chunk: int) -> list[tuple[int, int]]:
-    """(start frame, frame count) of each chunk; the last one may be shorter (8 frames in chunks of 3: 3+3+2)."""
+def check_stream_start(start_frames: int, latent_frames: int, kv_window: int | None, sink: int) -> None:
+    """Streaming from a start image: its latent frames come first, leave at least one frame to generate and fit the
+    KV window beside the pinned sink frames."""
+    if not _is_whole(start_frames) or start_frames < 0:
+        raise ValueError(f"the start latent must have a whole number of frames >= 0, got {start_frames!r}")
+    if start_frames >= latent_frames:
+        raise ValueError(f"the start image takes {start_frames} latent frame(s) of {latent_frames}: nothing is left "
+                         f"to generate; make the video longer (length >= 5 frames)")
+    if kv_window is not None and start_frames > kv_window - sink:
+        raise ValueError(f"the start image's {start_frames} latent frame(s) do not fit kv_window={kv_window} beside "
+                         f"sink={sink}; use kv_window >= {start_frames + sink} or none")
+
+
+def check_stream_start_latent(start_latent, latent_shape: tuple[int, ...], kv_window: int | None, sink: int) -> int:
+    """A start image's raw latents against the streamed video's shape; returns their frame count."""
+    batch, channels, frames, height, width = latent_shape
+    shape = tuple(start_latent.shape)
+    if len(shape) != 5 or shape[0] not in (1, batch) or shape[1] != channels or shape[3:] != (height, width):
+        raise ValueError(f"the start latent must be [1 or {batch}, {channels}, n, {height}, {width}] (the start image "
+                         f"encoded at the video's size), got {shape}")
+    check_stream_start(shape[2], frames, kv_window, sink)
+    return shape[2]
+
+
+def stream_chunks(latent_frames: int, chunk: int, start_frames: int = 0) -> list[tuple[int, int]]:
+    """(start frame, frame count) of each chunk; the last one may be shorter (8 frames in chunks of 3: 3+3+2).
+    ``start_frames`` > 0 (streaming from a start image): those frames are the first block, the chunks follow
+    (8 frames, 1 start frame, chunks of 3: 1+3+3+1)."""
     check_stream_options(latent_frames, chunk, None, 0)
-    return [(start, min(chunk, latent_frames - start)) for start in range(0, latent_frames, chunk)]
+    check_stream_start(start_frames, latent_frames, None, 0)
+    first = [(0, start_frames)] if start_frames else []
+    return first + [(start, min(chunk, latent_frames - start)) for start in range(start_frames, latent_frames, chunk)]
 
 
 def check_stream_layout(*, ring: int, cfg_parallel: bool) -> None:

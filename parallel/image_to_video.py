@@ -87,6 +87,12 @@ def start_image_video(start: torch.Tensor | None, width: int, height: int, lengt
     return video[..., :3], mask
 
 
+def stream_start_frame(start: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """The frame ``ARVideoI2V`` encodes to start a causal stream: the first image only, resized and center-cropped
+    to ``width`` x ``height``, RGB [1, height, width, 3] (one latent frame once encoded)."""
+    return _fitted(start[:1].float(), width, height)[..., :3]
+
+
 def first_last_video(start: torch.Tensor | None, end: torch.Tensor | None, width: int, height: int, length: int):
     """(video [length, height, width, 3], mask [1, 4, latent frames, h, w]) as ``WanFirstLastFrameToVideo`` builds
     them: start frames first, end frames last, grey between; the mask 0 on the frames given (a start frame also

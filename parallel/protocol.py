@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .config import (LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
-                     check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_timesteps,
+                     check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 
@@ -239,6 +239,7 @@ class StreamSample(Request):
     use_cache: bool = True
     vae_handle: str | None = None
     preview: bool = True  # rank 0 sends each finished chunk (latents and decoded frames) with its progress
+    start_latent: torch.Tensor | None = None  # raw [1 or B, 16, n, h, w]: the start image's latents (first block)
 
     def validate(self) -> None:
         check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
@@ -246,6 +247,8 @@ class StreamSample(Request):
         check_seed(self.seed)
         check_latent(self.latent, (LATENT_CHANNELS,))  # the causal checkpoints are Wan 2.1 models
         check_stream_options(self.latent.shape[2], self.chunk, self.kv_window, self.sink)
+        if self.start_latent is not None:
+            check_stream_start_latent(self.start_latent, tuple(self.latent.shape), self.kv_window, self.sink)
         check_stream_timesteps(self.timesteps)
         if not self.positive:
             raise ValueError("positive conditioning must hold at least one prompt embedding")

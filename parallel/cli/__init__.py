@@ -159,7 +159,8 @@ def resolve_model_files(args) -> dict[str, str | None]:
     root = args.models if args.models is not None else ensure_tiny_models(tiny_cache_dir())
     names = {"model": "vace" if wants_vace(args) and args.vace_module is None else "model", "vae": "vae",
              "text_encoder": "text_encoder"}
-    if wants_image(args):  # the tiny image-to-video models take the native-width text encoder and CLIP vision
+    if args.command == "generate" and wants_image(args):  # (streaming from an image runs the T2V model)
+        # the tiny image-to-video models take the native-width text encoder and CLIP vision
         names.update(model="flf2v" if args.last_image else "i2v", text_encoder="text_encoder_native",
                      clip_vision="clip_vision")
     paths = {key: str(root / TINY_FILES[name]) for key, name in names.items()}

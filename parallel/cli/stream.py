@@ -1,4 +1,5 @@
-"""`wanmesh stream`: causal (chunk by chunk) text to video through the worker pool; runs in the CLI (driver) process.
+"""`wanmesh stream`: causal (chunk by chunk) text to video, or from a start image (``--image``, as ComfyUI's
+ARVideoI2V), through the worker pool; runs in the CLI (driver) process.
 
 Each chunk is decoded by the workers' streaming VAE as soon as its denoising steps are done and written to
 ``--chunk-dir`` (chunk_000.mp4, chunk_001.mp4, ...) the moment it arrives, with its latency printed; then the
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import check_sampling, check_stream_layout, check_stream_options, latent_shape, parse_stream_timesteps
+from ..config import (check_sampling, check_stream_layout, check_stream_options, check_stream_start, latent_shape,
+                      parse_stream_timesteps)
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.stream_chunks import ChunkFolder, StreamChunk
+from ..image_to_video import stream_start_frame
 from ..protocol import StreamSample
 from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
@@ -26,6 +29,7 @@ from ..fields import add_flag
 from . import add_model_file_arguments, add_pool_arguments
 from .generate import encode_prompts, pool_config
 from .layout import auto_layout_config
+from .media import read_image
 from .video_file import write_mp4
 
 def add_arguments(sub) -> argparse.ArgumentParser:
@@ -40,6 +44,8 @@ def add_arguments(sub) -> argparse.ArgumentParser:
     add_flag(p, "sink", "stream")
     p.add_argument("--no-kv-cache", action="store_true",
                    help="recompute all earlier chunks every time (the reference the cache must equal)")
+    p.add_argument("--image", help="start image: the stream starts from it (as ComfyUI's ARVideoI2V): resized and "
+                   "center-cropped to the video, its latent frame written to the KV cache first")
     add_flag(p, "seed", "stream")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     add_flag(p, "dtype", "stream")
@@ -58,6 +64,10 @@ def check_stream_arguments(args) -> tuple[int, ...]:
     check_sampling(sampler="euler", steps=args.steps, shift=args.shift, denoise=1.0,
                    guidance_scale=args.guidance_scale)
     check_stream_options(shape[2], args.chunk, args.kv_window, args.sink)
+    args.start_image = None
+    if args.image is not None:
+        check_stream_start(1, shape[2], args.kv_window, args.sink)  # one image: one latent frame
+        args.start_image = read_image(args.image, "--image")
     args.timesteps = parse_stream_timesteps(args.timesteps) if isinstance(args.timesteps, str) else args.timesteps
     check_fps(args.fps)
     pool_config(args)  # the layout (world, tp, ulysses) and the device
@@ -114,11 +124,14 @@ def stream(args, files: dict[str, str | None]) -> None:
         prompts = encode_prompts(runner, args, files)
         model = runner.load_model(files["model"], dtype=args.dtype, weights=args.weights)
         vae = runner.load_vae(files["vae"], dtype=args.dtype)
+        start_latent = None
+        if args.start_image is not None:
+            start_latent = runner.encode(vae, stream_start_frame(args.start_image, args.width, args.height))
         request = StreamSample(
             handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
             steps=args.steps, shift=args.shift, timesteps=args.timesteps, guidance_scale=args.guidance_scale,
             chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
-            vae_handle=vae, preview=True,
+            vae_handle=vae, preview=True, start_latent=start_latent,
         )
         started = time.perf_counter()
         writer = ChunkWriter(args.chunk_dir, args.fps, started)

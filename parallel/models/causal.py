@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..config import check_stream_options, stream_chunks
+from ..config import check_stream_options, check_stream_start, stream_chunks
 from ..distributed.attention import attention
 from ..distributed.context_parallel import apply_wan_rotary
 
@@ -272,12 +272,14 @@ class CausalWan:
     strategy: object = field(default_factory=LocalAttention)
     branch: str = "positive"
     cross_cache: dict = field(default_factory=dict)
+    start_frames: int = 0  # a start image's latent frames: the first block, written to the cache before the chunks
 
     def __post_init__(self):
         _, _, frames, height, width = self.latent_shape
         check_stream_options(frames, self.chunk, self.window.kv_window, self.window.sink)
+        check_stream_start(self.start_frames, frames, self.window.kv_window, self.window.sink)
         self.frames = frames
-        self.chunks = stream_chunks(frames, self.chunk)
+        self.chunks = stream_chunks(frames, self.chunk, self.start_frames)
         self.rope = CausalRope(self.model, frames, height, width).to(next(self.model.parameters()).device)
         self.caches: dict[str, list[BlockKVCache]] = {}
         self.current: _Forward | None = None

@@ -15,7 +15,11 @@ The scheme (ComfyUI's native autoregressive sampler and the Self-Forcing referen
 * the cache is rolled back after each step (the chunk's K/V are never kept during its steps) and written for
   good by one extra forward at timestep 0 on the clean chunk; the last chunk's write is skipped (nothing reads
   it, the output is the same);
-* the cross-attention K/V are computed once per prompt; a shorter last chunk is allowed.
+* the cross-attention K/V are computed once per prompt; a shorter last chunk is allowed;
+* from a start image (ComfyUI's ARVideoI2V: the first image resized and centre-cropped bilinearly to the video's
+  size, VAE-encoded to one latent frame): its latent frames are the first block, written to the cache by the
+  timestep-0 pass and kept as given in the output; the chunks after it are generated (chunk index 1 on), their
+  noise the whole latent's frames from there.
 
 Where the references differ and what is followed here: Self-Forcing draws its re-noise with ``randn_like`` on
 the device's global generator (not reproducible across devices), ComfyUI seeds it per chunk and step - this
@@ -39,11 +43,12 @@ from typing import Callable
 
 import torch
 
-from ..config import check_stream_layout, check_stream_options, check_stream_timesteps, stream_chunks
+from ..config import (check_stream_layout, check_stream_options, check_stream_start_latent, check_stream_timesteps,
+                      stream_chunks)
 from ..errors import Cancelled
 from ..models.causal import CacheWindow, CausalWan, LocalAttention
 from .guidance import combine_guidance
-from .latents import check_finite, denormalize_latents, seeded_noise
+from .latents import check_finite, denormalize_latents, normalize_latents, seeded_noise
 
 __all__ = ["renoise_seed", "sample_stream", "stream_sigmas"]
 
@@ -103,6 +108,7 @@ def sample_stream(
     sigmas: list[float], chunk: int, kv_window: int | None = None, sink: int = 0, use_cache: bool = True,
     guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
     progress: Callable | None = None, fused_all_to_all: bool = True, stats: dict | None = None,
+    start_latent: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Generate the whole latent chunk by chunk; returns raw latents [B, 16, T, h, w] (float32, CPU).
 
@@ -112,10 +118,15 @@ def sample_stream(
     ``progress(done, total)`` follows every step, over all chunks. ``use_cache=False`` recomputes every earlier
     frame at every step (the reference). ``fused_all_to_all=False`` runs the Ulysses split with three
     all-gathers instead of one all-to-all (the baseline the benchmark compares). ``stats``, a dict, receives
-    ``chunk_seconds`` (time from the start to each finished chunk) and ``cache_bytes`` (this rank's KV cache)."""
+    ``chunk_seconds`` (time from the start to each finished chunk) and ``cache_bytes`` (this rank's KV cache).
+
+    ``start_latent`` (raw [1 or B, 16, n, h, w], a start image's latents: streaming from an image, as ComfyUI's
+    ARVideoI2V) is the first block: kept as given in the output's first ``n`` frames, written to every branch's
+    cache at timestep 0 and reported as chunk 0; the chunks after it are generated."""
     latent_shape = tuple(int(s) for s in latent_shape)
     _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
     check_stream_options(latent_shape[2], chunk, kv_window, sink)
+    start_frames = 0 if start_latent is None else check_stream_start_latent(start_latent, latent_shape, kv_window, sink)
     strategy = _attention_strategy(model, plan, fused_all_to_all)
     _check_model(model)
     parameter = next(model.parameters())
@@ -125,34 +136,47 @@ def sample_stream(
         branches.append(("negative", negative.to(device=device, dtype=dtype)))
     noise = seeded_noise(latent_shape, seed)
     clean = torch.zeros(latent_shape)
-    chunks = stream_chunks(latent_shape[2], chunk)
+    chunks = stream_chunks(latent_shape[2], chunk, start_frames)
     steps = len(sigmas) - 1
+    total_steps = (len(chunks) - (1 if start_frames else 0)) * steps
     timer = _ChunkTimer(stats, device)
     with torch.no_grad(), CausalWan(model, latent_shape, chunk, CacheWindow(kv_window, sink), use_cache,
-                                    strategy) as causal:
+                                    strategy, start_frames=start_frames) as causal:
         for index, (start, count) in enumerate(chunks):
-            before = clean[:, :, :start].to(device=device, dtype=dtype) if not use_cache else None
+            if start_frames and index == 0:
+                x = normalize_latents(start_latent.float().expand(latent_shape[0], -1, -1, -1, -1)).to(device)
+            else:
+                before = clean[:, :, :start].to(device=device, dtype=dtype) if not use_cache else None
 
-            def predict(x: torch.Tensor, sigma: float) -> torch.Tensor:
-                outputs = [causal.predict(x.to(dtype), start, TRAIN_TIMESTEPS * sigma, context, before,
-                                          branch=name).float() for name, context in branches]
-                return outputs[0] if len(outputs) == 1 else combine_guidance(outputs[0], outputs[1], guidance_scale)
+                def predict(x: torch.Tensor, sigma: float) -> torch.Tensor:
+                    outputs = [causal.predict(x.to(dtype), start, TRAIN_TIMESTEPS * sigma, context, before,
+                                              branch=name).float() for name, context in branches]
+                    return outputs[0] if len(outputs) == 1 else combine_guidance(outputs[0], outputs[1], guidance_scale)
 
-            x = noise[:, :, start : start + count].to(device)
-            for step in range(steps):
-                if should_stop is not None and should_stop():
-                    raise Cancelled(f"streaming cancelled before step {step + 1} of chunk {index + 1} of {len(chunks)}")
-                x = _denoise_step(predict, x, sigmas, step, renoise_seed(seed, index, step))
-                if progress is not None:
-                    progress(index * steps + step + 1, len(chunks) * steps)
+                def step_done(step: int) -> None:
+                    if progress is not None:
+                        progress(total_steps - (len(chunks) - index) * steps + step + 1, total_steps)
+
+                x = _denoise_chunk(predict, noise[:, :, start : start + count].to(device), sigmas, seed, index,
+                                   f"chunk {index + 1} of {len(chunks)}", should_stop, step_done)
             clean[:, :, start : start + count] = x.cpu()
             if index + 1 < len(chunks):
                 for name, context in branches:
                     causal.write(x.to(dtype), start, context, branch=name)
             timer.chunk_done(causal)
             if on_chunk is not None:
-                on_chunk(index, start, denormalize_latents(clean[:, :, start : start + count]))
-    return denormalize_latents(clean)
+                on_chunk(index, start, _raw(clean, start, count, start_latent))
+    return _raw(clean, 0, latent_shape[2], start_latent)
+
+
+def _raw(clean: torch.Tensor, start: int, count: int, start_latent: torch.Tensor | None) -> torch.Tensor:
+    """Raw latents of frames ``start .. start+count``; the start image's frames exactly as given (no round trip
+    through the normalisation)."""
+    raw = denormalize_latents(clean[:, :, start : start + count])
+    if start_latent is not None and start < start_latent.shape[2]:
+        kept = min(start_latent.shape[2] - start, count)
+        raw[:, :, :kept] = start_latent[:, :, start : start + kept].float()
+    return raw
 
 
 def _check_model(model) -> None:
@@ -178,6 +202,17 @@ class _ChunkTimer:
             torch.cuda.synchronize(self.device)
         self.stats["chunk_seconds"].append(time.perf_counter() - self.start)
         self.stats["cache_bytes"] = max(self.stats["cache_bytes"], causal.cache_bytes())
+
+
+def _denoise_chunk(predict: Callable, x: torch.Tensor, sigmas: list[float], seed: int, index: int, name: str,
+                   should_stop: Callable | None, step_done: Callable[[int], None]) -> torch.Tensor:
+    """Every step of chunk ``index`` from its noise ``x``; ``should_stop`` polled before each (``Cancelled``)."""
+    for step in range(len(sigmas) - 1):
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"streaming cancelled before step {step + 1} of {name}")
+        x = _denoise_step(predict, x, sigmas, step, renoise_seed(seed, index, step))
+        step_done(step)
+    return x
 
 
 def _denoise_step(predict: Callable, x: torch.Tensor, sigmas: list[float], step: int, noise_seed: int) -> torch.Tensor:

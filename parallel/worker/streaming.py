@@ -62,7 +62,7 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
         sigmas=stream_sigmas(request.steps, request.shift, request.timesteps), chunk=request.chunk,
         kv_window=request.kv_window, sink=request.sink, use_cache=request.use_cache,
         guidance_scale=request.guidance_scale, plan=plan, on_chunk=forwarder, should_stop=should_stop,
-        progress=progress,
+        progress=progress, start_latent=request.start_latent,
     )
     frames = forwarder.joined_frames() if forwarder is not None else None
     return latents.float().cpu(), frames

@@ -5,7 +5,8 @@ result itself (the unsplit model, same seed) and checks, per layout: the cached 
 per direction equals it; the unfused three-gather baseline equals it too; the uncached reference (masked, split
 the same way) equals it; each rank's KV cache is 1/(tp x ulysses) of one device's; the collective calls per forward are what the design says (2 all-to-alls per block, no
 gather in attention, when fused) and their bytes match ``exchange_bytes_per_chunk``; the model keeps its
-ordinary context-parallel plan afterwards. Chunks of 2 over 5 frames of 3 x 3 tokens: 18 and 9 tokens, neither
+ordinary context-parallel plan afterwards; streaming from a start image (its latent frame written to the cache
+first) equals one device's too. Chunks of 2 over 5 frames of 3 x 3 tokens: 18 and 9 tokens, neither
 divisible by 4 (padding), and a shorter last chunk.
 """
 
@@ -51,6 +52,10 @@ def _stream(model, plan=None, **options) -> torch.Tensor:
                          chunk=CHUNK, plan=plan, **options)
 
 
+def _start_latent() -> torch.Tensor:
+    return torch.randn(1, 16, 1, *SHAPE[3:], generator=torch.Generator().manual_seed(7))
+
+
 def _plan(rank: int, world: int, layout: dict) -> ParallelContext:
     config = ParallelConfig(world=world, **layout)
     mesh = init_device_mesh("cpu", config.mesh_shape, mesh_dim_names=MESH_DIMS)
@@ -91,7 +96,8 @@ def _output_gather_bytes(plan: ParallelContext) -> int:
     return total
 
 
-def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, reference_cache: int) -> None:
+def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, reference_cache: int,
+                  reference_start: torch.Tensor) -> None:
     plan = _plan(rank, world, layout)
     model = _model()
     apply_tensor_parallel(model, plan.tp_group)
@@ -113,6 +119,7 @@ def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, 
             expected_sent = (exchange["bytes"], output) if fused else (0, exchange["bytes"] + output)
             assert sent == expected_sent, f"{name} fused={fused}: sent {sent}, expected {expected_sent}"
     _check_close(f"{name} uncached", _stream(model, plan, use_cache=False), reference)
+    _check_close(f"{name} from a start image", _stream(model, plan, start_latent=_start_latent()), reference_start)
     # the ordinary sequence-parallel forward works again afterwards
     latents = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))
     own = model(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=_context(),
@@ -126,8 +133,9 @@ def _rank_main(rank: int, world: int) -> None:
     with torch.no_grad():
         stats = {}
         reference = _stream(_model(), stats=stats)
+        reference_start = _stream(_model(), start_latent=_start_latent())
         for layout in LAYOUTS:
-            _check_layout(rank, world, layout, reference, stats["cache_bytes"])
+            _check_layout(rank, world, layout, reference, stats["cache_bytes"], reference_start)
             dist.barrier()
 
 

@@ -46,6 +46,36 @@ def test_stream_writes_each_chunk_then_the_whole_video(models, tmp_path, capsys,
     assert load_file(str(latents))["latents"].shape == (1, 16, 5, 4, 4)
 
 
+def test_stream_from_an_image_starts_with_its_latent_frame(models, tmp_path, capsys, monkeypatch):
+    """--image: the start image resized and center-cropped (as ARVideoI2V), encoded by the pool's VAE to the first
+    latent frame (chunk 0, one frame), the chunks after it generated; the same image encoded here gives that frame."""
+    from PIL import Image
+
+    from wanmesh.parallel.cli.media import read_image
+    from wanmesh.parallel.image_to_video import stream_start_frame
+    from wanmesh.parallel.tiny.files import TINY_FILES
+    from wanmesh.parallel.worker.executors import RankExecutor
+
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    image = tmp_path / "start.png"
+    pixels = torch.rand(40, 56, 3, generator=torch.Generator().manual_seed(1))  # another size and aspect
+    Image.fromarray((pixels * 255).round().to(torch.uint8).numpy()).save(image)
+    out, chunk_dir, latents = tmp_path / "video.mp4", tmp_path / "chunks", tmp_path / "latents.safetensors"
+    status = main(["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
+                   "--frames", "17", "--chunk", "2", "--steps", "2", "--seed", "3", "--device", "cpu",
+                   "--image", str(image), "--out", str(out), "--chunk-dir", str(chunk_dir),
+                   "--save-latents", str(latents)])
+    assert status == 0, capsys.readouterr().err
+    files = sorted(chunk_dir.glob("chunk_*.mp4"))
+    assert [read_video(f).shape[0] for f in files] == [1, 8, 8]  # the start frame, then 2 + 2 latent frames
+    engine = RankExecutor("cpu")
+    vae = engine.load_vae(str(models / TINY_FILES["vae"]))
+    expected = engine.encode(vae, stream_start_frame(read_image(image), 32, 32))
+    got = load_file(str(latents))["latents"]
+    torch.testing.assert_close(got[:, :, :1], expected, rtol=1e-5, atol=1e-5)
+    assert read_video(out).shape == (17, 32, 32, 3)
+
+
 BAD = [
     (["--chunk", "0"], "chunk must be a whole number of latent frames >= 1, got 0"),
     (["--chunk", "3", "--kv-window", "2"], "kv_window=2 latent frames is smaller than a chunk of 3"),
@@ -55,6 +85,8 @@ BAD = [
     (["--timesteps", "1000,x"], "timesteps must be a comma list of numbers"),
     (["--world", "2", "--ulysses", "3"], "ulysses"),
     (["--cfg", "-1"], "guidance scale"),
+    (["--image", "missing.png"], "--image"),
+    (["--frames", "1", "--image", "missing.png"], "nothing is left to generate"),
 ]
 
 
