@@ -1,4 +1,5 @@
-"""Streaming (causal Wan) sampler node: chunk by chunk, each finished chunk shown, saved and announced at once.
+"""Streaming (causal Wan) sampler node: chunk by chunk, each finished chunk shown, saved and announced at once;
+optionally from a start image (as ComfyUI's ARVideoI2V: its latent frame first, written to the KV cache).
 
 While it runs, every chunk the workers finish is decoded there by the streaming VAE, shown as the progress
 preview, written to ComfyUI's output folder as ``<prefix>_<counter>_chunk_NNN.mp4`` (atomically, by
@@ -17,7 +18,9 @@ import torch
 
 from ..parallel import Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
 from ..parallel.fields import node_input
-from .convert import latent_to_tensor, read_conditioning, tensor_to_latent
+from ..parallel.config import check_stream_start
+from ..parallel.image_to_video import stream_start_frame
+from .convert import image_to_frames, latent_to_tensor, read_conditioning, tensor_to_latent
 from .runtime import PREVIEW_MAX_RESOLUTION, arrange_for_job, interrupted, previews_enabled, raise_if_interrupted
 
 CHUNK_EVENT = "wanmesh.chunk"
@@ -100,6 +103,9 @@ class WanMeshStreamSampler:
                 "vae": ("WANMESH_VAE", {"tooltip": "decodes each chunk as it finishes (needed for previews, chunk "
                                                    "files and the IMAGE output)"}),
                 "timesteps": node_input("timesteps"),
+                "start_image": ("IMAGE", {"tooltip": "start the stream from this image (as ComfyUI's ARVideoI2V): "
+                                                     "the first image, resized and center-cropped to the latent's "
+                                                     "size, encoded by the vae to the first latent frame"}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -111,19 +117,22 @@ class WanMeshStreamSampler:
     OUTPUT_NODE = True
     CATEGORY = "WanMesh/sampling"
     DESCRIPTION = ("Causal streaming sampler: makes the video chunk by chunk with a KV cache on the worker pool "
-                   "(sequence and tensor parallel). With a VAE every finished chunk is shown, saved to the output "
-                   "folder and announced on the websocket ('wanmesh.chunk') while the rest is being made.")
+                   "(sequence and tensor parallel), from the prompt alone or from a start image (as ARVideoI2V). "
+                   "With a VAE every finished chunk is shown, saved to the output folder and announced on the "
+                   "websocket ('wanmesh.chunk') while the rest is being made.")
 
     def sample(self, model, positive, latent, seed, steps, shift, cfg, chunk, kv_window, sink, filename_prefix, fps,
-               negative=None, vae=None, timesteps="", unique_id=None):
+               negative=None, vae=None, timesteps="", start_image=None, unique_id=None):
         import comfy.utils
 
         samples = latent_to_tensor(latent)
+        start_latent = self._start_latent(start_image, vae, samples, kv_window or None, sink)
         request = StreamSample(
             handle=model.handle, latent=samples, positive=read_conditioning(positive, "positive").embeddings,
             negative=[] if negative is None else read_conditioning(negative, "negative").embeddings, seed=seed,
             steps=steps, shift=shift, timesteps=parse_stream_timesteps(timesteps), guidance_scale=cfg, chunk=chunk,
-            kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle, preview=previews_enabled(model.runner))
+            kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle,
+            preview=previews_enabled(model.runner), start_latent=start_latent)
         request.validate()  # before any file name is taken
         arrange_for_job(model, samples, steps, cfg, streaming=True)
         bar = comfy.utils.ProgressBar(1)
@@ -134,6 +143,17 @@ class WanMeshStreamSampler:
             raise_if_interrupted()
             raise
         return self._outputs(result, saver, samples)
+
+    @staticmethod
+    def _start_latent(start_image, vae, samples: torch.Tensor, kv_window: int | None, sink: int) -> torch.Tensor | None:
+        """The start image's first latent frame, encoded by the vae on the pool (None without a start image)."""
+        if start_image is None:
+            return None
+        if vae is None:
+            raise ValueError("start_image needs the vae input, which encodes it: connect a WanMesh VAE Loader")
+        check_stream_start(1, samples.shape[2], kv_window, sink)  # before the encode: one image, one latent frame
+        frame = stream_start_frame(image_to_frames(start_image), samples.shape[-1] * 8, samples.shape[-2] * 8)
+        return vae.runner.encode(vae.handle, frame)
 
     @staticmethod
     def _outputs(result, saver: ChunkSaver, samples: torch.Tensor) -> dict:

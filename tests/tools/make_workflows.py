@@ -246,9 +246,9 @@ def ti2v_5b(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
-def stream_t2v(info: dict[str, Any]) -> WorkflowBuilder:
-    """Causal streaming on two Ulysses ranks: chunks of 2 latent frames, each decoded, saved and announced."""
-    w = WorkflowBuilder(info)
+def stream_graph(w: WorkflowBuilder, name: str, start_image: str | None = None) -> None:
+    """Causal streaming on two Ulysses ranks: chunks of 2 latent frames, each decoded, saved and announced; with
+    ``start_image`` the stream starts from that image (its latent frame first)."""
     pool_id = pool(w, ulysses=2)
     encoder = w.node("WanMeshTextEncoderLoader", [COLUMNS[1], 40],
                      {"text_encoder_name": "umt5_tiny.safetensors", "dtype": "auto"}, {"pool": (pool_id, 0)})
@@ -260,13 +260,27 @@ def stream_t2v(info: dict[str, Any]) -> WorkflowBuilder:
     vae = wanmesh_vae(w, pool_id)
     latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 17,
                                                                "batch_size": 1})
+    links = {"model": (model, 0), "positive": (positive, 0), "latent": (latent, 0), "vae": (vae, 0)}
+    if start_image is not None:
+        links["start_image"] = (load_image(w, start_image, 860), 0)
     streamed = w.node("WanMeshStreamSampler", [COLUMNS[3], 40],
                       {"seed": 42, "steps": 4, "shift": 5.0, "cfg": 1.0, "chunk": 2, "kv_window": 0, "sink": 0,
-                       "filename_prefix": "wanmesh_stream", "fps": FPS, "timesteps": ""},
-                      {"model": (model, 0), "positive": (positive, 0), "latent": (latent, 0), "vae": (vae, 0)},
-                      size=[360, 420])
-    w.node("WanMeshSaveVideo", [COLUMNS[4], 40], {"fps": FPS, "filename_prefix": "wanmesh_stream_t2v"},
+                       "filename_prefix": "wanmesh_stream", "fps": FPS, "timesteps": ""}, links, size=[360, 420])
+    w.node("WanMeshSaveVideo", [COLUMNS[4], 40], {"fps": FPS, "filename_prefix": f"wanmesh_{name}"},
            {"images": (streamed, 1)}, size=[360, 320])
+
+
+def stream_t2v(info: dict[str, Any]) -> WorkflowBuilder:
+    """Causal streaming from the prompt alone."""
+    w = WorkflowBuilder(info)
+    stream_graph(w, "stream_t2v")
+    return w
+
+
+def stream_i2v(info: dict[str, Any]) -> WorkflowBuilder:
+    """Causal streaming from a start image (as ComfyUI's ARVideoI2V) with the same T2V model."""
+    w = WorkflowBuilder(info)
+    stream_graph(w, "stream_i2v", start_image="ref_circle.png")
     return w
 
 
@@ -462,6 +476,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("", "t2v_auto_layout", "2024", t2v_auto_layout),
     ("", "wan22_two_experts", "2024", wan22_two_experts),
     ("", "stream_t2v", "2024", stream_t2v),
+    ("", "stream_i2v", "2024", stream_i2v),
     ("", "i2v", "2024", i2v),
     ("", "flf2v", "2024", flf2v),
     ("", "wan22_i2v_two_experts", "2024", wan22_i2v_two_experts),
