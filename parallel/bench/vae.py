@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 rows, output = _run_world(dict(settings, stage=stage, patch=patch), args.timeout)
                 samples[stage, patch].append(rows)
                 outputs.setdefault((stage, patch), output)
-    rows = [_summarise(stage, patch, samples[stage, patch], outputs, patches[0]) for stage in stages for patch in patches]
-    rows = [row for pair in rows for row in pair]
+    rows = [row for stage in stages for patch in patches
+            for row in _summarise(stage, patch, samples[stage, patch], outputs, patches[0])]
     speedups = _speedups(rows, stages, patches)
     print(_format_table(rows, speedups, settings))
     if args.json is not None:

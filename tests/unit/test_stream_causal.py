@@ -24,75 +24,61 @@ SHAPE = (1, 16, 8, 4, 6)  # 8 latent frames of 2 x 3 tokens: chunks of 3 run as 
 SIGMAS = stream_sigmas(4, 5.0)
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    t2v = WanTransformer3DModel(**TINY_TRANSFORMER)
-    randomise_(t2v, 11)
-    return t2v.eval().requires_grad_(False)
-
-
-@pytest.fixture(scope="module")
-def contexts():
-    generator = torch.Generator().manual_seed(5)
-    dim = TINY_TRANSFORMER["text_dim"]
-    return torch.randn(1, 512, dim, generator=generator), torch.randn(1, 512, dim, generator=generator)
-
-
-def _stream(model, contexts, **options):
-    positive, negative = contexts
+def _stream(causal_model, text_contexts, **options):
+    positive, negative = text_contexts
     arguments = dict(positive=positive, negative=negative, latent_shape=SHAPE, seed=3, sigmas=SIGMAS, chunk=3)
-    return sample_stream(model, **{**arguments, **options})
+    return sample_stream(causal_model, **{**arguments, **options})
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
-def test_cached_equals_uncached(model, contexts, chunk):
-    cached = _stream(model, contexts, chunk=chunk)
-    uncached = _stream(model, contexts, chunk=chunk, use_cache=False)
+def test_cached_equals_uncached(causal_model, text_contexts, chunk):
+    cached = _stream(causal_model, text_contexts, chunk=chunk)
+    uncached = _stream(causal_model, text_contexts, chunk=chunk, use_cache=False)
     assert torch.allclose(cached, uncached, atol=TOLERANCE), (cached - uncached).abs().max()
     # causality matters: a chunk size of all frames (bidirectional) gives another video
-    assert (cached - _stream(model, contexts, chunk=SHAPE[2])).abs().max() > 1e-2
+    assert (cached - _stream(causal_model, text_contexts, chunk=SHAPE[2])).abs().max() > 1e-2
 
 
-def test_rolling_window_with_sink_equals_uncached_with_the_same_window(model, contexts):
+def test_rolling_window_with_sink_equals_uncached_with_the_same_window(causal_model, text_contexts):
     options = dict(chunk=2, kv_window=5, sink=1)
-    cached = _stream(model, contexts, **options)
-    uncached = _stream(model, contexts, use_cache=False, **options)
+    cached = _stream(causal_model, text_contexts, **options)
+    uncached = _stream(causal_model, text_contexts, use_cache=False, **options)
     assert torch.allclose(cached, uncached, atol=TOLERANCE), (cached - uncached).abs().max()
-    assert (cached - _stream(model, contexts, chunk=2)).abs().max() > 1e-3  # the window changes what is seen
+    # the window changes what is seen
+    assert (cached - _stream(causal_model, text_contexts, chunk=2)).abs().max() > 1e-3
 
 
-def test_guidance_keeps_one_cache_per_branch(model, contexts):
-    cached = _stream(model, contexts, guidance_scale=3.0)
-    uncached = _stream(model, contexts, guidance_scale=3.0, use_cache=False)
+def test_guidance_keeps_one_cache_per_branch(causal_model, text_contexts):
+    cached = _stream(causal_model, text_contexts, guidance_scale=3.0)
+    uncached = _stream(causal_model, text_contexts, guidance_scale=3.0, use_cache=False)
     assert torch.allclose(cached, uncached, atol=TOLERANCE), (cached - uncached).abs().max()
-    assert (cached - _stream(model, contexts)).abs().max() > 1e-3
+    assert (cached - _stream(causal_model, text_contexts)).abs().max() > 1e-3
 
 
-def test_one_chunk_without_cache_is_the_bidirectional_model(model, contexts):
+def test_one_chunk_without_cache_is_the_bidirectional_model(causal_model, text_contexts):
     latents = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))
-    expected = model(hidden_states=latents, timestep=torch.tensor([937.5]), encoder_hidden_states=contexts[0],
-                     return_dict=False)[0]
+    expected = causal_model(hidden_states=latents, timestep=torch.tensor([937.5]),
+                            encoder_hidden_states=text_contexts[0], return_dict=False)[0]
     for use_cache in (False, True):
-        with CausalWan(model, SHAPE, SHAPE[2], use_cache=use_cache) as causal:
-            got = causal.predict(latents, 0, 937.5, contexts[0])
+        with CausalWan(causal_model, SHAPE, SHAPE[2], use_cache=use_cache) as causal:
+            got = causal.predict(latents, 0, 937.5, text_contexts[0])
         assert torch.allclose(got, expected, atol=TOLERANCE), (got - expected).abs().max()
 
 
-def test_scheme_equals_a_hand_written_native_loop(model, contexts):
+def test_scheme_equals_a_hand_written_native_loop(causal_model, text_contexts):
     """One chunk of all frames: the stream sampler equals the native scheme written out with the plain model."""
-    positive = contexts[0]
+    positive = text_contexts[0]
     x = seeded_noise(SHAPE, 3)
     for step in range(4):
         sigma, following = SIGMAS[step], SIGMAS[step + 1]
-        v = model(hidden_states=x, timestep=torch.tensor([1000.0 * sigma]), encoder_hidden_states=positive,
+        v = causal_model(hidden_states=x, timestep=torch.tensor([1000.0 * sigma]), encoder_hidden_states=positive,
                   return_dict=False)[0]
         x0 = x - sigma * v
         if following > 0:
             eps = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3 + 1000 * 0 + step))
             x0 = (1 - following) * x0 + following * eps
         x = x0
-    got = _stream(model, contexts, chunk=SHAPE[2], use_cache=False)
+    got = _stream(causal_model, text_contexts, chunk=SHAPE[2], use_cache=False)
     assert torch.allclose(got, denormalize_latents(x), atol=TOLERANCE), (got - denormalize_latents(x)).abs().max()
 
 
@@ -111,8 +97,8 @@ def _wan_rope_reference(frames: range, height: int, width: int, head_dim: int, t
 
 
 @pytest.mark.parametrize("start,count", [(0, 3), (5, 3), (6, 2)])
-def test_causal_rope_at_start_frame_is_the_whole_video_table_sliced(model, start, count):
-    rope = CausalRope(model, SHAPE[2], SHAPE[3], SHAPE[4])
+def test_causal_rope_at_start_frame_is_the_whole_video_table_sliced(causal_model, start, count):
+    rope = CausalRope(causal_model, SHAPE[2], SHAPE[3], SHAPE[4])
     cos, sin = rope.frames(start, count)
     ref_cos, ref_sin = _wan_rope_reference(range(start, start + count), SHAPE[3] // 2, SHAPE[4] // 2,
                                            TINY_TRANSFORMER["attention_head_dim"])
@@ -121,41 +107,41 @@ def test_causal_rope_at_start_frame_is_the_whole_video_table_sliced(model, start
     assert cos.data_ptr() == rope.cos.data_ptr() + start * 6 * cos.shape[-1] * cos.element_size()  # a view
 
 
-def test_short_last_chunk_callbacks_and_progress(model, contexts):
+def test_short_last_chunk_callbacks_and_progress(causal_model, text_contexts):
     seen, progress = [], []
-    result = _stream(model, contexts, on_chunk=lambda i, s, x: seen.append((i, s, x)),
+    result = _stream(causal_model, text_contexts, on_chunk=lambda i, s, x: seen.append((i, s, x)),
                      progress=lambda done, total: progress.append((done, total)))
     assert [(i, s, x.shape[2]) for i, s, x in seen] == [(0, 0, 3), (1, 3, 3), (2, 6, 2)]
     assert torch.equal(torch.cat([x for _, _, x in seen], dim=2), result)
     assert progress == [(n, 12) for n in range(1, 13)]
 
 
-def test_cancel_between_steps(model, contexts):
+def test_cancel_between_steps(causal_model, text_contexts):
     calls = []
     with pytest.raises(Cancelled, match="step 2 of chunk 1"):
-        _stream(model, contexts, should_stop=lambda: calls.append(1) or len(calls) > 1)
+        _stream(causal_model, text_contexts, should_stop=lambda: calls.append(1) or len(calls) > 1)
 
 
-def test_stats_report_chunk_times_and_a_cache_bounded_by_the_window(model, contexts):
+def test_stats_report_chunk_times_and_a_cache_bounded_by_the_window(causal_model, text_contexts):
     whole, windowed = {}, {}
-    _stream(model, contexts, chunk=2, stats=whole)
-    _stream(model, contexts, chunk=2, kv_window=4, sink=1, stats=windowed)
+    _stream(causal_model, text_contexts, chunk=2, stats=whole)
+    _stream(causal_model, text_contexts, chunk=2, kv_window=4, sink=1, stats=windowed)
     blocks, heads, head_dim = (TINY_TRANSFORMER[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim"))
     frame_bytes = 2 * blocks * 6 * heads * head_dim * 4  # keys and values of one latent frame (6 tokens), fp32
     assert whole["cache_bytes"] == 8 * frame_bytes and windowed["cache_bytes"] == 4 * frame_bytes
     assert len(whole["chunk_seconds"]) == 4 and whole["chunk_seconds"] == sorted(whole["chunk_seconds"])
 
 
-def test_window_bounds_the_cache_and_restores_the_model(model, contexts):
-    own_processor, own_rope = model.blocks[0].attn1.processor, model.rope
-    with CausalWan(model, SHAPE, 2, CacheWindow(kv_window=4, sink=1)) as causal:
+def test_window_bounds_the_cache_and_restores_the_model(causal_model, text_contexts):
+    own_processor, own_rope = causal_model.blocks[0].attn1.processor, causal_model.rope
+    with CausalWan(causal_model, SHAPE, 2, CacheWindow(kv_window=4, sink=1)) as causal:
         latents = torch.randn(SHAPE)
         for start in range(0, SHAPE[2], 2):
-            causal.predict(latents[:, :, start : start + 2], start, 500.0, contexts[0])
-            causal.write(latents[:, :, start : start + 2], start, contexts[0])
+            causal.predict(latents[:, :, start : start + 2], start, 500.0, text_contexts[0])
+            causal.write(latents[:, :, start : start + 2], start, text_contexts[0])
         kept = [cache.frame_ids for cache in causal.caches["positive"]]
-    assert kept == [[0, 5, 6, 7]] * len(model.blocks)  # sink frame 0 pinned, then the 3 most recent frames
-    assert model.blocks[0].attn1.processor is own_processor and model.rope is own_rope
+    assert kept == [[0, 5, 6, 7]] * len(causal_model.blocks)  # sink frame 0 pinned, then the 3 most recent frames
+    assert causal_model.blocks[0].attn1.processor is own_processor and causal_model.rope is own_rope
 
 
 def test_odd_latent_size_streams_with_the_cache_as_without():
