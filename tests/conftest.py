@@ -1,7 +1,9 @@
-"""Test-wide settings (never reach a model hub, keep CPU threads modest on small CI machines) and the one tiny model
-tree the unit, distributed and fault tests share (written once per session)."""
+"""Test-wide settings (never reach a model hub, keep CPU threads modest on small CI machines, Ctrl-C reaches the
+processes the tests start) and the one tiny model tree the unit, distributed and fault tests share (written once per
+session)."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +12,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# A run started in the background of a non-interactive shell has SIGINT ignored, and every process it starts (ComfyUI,
+# the CLI, the workers) would inherit that, so the tests that send SIGINT would see nothing happen. Handling it here
+# hands the processes started from now on the default disposition again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Shared test helpers (tests/vace_inputs.py, ...) import as top-level modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
