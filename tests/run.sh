@@ -54,4 +54,4 @@ echo "== run the tests"
 # -ra lists every skip and failure in the final summary; a hung test fails after the timeout.
 # --confcutdir keeps pytest from importing the repository root (the pack's __init__.py) as a test
 # package, which fails when the checkout folder name is not a Python identifier.
-"$PYTHON" -m pytest -ra --timeout=600 --durations=15 --confcutdir=tests "$@"
+"$PYTHON" -m pytest -ra --timeout=600 --durations=40 --confcutdir=tests "$@"
