@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import TEXT_TOKENS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR, ParallelConfig, check_head_split, latent_shape
+from .config import (CLIP_VISION_TOKENS, LATENT_CHANNELS, LATENT_SPATIAL_FACTORS, TEXT_TOKENS, TEMPORAL_STRIDE,
+                     VAE_SPATIAL_FACTOR, ParallelConfig, check_head_split)
 
 DEFAULT_VAE_TILE_PX = 256  # the tile edge the VAE uses when vae_patch > 1 and no tile size is given
 ACTIVATION_COPIES = 6  # live [tokens, dim] tensors of one block's forward (one pass at a time), temporaries included
@@ -44,7 +45,8 @@ class ModelCost:
     ffn_dim: int
     weight_bytes: int  # as stored (fp8 and GGUF files stay quantized)
     patch: tuple[int, int, int] = (1, 2, 2)
-    text_tokens: int = TEXT_TOKENS
+    text_tokens: int = TEXT_TOKENS  # every token the cross-attention reads: the text's and CLIP vision's (I2V)
+    latent_channels: int = LATENT_CHANNELS  # 48 for Wan 2.2 TI2V 5B, whose VAE compresses 16x
 
     @property
     def dim(self) -> int:
@@ -61,7 +63,21 @@ class ModelCost:
             raise ValueError(f"{path}: no header or config.json tells the transformer's shape; use layout manual")
         return cls(layers=int(config["num_layers"]), heads=int(config["num_attention_heads"]),
                    head_dim=int(config["attention_head_dim"]), ffn_dim=int(config["ffn_dim"]),
-                   weight_bytes=estimated_load_bytes((str(path),)), patch=tuple(config.get("patch_size", (1, 2, 2))))
+                   weight_bytes=estimated_load_bytes((str(path),)), patch=tuple(config.get("patch_size", (1, 2, 2))),
+                   text_tokens=TEXT_TOKENS + image_tokens(config),
+                   latent_channels=int(config.get("out_channels", LATENT_CHANNELS)))
+
+    @property
+    def vae_factor(self) -> int:
+        """Pixels per latent along each spatial axis: 8 (Wan 2.1 VAE), 16 (the Wan 2.2 VAE of 48-channel models)."""
+        return LATENT_SPATIAL_FACTORS.get(self.latent_channels, VAE_SPATIAL_FACTOR)
+
+
+def image_tokens(config) -> int:
+    """CLIP vision tokens the image cross-attention reads: 257 per image for Wan 2.1 I2V (one) and FLF2V (two)."""
+    from .models.detect import image_inputs
+
+    return {"clip_vision": CLIP_VISION_TOKENS, "first_last": 2 * CLIP_VISION_TOKENS}.get(image_inputs(config), 0)
 
 
 @dataclass(frozen=True)
@@ -75,11 +91,17 @@ class Job:
     batch: int = 1
     guidance: bool = True
 
+    def latent_frames(self) -> int:
+        return (self.frames - 1) // TEMPORAL_STRIDE + 1
+
     def video_tokens(self, model: ModelCost) -> int:
-        latent_frames = (self.frames - 1) // TEMPORAL_STRIDE + 1
-        rows = math.ceil(self.height / VAE_SPATIAL_FACTOR / model.patch[1])
-        columns = math.ceil(self.width / VAE_SPATIAL_FACTOR / model.patch[2])
-        return math.ceil(latent_frames / model.patch[0]) * rows * columns
+        rows = math.ceil(self.height / model.vae_factor / model.patch[1])
+        columns = math.ceil(self.width / model.vae_factor / model.patch[2])
+        return math.ceil(self.latent_frames() / model.patch[0]) * rows * columns
+
+    def latent_elements(self, model: ModelCost) -> int:
+        area = (self.height // model.vae_factor) * (self.width // model.vae_factor)
+        return self.batch * model.latent_channels * self.latent_frames() * area
 
 
 @dataclass(frozen=True)
@@ -197,7 +219,7 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     attention_block = attention / layout.tp / machine.attention_flops / speed_up
     communication = _block_communication(layout, local, text, dim, machine, attention_block)
     step_compute = passes * model.layers * (compute_block + attention_block)
-    step_communication = passes * model.layers * communication + _guidance_exchange(layout, job, machine)
+    step_communication = passes * model.layers * communication + _guidance_exchange(layout, model, job, machine)
     activations = math.ceil(job.batch / dp) * local * dim * machine.element_bytes * ACTIVATION_COPIES
     memory = model.weight_bytes // layout.tp + activations
     return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
@@ -233,11 +255,11 @@ def _block_communication(layout: Layout, local: int, text: int, dim: int, machin
     return seconds
 
 
-def _guidance_exchange(layout: Layout, job: Job, machine: Machine) -> float:
+def _guidance_exchange(layout: Layout, model: ModelCost, job: Job, machine: Machine) -> float:
     """CFG parallel: the two halves swap their predictions once per step (float32 latents of the batch)."""
     if not layout.cfg_parallel:
         return 0.0
-    return machine.all_reduce.seconds(1, 4 * math.prod(latent_shape(job.width, job.height, job.frames, job.batch)))
+    return machine.all_reduce.seconds(1, 4 * job.latent_elements(model))
 
 
 def rank_layouts(world: int, model: ModelCost, job: Job, machine: Machine, *,

@@ -51,6 +51,7 @@ WAN22_LATENT_CHANNELS = 48
 WAN22_VAE_SPATIAL_FACTOR = 16
 LATENT_CHANNEL_COUNTS = (LATENT_CHANNELS, WAN22_LATENT_CHANNELS)
 LATENT_SPATIAL_FACTORS = {LATENT_CHANNELS: VAE_SPATIAL_FACTOR, WAN22_LATENT_CHANNELS: WAN22_VAE_SPATIAL_FACTOR}
+CLIP_VISION_TOKENS = 257  # per image: ViT-H/14 at 224 px, 16 x 16 patches and the class token (Wan 2.1 I2V / FLF2V)
 # The Wan 2.2 VAE's latent mean/std (ComfyUI's Wan22 latent format, diffusers' Wan 2.2 VAE config.json). Written out
 # because diffusers' AutoencoderKLWan defaults hold only the Wan 2.1 values (sampling/latents.py reads those).
 WAN22_LATENTS_MEAN = (

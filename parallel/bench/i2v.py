@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from ..config import CLIP_VISION_TOKENS
 from .common import time_interleaved
 
 KINDS = {"t2v": "model_native", "i2v": "i2v", "flf2v": "flf2v", "wan22_i2v": "i2v_high"}  # kind: TINY_FILES name
-CLIP_TOKENS = {"i2v": 257, "flf2v": 2 * 257}
+CLIP_TOKENS = {"i2v": CLIP_VISION_TOKENS, "flf2v": 2 * CLIP_VISION_TOKENS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

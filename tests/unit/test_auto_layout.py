@@ -100,3 +100,24 @@ def test_the_probe_measures_two_gloo_ranks_and_caches_its_figures(tmp_path, monk
     assert measured.matmul_flops > 0 and measured.all_reduce.bytes_per_s > 0 and measured.free_bytes > 0
     assert 0 < measured.all_reduce.latency_s < 1
     assert calibration.machine_for(config) == measured  # read back from the cache, not probed again
+
+
+@pytest.mark.parametrize("kind, context_tokens, latent_channels, tokens", [
+    ("model", 512, 16, 1280),  # T2V: 17 frames at 256x256 through the 8x VAE and 2x2 patches: 5 x 16 x 16
+    ("i2v", 512 + 257, 16, 1280),  # Wan 2.1 I2V: the cross-attention also reads one image's CLIP vision tokens
+    ("flf2v", 512 + 2 * 257, 16, 1280),  # FLF2V: two images' tokens
+    ("i2v_high", 512, 16, 1280),  # Wan 2.2 I2V A14B: image latents only
+    ("ti2v", 512, 48, 320),  # Wan 2.2 TI2V 5B: 48 channels through the 16x VAE, a quarter of the tokens
+])
+def test_the_cost_model_reads_image_tokens_and_the_vae_from_the_file(tiny_models_root, kind, context_tokens,
+                                                                    latent_channels, tokens):
+    from wanmesh.parallel.tiny.files import TINY_FILES
+
+    model = ModelCost.from_file(tiny_models_root / TINY_FILES[kind])
+    job = Job(256, 256, 17)
+    assert (model.text_tokens, model.latent_channels, job.video_tokens(model)) == (context_tokens, latent_channels,
+                                                                                   tokens)
+    assert job.latent_elements(model) == latent_channels * 5 * (256 // model.vae_factor) ** 2
+    cfg = predict(Layout(cfg_parallel=True), 2, model, job, machine(link_bytes_per_s=1e6, latency_s=0.0))
+    plain = predict(Layout(cfg_parallel=True), 2, model, job, machine(link_bytes_per_s=1e15, latency_s=0.0))
+    assert cfg.step_s - plain.step_s == pytest.approx(4 * job.latent_elements(model) / 1e6, rel=1e-6)
