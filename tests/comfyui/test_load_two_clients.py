@@ -1,11 +1,11 @@
 """Load held: two clients queue 40 prompts of mixed workflows on one real ComfyUI server (the 2024 copy).
 
 T2V, LoRA, VACE (two references), streaming and two-expert prompts, each with its own seed, from two client
-threads at once: a first round of 20 on one pool, a ``/free`` with ``unload_models`` (the workers exit) and a Pool
-setting change (Ulysses 2 -> tensor parallel 2), then two rounds of 10 on the new pool. Every prompt must succeed
+threads at once: a first round of 10 on one pool, a ``/free`` with ``unload_models`` (the workers exit) and a Pool
+setting change (Ulysses 2 -> tensor parallel 2), then three rounds of 10 on the new pool. Every prompt must succeed
 and every file it lists must be complete (images readable, each MP4 decodable); the new workers' summed resident
-memory after the run has grown at most 5% over its size after their first round (the same processes: growth there
-is a leak; counted without the memory-mapped model files' pages, which the page cache holds and drops at will);
+memory after the last round has grown at most 5% over its size after the second (the same processes, past the
+allocator's warm-up, which a first round of every workflow does not always reach: growth there is a leak; counted without the memory-mapped model files' pages, which the page cache holds and drops at will);
 after ``/free`` with ``free_memory`` no worker process and no new pool temp folder is left. Steps are cut to 2 so
 the 40 prompts stay within a few minutes on two CPU cores.
 """
@@ -27,7 +27,7 @@ from workflow_graph import MAX_SEED, load_workflow
 from wanmesh.parallel import read_video
 
 WORKFLOWS = ("t2v", "t2v_lora", "vace_r2v", "stream_t2v", "wan22_two_experts")
-PROMPTS_PER_CLIENT_AND_ROUND = 10  # two clients, two rounds: 40 prompts
+PROMPTS_PER_CLIENT_AND_ROUND = 5  # two clients, four rounds: 40 prompts
 FIRST_POOL = dict(devices="cpu:2", world=2, tp=1, ulysses=2, ring=1, cfg_parallel=False, vae_patch=1)
 SECOND_POOL = dict(FIRST_POOL, tp=2, ulysses=1)  # the setting changed in the middle: new workers
 PROMPT_TIMEOUT_S = 600.0
@@ -114,17 +114,18 @@ def test_two_clients_forty_mixed_prompts_with_free_and_a_pool_change(comfyui_ser
     first_pool_rss = worker_anonymous_rss(comfyui_server)
 
     post_free(comfyui_server, unload_models=True)
-    half = PROMPTS_PER_CLIENT_AND_ROUND // 2
-    finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng, half))
-    after_first_round = worker_anonymous_rss(comfyui_server)
+    finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng))
+    after_warm_up = worker_anonymous_rss(comfyui_server)
     pids = sorted(p.pid for p in workers(comfyui_server))
-    finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng, half))
+    finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng))
+    after_second_round = worker_anonymous_rss(comfyui_server)
+    finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng))
     after_run = worker_anonymous_rss(comfyui_server)
     assert sorted(p.pid for p in workers(comfyui_server)) == pids, "the workers changed within one pool's rounds"
-    growth = (after_run - after_first_round) / after_first_round
-    report = (f"workers' summed anonymous RSS: first pool {first_pool_rss / 2**20:.0f} MiB after 20 prompts; new pool "
-              f"{after_first_round / 2**20:.0f} MiB after its first 10, {after_run / 2**20:.0f} MiB after its "
-              f"last 10 ({growth:+.1%})")
+    growth = (after_run - after_second_round) / after_second_round
+    report = (f"workers' summed anonymous RSS: first pool {first_pool_rss / 2**20:.0f} MiB after 10 prompts; new pool "
+              f"{after_warm_up / 2**20:.0f} MiB after its first 10, {after_second_round / 2**20:.0f} MiB after 20, "
+              f"{after_run / 2**20:.0f} MiB after 30 ({growth:+.1%} over the last 10)")
     print("\n" + report)
     assert growth <= MEMORY_GROWTH, report  # less memory after the run is memory returned, not held
 
