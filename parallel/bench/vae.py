@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
+from ..config import LATENT_CHANNELS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR
 from ..distributed.patch_parallel import assign_by_workload
 from ..distributed.spawn import slowest_rank_seconds, spawn_ranks
 from ..models.vae_tiling import resolve_tile_options, split_spatial, tiled_decode, tiled_encode
 from .common import int_list
 
-TEMPORAL_FACTOR = 4
 VAE_KINDS = ("2.1", "2.2")
 STAGES = ("decode", "encode")
 DEFAULT_BASE_DIM = {"2.1": 96, "2.2": 160}
@@ -113,7 +113,7 @@ def _vae_config(kind: str, base_dim: int) -> dict[str, Any]:
     if base_dim < 1:
         raise ValueError(f"--base-dim must be a positive width, got {base_dim}")
     if kind == "2.1":
-        return {"base_dim": base_dim, "z_dim": 16, "scale_factor_spatial": 8}
+        return {"base_dim": base_dim, "z_dim": LATENT_CHANNELS, "scale_factor_spatial": VAE_SPATIAL_FACTOR}
     from ..tiny.vae22 import NATIVE_VAE22_WIDTHS, TINY_VAE22
 
     decoder = base_dim * NATIVE_VAE22_WIDTHS["decoder_base_dim"] // NATIVE_VAE22_WIDTHS["base_dim"]
@@ -121,12 +121,12 @@ def _vae_config(kind: str, base_dim: int) -> dict[str, Any]:
 
 
 def _latent_shape(frames: int, height: int, width: int, factor: int, channels: int) -> tuple[int, ...]:
-    if frames < 1 or frames % TEMPORAL_FACTOR != 1:
+    if frames < 1 or frames % TEMPORAL_STRIDE != 1:
         raise ValueError(f"--frames must be 4n + 1 (e.g. 17 or 21), got {frames}")
     if height < 1 or width < 1 or height % factor or width % factor:
         raise ValueError(f"--height and --width must be positive multiples of {factor} for this VAE, "
                          f"got {height}x{width}")
-    return (1, channels, (frames - 1) // TEMPORAL_FACTOR + 1, height // factor, width // factor)
+    return (1, channels, (frames - 1) // TEMPORAL_STRIDE + 1, height // factor, width // factor)
 
 
 def _check_devices(device: str, ranks: int) -> None:

@@ -138,7 +138,8 @@ def sample_stream(
     clean = torch.zeros(latent_shape)
     chunks = stream_chunks(latent_shape[2], chunk, start_frames)
     steps = len(sigmas) - 1
-    total_steps = (len(chunks) - (1 if start_frames else 0)) * steps
+    seeded = 1 if start_frames else 0  # the start image's block takes no steps
+    total_steps = (len(chunks) - seeded) * steps
     timer = _ChunkTimer(stats, device)
     with torch.no_grad(), CausalWan(model, latent_shape, chunk, CacheWindow(kv_window, sink), use_cache,
                                     strategy, start_frames=start_frames) as causal:
@@ -155,7 +156,7 @@ def sample_stream(
 
                 def step_done(step: int) -> None:
                     if progress is not None:
-                        progress(total_steps - (len(chunks) - index) * steps + step + 1, total_steps)
+                        progress((index - seeded) * steps + step + 1, total_steps)
 
                 x = _denoise_chunk(predict, noise[:, :, start : start + count].to(device), sigmas, seed, index,
                                    f"chunk {index + 1} of {len(chunks)}", should_stop, step_done)
