@@ -4,8 +4,10 @@ T2V, LoRA, VACE (two references), streaming and two-expert prompts, each with it
 threads at once: a first round of 10 on one pool, a ``/free`` with ``unload_models`` (the workers exit) and a Pool
 setting change (Ulysses 2 -> tensor parallel 2), then three rounds of 10 on the new pool. Every prompt must succeed
 and every file it lists must be complete (images readable, each MP4 decodable); the new workers' summed resident
-memory after the last round has grown at most 5% over its size after the second (the same processes, past the
-allocator's warm-up, which a first round of every workflow does not always reach: growth there is a leak; counted without the memory-mapped model files' pages, which the page cache holds and drops at will);
+memory after the last round exceeds its highest level after the rounds before by at most 5% (the same processes
+and the same workflows each round: a leak adds its share every round, while memory the allocator keeps and reuses
+rises and falls by several percent from round to round and stays under its earlier peak; counted without the
+memory-mapped model files' pages, which the page cache holds and drops at will);
 after ``/free`` with ``free_memory`` no worker process and no new pool temp folder is left. Steps are cut to 2 so
 the 40 prompts stay within a few minutes on two CPU cores.
 """
@@ -122,10 +124,11 @@ def test_two_clients_forty_mixed_prompts_with_free_and_a_pool_change(comfyui_ser
     finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng))
     after_run = worker_anonymous_rss(comfyui_server)
     assert sorted(p.pid for p in workers(comfyui_server)) == pids, "the workers changed within one pool's rounds"
-    growth = (after_run - after_second_round) / after_second_round
+    earlier_peak = max(after_warm_up, after_second_round)
+    growth = (after_run - earlier_peak) / earlier_peak
     report = (f"workers' summed anonymous RSS: first pool {first_pool_rss / 2**20:.0f} MiB after 10 prompts; new pool "
               f"{after_warm_up / 2**20:.0f} MiB after its first 10, {after_second_round / 2**20:.0f} MiB after 20, "
-              f"{after_run / 2**20:.0f} MiB after 30 ({growth:+.1%} over the last 10)")
+              f"{after_run / 2**20:.0f} MiB after 30 ({growth:+.1%} over the earlier peak)")
     print("\n" + report)
     assert growth <= MEMORY_GROWTH, report  # less memory after the run is memory returned, not held
 
