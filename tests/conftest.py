@@ -35,3 +35,19 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def tiny_models_root(tiny_models) -> Path:
     """The tree's root (what `--models` takes)."""
     return tiny_models["t2v"].parents[1]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The 25 test files that took longest (setup, call and teardown summed): where the run's time goes, which the
+    per-step list (``--durations``) spreads over hundreds of lines."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            duration, nodeid = getattr(report, "duration", None), getattr(report, "nodeid", "")
+            if duration is not None and nodeid:
+                path = nodeid.split("::")[0]
+                per_file[path] = per_file.get(path, 0.0) + duration
+    if per_file:
+        terminalreporter.write_sep("=", "slowest 25 test files")
+        for path, seconds in sorted(per_file.items(), key=lambda item: -item[1])[:25]:
+            terminalreporter.write_line(f"{seconds:8.1f}s {path}")
