@@ -55,6 +55,20 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4",)
 
 
+
+
+def pool_settings(name: str) -> tuple:
+    """The WanMesh Pool inputs of a workflow's API twin (none for a workflow without a pool)."""
+    pools = [node["inputs"] for node in load_workflow(api_twin(name)).values() if node["class_type"] == "WanMeshPool"]
+    return tuple(sorted((key, str(value)) for pool in pools for key, value in pool.items()))
+
+
+def grouped_by_pool(names: list[str]) -> list[str]:
+    """``names`` with the workflows of the same pool settings next to each other: the server keeps a pool while its
+    settings stay the same, so queued one after the other they start one pool per setting, not one per workflow."""
+    return sorted(names, key=lambda name: (pool_settings(name), name))
+
+
 @dataclass(frozen=True)
 class ServerUnderTest:
     fixture_name: str
@@ -352,7 +366,7 @@ def test_workflow_loads_in_the_browser_as_its_api_twin(chromium: Any, server_und
         assert not comfy.errors, f"the page reported errors: {comfy.errors}"
 
 
-@pytest.mark.parametrize("name", WORKFLOW_NAMES + list(RECENT_ONLY_WORKFLOWS))
+@pytest.mark.parametrize("name", grouped_by_pool(WORKFLOW_NAMES + list(RECENT_ONLY_WORKFLOWS)))
 def test_workflow_queued_from_the_browser_runs_and_saves_its_outputs(chromium: Any,
                                                                      server_under_test: ServerUnderTest,
                                                                      name: str) -> None:

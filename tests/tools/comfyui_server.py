@@ -278,7 +278,9 @@ class RecentComfyUIServer(ComfyUIServer):
       frontend, workflow templates and embedded docs are served from their pip packages (ComfyUI fetches a
       frontend from the network only for a non-default ``--front-end-version``, which is never passed).
     * Its user folder and SQLite database live in the work folder, not in the ComfyUI copy that test
-      sessions share.
+      sessions share. The user has opened ComfyUI before (``Comfy.TutorialCompleted``): for a new user today's
+      frontend opens its template browser over the canvas on the first page load, and that dialog would cover
+      the Queue button of whichever browser test comes first.
     * ``comfyui_shims/`` goes first on ``PYTHONPATH`` when no real torchaudio is installed: PyPI has no build
       of it for the CPU torch used here, and without it ComfyUI's audio node modules fail to import at
       start-up. Its torchvision imports were made optional when the copy was prepared (``prepare_comfyui.py``).
@@ -295,7 +297,10 @@ class RecentComfyUIServer(ComfyUIServer):
         return env
 
     def start(self, ready_timeout_s: float = 180.0) -> None:
-        self._user_dir.mkdir(parents=True, exist_ok=True)  # ComfyUI refuses a --user-directory that does not exist
+        settings = self._user_dir / "default" / "comfy.settings.json"
+        settings.parent.mkdir(parents=True, exist_ok=True)  # ComfyUI refuses a --user-directory that does not exist
+        if not settings.is_file():
+            settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
         super().start(ready_timeout_s)
 
     @property
