@@ -126,6 +126,16 @@ class Timing:
         """[fastest, slowest] seconds: the spread the tables print beside the median."""
         return [self.low, self.high]
 
+    @classmethod
+    def of(cls, samples: list[float]) -> "Timing":
+        """The median, fastest and slowest of timed rounds."""
+        return cls(statistics.median(samples), min(samples), max(samples), tuple(samples))
+
+
+def check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+
 
 def wall_seconds(function: Callable[[], object], device: torch.device) -> float:
     """One call's wall time in this process, CUDA work included."""
@@ -146,12 +156,11 @@ def time_interleaved(functions: dict[str, Callable[[], object]], device: torch.d
     """Seconds per call of each function: one warm-up call each, then `repeats` rounds calling all in turn
     (interleaved, so drifting machine load hits every function alike), each call timed by `seconds` (in ranks:
     ``spawn.slowest_rank_seconds``); the median and the fastest and slowest round."""
-    if repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    check_repeats(repeats)
     for function in functions.values():
         function()
     samples: dict[str, list[float]] = {name: [] for name in functions}
     for _ in range(repeats):
         for name, function in functions.items():
             samples[name].append(seconds(function, device))
-    return {name: Timing(statistics.median(s), min(s), max(s), tuple(s)) for name, s in samples.items()}
+    return {name: Timing.of(s) for name, s in samples.items()}

@@ -3,7 +3,10 @@ pools' workers.
 
 For one job (model, size, frames, steps) and world size, every valid layout (or, when there are many, the
 predicted best few plus an even sample of the rest) gets its own pool; after a warm-up the layouts are timed in
-interleaved rounds, each sampling ``--steps`` steps with the same latent, prompt and seed. The table prints the
+interleaved rounds, each sampling ``--steps`` steps with the same latent, prompt and seed. When the pools of every
+measured layout fit in memory at once they stay up for the whole run; else (``--pools in-turn``, the default for
+larger models: on GPUs two pools of a real model never fit beside each other) each round starts every layout's pool
+in turn, warms it up, times it and stops it, so one pool at a time holds the weights. The table prints the
 predicted and measured seconds per step (median, fastest..slowest), the Spearman rank correlation of the two, the
 layout ``auto`` chose and how far its measured time is from the best measured one. ``--json`` writes ``layouts``
 (``layout``, ``predicted_s``, ``measured_s``, spread, degrees) and ``chosen``; ``--plot`` draws predicted
@@ -25,9 +28,11 @@ from ..config import ParallelConfig, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
-from .common import model_config, model_path, time_interleaved
+from .common import Timing, check_repeats, model_config, model_path, time_interleaved, wall_seconds
 
 PREDICTED_BEST = 4  # with more layouts than --max-layouts: these, then an even sample of the rest
+POOL_MODES = ("auto", "together", "in-turn")
+WORKER_PROCESS_BYTES = 512 * 2**20  # a worker's own memory before any weights (Python, torch, diffusers; CUDA context)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cfg", type=float, default=5.0, help="guidance scale; 1 runs no unconditional pass")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up (default 3)")
     parser.add_argument("--max-layouts", type=int, default=8, help="layouts measured at most (default 8)")
+    parser.add_argument("--pools", choices=POOL_MODES, default="auto",
+                        help="together: every layout's pool up for the whole run; in-turn: one pool at a time, "
+                             "started and stopped each round; auto (default): together when they fit in memory")
     parser.add_argument("--reprobe", action="store_true", help="calibrate the machine again, not from the cache")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="PNG of predicted against measured step time")
@@ -91,16 +99,45 @@ def run(args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randn(512, text_dim, generator=generator) for _ in range(2)]
     latent = torch.zeros(latent_shape(args.width, args.height, args.frames))
-    with contextlib.ExitStack() as stack:
-        samplers = {}
-        for prediction in subset:
-            runner = PoolRunner(stack.enter_context(WorkerPool(prediction.layout.applied_to(base))))
-            request = SampleRequest(handle=runner.load_model(path), latent=latent, positive=[prompts[0]],
-                                    negative=[prompts[1]], seed=1, steps=args.steps, guidance_scale=args.cfg,
-                                    shift=5.0, sampler="euler", preview=False)
-            samplers[prediction.layout.name()] = lambda runner=runner, request=request: runner.sample(request)
-        timings = time_interleaved(samplers, torch.device("cpu"), args.repeats)
+
+    def sampler_on_new_pool(stack: contextlib.ExitStack, prediction: Prediction):
+        runner = PoolRunner(stack.enter_context(WorkerPool(prediction.layout.applied_to(base))))
+        request = SampleRequest(handle=runner.load_model(path), latent=latent, positive=[prompts[0]],
+                                negative=[prompts[1]], seed=1, steps=args.steps, guidance_scale=args.cfg,
+                                shift=5.0, sampler="euler", preview=False)
+        return lambda: runner.sample(request)
+
+    in_turn = args.pools == "in-turn" or (args.pools == "auto" and not pools_fit_together(subset, machine))
+    print(f"measuring {len(subset)} layouts, " + ("one pool at a time, started each round" if in_turn else
+                                                  "every pool up at once"), flush=True)
+    if in_turn:
+        timings = time_in_turn(subset, sampler_on_new_pool, args.repeats)
+    else:
+        with contextlib.ExitStack() as stack:
+            samplers = {p.layout.name(): sampler_on_new_pool(stack, p) for p in subset}
+            timings = time_interleaved(samplers, torch.device("cpu"), args.repeats)
     return report(args, subset, chosen, timings, machine)
+
+
+def pools_fit_together(subset: list[Prediction], machine) -> bool:
+    """Whether every measured layout's pool fits beside the others: their predicted bytes per rank, each worker
+    process's own memory included, within a rank's free memory (the ranks of all pools share the devices)."""
+    return sum(p.memory_bytes + WORKER_PROCESS_BYTES for p in subset) <= machine.free_bytes
+
+
+def time_in_turn(subset: list[Prediction], sampler_on_new_pool, repeats: int) -> dict[str, Timing]:
+    """Seconds per sample of each layout, one pool at a time: each round starts every layout's pool in turn,
+    loads the model, samples once to warm up, times one sample and stops the pool (interleaved like
+    ``time_interleaved``: drifting load hits every layout alike)."""
+    check_repeats(repeats)
+    samples: dict[str, list[float]] = {p.layout.name(): [] for p in subset}
+    for _ in range(repeats):
+        for prediction in subset:
+            with contextlib.ExitStack() as stack:
+                sample = sampler_on_new_pool(stack, prediction)
+                sample()
+                samples[prediction.layout.name()].append(wall_seconds(sample, torch.device("cpu")))
+    return {name: Timing.of(s) for name, s in samples.items()}
 
 
 def report(args, subset: list[Prediction], chosen: Prediction, timings: dict, machine) -> dict:

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from wanmesh.parallel.cli import main
 
 
-def test_bench_plan_measures_every_layout_and_names_the_choice(tiny_models, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WANMESH_CACHE", str(tmp_path / "cache"))
+@pytest.fixture(scope="module")
+def calibration_cache(tmp_path_factory):
+    """One calibration for the module's runs (the same machine and world)."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def test_bench_plan_measures_every_layout_and_names_the_choice(tiny_models, tmp_path, monkeypatch, capsys,
+                                                               calibration_cache):
+    monkeypatch.setenv("WANMESH_CACHE", calibration_cache)
     models = tiny_models["t2v"].parent.parent
     assert main(["bench", "plan", "--models", str(models), "--world", "2", "--devices", "cpu", "--width", "64",
                  "--height", "48", "--frames", "5", "--steps", "1", "--repeats", "1", "--json",
@@ -21,4 +30,24 @@ def test_bench_plan_measures_every_layout_and_names_the_choice(tiny_models, tmp_
     assert all(row["predicted_s"] > 0 and row["min_s"] <= row["measured_s"] <= row["max_s"]
                for row in result["layouts"])
     assert result["chosen_over_best"] >= 1 and (tmp_path / "plan.png").stat().st_size > 0
-    assert "auto chose:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "auto chose:" in out and "measuring 5 layouts, every pool up at once" in out
+
+
+def test_bench_plan_measures_one_pool_at_a_time_when_the_pools_do_not_fit_together(tiny_models, tmp_path,
+                                                                                    monkeypatch, capsys,
+                                                                                    calibration_cache):
+    """With the pools predicted not to fit beside each other (here: each worker's own memory set beyond what is
+    free), ``--pools auto`` measures them in turn; the rows are the predicted best layouts, each timed."""
+    import wanmesh.parallel.bench.plan as plan
+
+    monkeypatch.setenv("WANMESH_CACHE", calibration_cache)
+    monkeypatch.setattr(plan, "WORKER_PROCESS_BYTES", 2**50)
+    models = tiny_models["t2v"].parent.parent
+    assert main(["bench", "plan", "--models", str(models), "--world", "2", "--devices", "cpu", "--width", "64",
+                 "--height", "48", "--frames", "5", "--steps", "1", "--repeats", "1", "--max-layouts", "2",
+                 "--json", str(tmp_path / "plan.json")]) == 0
+    assert "measuring 2 layouts, one pool at a time" in capsys.readouterr().out
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert len(result["layouts"]) == 2 and result["chosen"] == result["layouts"][0]["layout"]
+    assert all(0 < row["min_s"] <= row["measured_s"] <= row["max_s"] for row in result["layouts"])
