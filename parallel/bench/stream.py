@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import latent_shape, stream_chunks
-from .common import int_list, mib, rank_device, run_world, write_rank_result
+from .common import check_repeats, int_list, mib, rank_device, run_world, write_rank_result
 
 ROWS = (("world 1", 1, True), ("SP fused all-to-all", 2, True), ("SP three gathers", 2, False))
 
@@ -192,8 +192,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     shape = latent_shape(args.width, args.height, args.frames)
     check_stream_options(shape[2], args.chunk, None, 0)
     degrees = int_list(args.sp, "--sp")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    check_repeats(args.repeats)
     settings = {k: v for k, v in vars(args).items() if k != "plot"}
     rows = []
     for world in [1, *degrees]:

@@ -26,8 +26,8 @@ from ..distributed.collectives import CollectiveCounter
 from ..models.sharded import load_transformer_tp, weight_bytes
 from ..distributed.tensor_parallel import analytic_collectives, check_tp_degree
 from ..distributed.spawn import slowest_rank_median_s
-from .common import (PeakAnonymousMemory, int_list, mib, model_config, model_path, rank_device, run_world,
-                     write_rank_result)
+from .common import (PeakAnonymousMemory, check_repeats, int_list, mib, model_config, model_path, rank_device,
+                     run_world, write_rank_result)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DEFAULT_SIZE = {"tiny": (128, 96, 17), "real": (832, 480, 81)}  # width, height, frames
@@ -65,8 +65,7 @@ def resolve(args: argparse.Namespace) -> dict:
         check_tp_degree(config["num_attention_heads"], config["ffn_dim"], tp)
     if device == "cuda" and max(degrees) > torch.cuda.device_count():
         raise ValueError(f"--tp {max(degrees)} needs one GPU per rank; {torch.cuda.device_count()} visible")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    check_repeats(args.repeats)
     width, height, frames = _video_size(args)
     patch = config["patch_size"]
     latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)

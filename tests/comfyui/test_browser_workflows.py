@@ -55,8 +55,6 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4",)
 
 
-
-
 def pool_settings(name: str) -> tuple:
     """The WanMesh Pool inputs of a workflow's API twin (none for a workflow without a pool)."""
     pools = [node["inputs"] for node in load_workflow(api_twin(name)).values() if node["class_type"] == "WanMeshPool"]
