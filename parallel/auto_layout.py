@@ -2,9 +2,10 @@
 to run a job with, chosen by a cost model calibrated on this machine; runs in the driver (CLI or ComfyUI).
 
 The cost of one denoising step on one rank is its share of the transformer's matmul and attention work, timed
-at the speeds the calibration measured with every rank busy at once (``calibration.py``), plus the time of the
-collectives its layout adds, each priced as ``latency + bytes / bandwidth`` with the latency and bandwidth
-measured for that collective on this machine's links:
+at the speeds the calibration measured with as many ranks busy at once as the layout keeps busy
+(``calibration.py``), plus the time of the collectives its layout adds, each priced as ``latency + bytes /
+bandwidth`` with the latency and bandwidth measured for that collective within groups of the layout's size
+(a tp 2 all-reduce in 4 ranks runs in pairs) on this machine's links:
 
 * tensor parallelism: per block three all-reduces of the block's activations and four small ones (q/k norm
   statistics; the same count ``distributed/tensor_parallel.analytic_collectives`` gives and the tests check
@@ -117,8 +118,9 @@ class Link:
 
 @dataclass(frozen=True)
 class Machine:
-    """The calibration's figures for one device set (``calibration.py``): per-rank speeds with every rank busy,
-    collective prices, the share of ring traffic the device hides behind compute, free bytes per rank."""
+    """The calibration's figures for one device set (``calibration.py``): per-rank speeds with every rank busy
+    (and with fewer busy), collective prices (the whole world's, and within groups of each size), the share of ring
+    traffic the device hides behind compute, free bytes per rank."""
 
     matmul_flops: float
     attention_flops: float
@@ -129,11 +131,27 @@ class Machine:
     element_bytes: int = 4  # the compute dtype's: fp32 on CPU ranks, bf16 on GPUs
     overlap: float = 0.0
     matmul_flops_alone: float | None = None  # a rank's speed while the others wait (None: as when all are busy)
+    matmul_flops_by_active: tuple[tuple[int, float], ...] = ()  # (busy ranks, a rank's speed) as measured
+    group_links: tuple[tuple[int, str, Link], ...] = ()  # (group size, kind, price) within groups of that size
+    busy_latency_s: float = 0.0  # what a collective call costs when every rank computes between calls
+
+    def link(self, kind: str, size: int, *, every_rank_busy: bool = False) -> Link:
+        """The price of collective ``kind`` within groups of ``size`` ranks (every group at once), as measured
+        when the calibration has that size, else the whole world's. With every rank computing between calls a
+        call costs at least the busy latency: ranks that share cores wait for their partner's turn on one."""
+        link = next((link for group_size, name, link in self.group_links if (group_size, name) == (size, kind)),
+                    getattr(self, kind))
+        if every_rank_busy and self.busy_latency_s > link.latency_s:
+            return Link(self.busy_latency_s, link.bytes_per_s)
+        return link
 
     def speed_up(self, world: int, active: int) -> float:
         """How much faster ``active`` busy ranks of ``world`` compute than when all are busy: ranks that share
-        cores (CPU ranks outnumbering them) get the idle ranks' share, up to a rank's speed alone; one device per
-        rank gains nothing."""
+        cores (CPU ranks outnumbering them) get the idle ranks' share. As measured with that many ranks busy when
+        the calibration has it, else up to a rank's speed alone; one device per rank gains nothing."""
+        measured = dict(self.matmul_flops_by_active)
+        if active in measured:
+            return max(1.0, measured[active] / self.matmul_flops)
         alone = (self.matmul_flops_alone or self.matmul_flops) / self.matmul_flops
         return max(1.0, min(alone, world / max(active, 1)))
 
@@ -217,9 +235,11 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     speed_up = machine.speed_up(world, active)
     compute_block = linear / layout.tp / machine.matmul_flops / speed_up
     attention_block = attention / layout.tp / machine.attention_flops / speed_up
-    communication = _block_communication(layout, local, text, dim, machine, attention_block)
+    busy = active == world
+    communication = _block_communication(layout, local, text, dim, machine, attention_block, busy)
     step_compute = passes * model.layers * (compute_block + attention_block)
-    step_communication = passes * model.layers * communication + _guidance_exchange(layout, model, job, machine)
+    step_communication = (passes * model.layers * communication
+                          + _guidance_exchange(layout, model, job, machine, busy))
     activations = math.ceil(job.batch / dp) * local * dim * machine.element_bytes * ACTIVATION_COPIES
     memory = model.weight_bytes // layout.tp + activations
     return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
@@ -241,25 +261,27 @@ def block_bytes(layout: Layout, local: int, text: int, dim: int, element: int) -
 
 
 def _block_communication(layout: Layout, local: int, text: int, dim: int, machine: Machine,
-                         attention_s: float) -> float:
-    """Seconds one rank spends in the collectives of one transformer block's forward."""
+                         attention_s: float, busy: bool) -> float:
+    """Seconds one rank spends in the collectives of one transformer block's forward (``busy``: every rank of
+    the world computes between them)."""
     moved = block_bytes(layout, local, text, dim, machine.element_bytes)
     seconds = 0.0
     if layout.tp > 1:
-        seconds += machine.all_reduce.seconds(7, moved["all_reduce"])
+        seconds += machine.link("all_reduce", layout.tp, every_rank_busy=busy).seconds(7, moved["all_reduce"])
     if layout.ulysses > 1:
-        seconds += machine.all_to_all.seconds(4, moved["all_to_all"])
+        seconds += machine.link("all_to_all", layout.ulysses, every_rank_busy=busy).seconds(4, moved["all_to_all"])
     if layout.ring > 1:
-        ring = machine.send_recv.seconds(2 * (layout.ring - 1), moved["send_recv"])
+        ring = machine.link("send_recv", layout.ring, every_rank_busy=busy).seconds(2 * (layout.ring - 1),
+                                                                                  moved["send_recv"])
         seconds += max(ring - machine.overlap * attention_s, (1 - machine.overlap) * ring)
     return seconds
 
 
-def _guidance_exchange(layout: Layout, model: ModelCost, job: Job, machine: Machine) -> float:
+def _guidance_exchange(layout: Layout, model: ModelCost, job: Job, machine: Machine, busy: bool) -> float:
     """CFG parallel: the two halves swap their predictions once per step (float32 latents of the batch)."""
     if not layout.cfg_parallel:
         return 0.0
-    return machine.all_reduce.seconds(1, 4 * job.latent_elements(model))
+    return machine.link("all_reduce", 2, every_rank_busy=busy).seconds(1, 4 * job.latent_elements(model))
 
 
 def rank_layouts(world: int, model: ModelCost, job: Job, machine: Machine, *,

@@ -1,11 +1,14 @@
 """Calibration of the auto layout's cost model on this machine; run from the driver (CLI, ComfyUI, bench plan).
 
 A short probe (well under 20 s on CPU ranks) starts ``world`` ranks on the pool's devices, the same way the pool
-does (gloo on CPU ranks, each with its share of the cores; NCCL on GPUs), and measures with every rank busy at
-once: matmul and attention throughput per rank, and the latency and bandwidth of all-reduce, all-to-all and
-neighbour send/receive at two message sizes (latency from the small one, bandwidth from the difference). The
-result is cached as JSON per machine, device set and world (``$WANMESH_CACHE/calibration/``, readable by users);
-``reprobe=True`` (``--reprobe``) measures again. Ranks of different speeds (a mixed GPU set) are named in the log.
+does (gloo on CPU ranks, each with its share of the cores; NCCL on GPUs), and measures: a rank's matmul throughput
+with 1, 2, ... of the ranks busy at once (CPU ranks share cores and memory bandwidth), attention throughput with
+every rank busy, and the latency and bandwidth of all-reduce, all-to-all and neighbour send/receive within groups
+of every size dividing the world, all groups at once, at two message sizes (latency from the small one, bandwidth
+from the difference). Speeds are timed over a sustained window, not per call, so ranks that share cores are timed
+over many scheduler slices. The result is cached as JSON per machine, device set and world
+(``$WANMESH_CACHE/calibration/``, readable by users; a cache of an older probe is probed again); ``reprobe=True``
+(``--reprobe``) measures again. Ranks of different speeds (a mixed GPU set) are named in the log.
 """
 
 from __future__ import annotations
@@ -27,10 +30,14 @@ from .video_io import written_atomically
 
 log = logging.getLogger("wanmesh")
 PROBE_DEADLINE_S = 60.0
+PROBE_VERSION = 3  # what the cached figures hold; a cache written by another version is probed again
 PROBE_SIZES = (1 << 12, 1 << 20)  # float32 elements of the small and large messages
 MATMUL_SHAPE = (1024, 512)  # [tokens, dim] x [dim, dim], the shape of a small transformer block's projections
 ATTENTION_SHAPE = (4, 512, 64)  # heads, tokens, head dim
 SPEED_SPREAD_WARNING = 1.25  # ranks slower than the fastest by this factor are named
+BUSY_CALLS = 16  # compute-and-collective rounds of the busy-latency probe
+LINK_KINDS = ("all_reduce", "all_to_all", "send_recv")
+SUSTAINED_S = {"cpu": 0.3, "cuda": 0.05}  # how long each speed is measured: many scheduler slices on CPU ranks
 
 
 def cache_file(config: ParallelConfig) -> Path:
@@ -52,12 +59,15 @@ def machine_for(config: ParallelConfig, *, reprobe: bool = False, runner=None) -
     path = cache_file(config)
     if path.is_file() and not reprobe:
         try:
-            return machine_from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
+            figures = json.loads(path.read_text())
+            if figures.get("version") == PROBE_VERSION:
+                return machine_from_dict(figures)
+            log.info("calibration %s is from an older probe; probing again", path)
+        except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("calibration %s is unreadable; probing again", path)
     started = time.perf_counter()
     figures = combine(config, runner.calibrate() if runner is not None else probe_ranks(config))
-    figures["probe_s"] = round(time.perf_counter() - started, 2)
+    figures["probe_s"], figures["version"] = round(time.perf_counter() - started, 2), PROBE_VERSION
     with written_atomically(path) as temporary:
         temporary.write_text(json.dumps(figures, indent=2))
     log.info("calibrated %s in %.1f s: %s", ", ".join(config.rank_devices()), figures["probe_s"], path)
@@ -65,11 +75,16 @@ def machine_for(config: ParallelConfig, *, reprobe: bool = False, runner=None) -
 
 
 def machine_from_dict(figures: dict) -> Machine:
-    links = {name: Link(**figures[name]) for name in ("all_reduce", "all_to_all", "send_recv")}
+    links = {name: Link(**figures[name]) for name in LINK_KINDS}
+    groups = tuple((int(size), name, Link(**kinds[name]))
+                   for size, kinds in figures.get("group_links", {}).items() for name in LINK_KINDS)
     return Machine(matmul_flops=figures["matmul_flops"], attention_flops=figures["attention_flops"],
                    matmul_flops_alone=figures.get("matmul_flops_alone", figures["matmul_flops"]),
+                   matmul_flops_by_active=tuple(sorted((int(active), flops) for active, flops
+                                                       in figures.get("matmul_flops_by_active", {}).items())),
                    free_bytes=int(figures["free_bytes"]), element_bytes=int(figures["element_bytes"]),
-                   overlap=float(figures["overlap"]), **links)
+                   overlap=float(figures["overlap"]), group_links=groups,
+                   busy_latency_s=float(figures.get("busy_latency_s", 0.0)), **links)
 
 
 def probe_ranks(config: ParallelConfig) -> list[dict]:
@@ -95,11 +110,15 @@ def combine(config: ParallelConfig, ranks: list[dict]) -> dict:
         _name_slow_ranks(ranks, devices)
     slowest = {key: min(rank.get(key, rank["matmul_flops"]) for rank in ranks)
                for key in ("matmul_flops", "matmul_flops_alone", "attention_flops", "free_bytes")}
+    by_active = {active: min(rank["matmul_flops_by_active"][active] for rank in ranks)
+                 for active in ranks[0].get("matmul_flops_by_active", {})}
     memory = config.memory_budget_gb * 2**30 if config.memory_budget_gb else slowest["free_bytes"]
     return {"devices": devices, "world": config.world, "matmul_flops": slowest["matmul_flops"],
-            "matmul_flops_alone": slowest["matmul_flops_alone"],
+            "matmul_flops_alone": slowest["matmul_flops_alone"], "matmul_flops_by_active": by_active,
             "attention_flops": slowest["attention_flops"], "free_bytes": int(min(memory, slowest["free_bytes"])),
-            "element_bytes": 2 if cuda else 4, "overlap": 0.8 if cuda else 0.0, **ranks[0]["links"]}
+            "element_bytes": 2 if cuda else 4, "overlap": 0.8 if cuda else 0.0,
+            **ranks[0]["group_links"].get(str(config.world), _no_links()), "group_links": ranks[0]["group_links"],
+            "busy_latency_s": max(rank["busy_latency_s"] for rank in ranks)}
 
 
 def _name_slow_ranks(ranks: list[dict], devices: list[str]) -> None:
@@ -116,12 +135,10 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -132,38 +149,84 @@ def _write_rank_figures(rank: int, world: int, folder: str, cuda: bool) -> None:
 
 
 def measure_rank(world: int, device: torch.device) -> dict:
-    """This rank's matmul and attention speed with every rank busy, its free memory and (world > 1) the links;
-    every rank of the default process group calls it at once (a fresh probe world, or the pool's workers)."""
+    """This rank's matmul speed with 1, 2, ... ranks busy at once, its attention speed with every rank busy, its free
+    memory and (world > 1) the links; every rank of the default process group calls it at once (a fresh probe
+    world, or the pool's workers)."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    repeats = 20 if cuda else 5
     tokens, dim = MATMUL_SHAPE if not cuda else (MATMUL_SHAPE[0] * 8, MATMUL_SHAPE[1] * 4)
     a, b = torch.randn(tokens, dim, device=device, dtype=dtype), torch.randn(dim, dim, device=device, dtype=dtype)
+    window = SUSTAINED_S["cuda" if cuda else "cpu"]
     barrier = _barrier(world)
-    barrier()  # every rank computes at once: CPU ranks share the machine's cores and memory bandwidth
-    matmul_s = _timed(lambda: a @ b, device, repeats)
-    barrier()  # then each rank alone, the others waiting: what a rank gets when idle ranks leave it the cores
-    alone_s = _alone(lambda: _timed(lambda: a @ b, device, repeats), world, barrier)
+    by_active = {active: 2 * tokens * dim * dim / seconds
+                 for active, seconds in _by_active(lambda: _sustained(lambda: a @ b, device, window), world,
+                                                   barrier).items()}
     heads, length, head_dim = ATTENTION_SHAPE
     q = torch.randn(1, heads, length * (4 if cuda else 1), head_dim, device=device, dtype=dtype)
-    attention_s = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device, repeats)
-    return {"matmul_flops": 2 * tokens * dim * dim / matmul_s, "matmul_flops_alone": 2 * tokens * dim * dim / alone_s,
+    barrier()  # every rank computes at once
+    attention_s = _sustained(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device, window)
+    return {"matmul_flops": by_active[world], "matmul_flops_alone": by_active[1],
+            "matmul_flops_by_active": {str(active): flops for active, flops in by_active.items()},
             "attention_flops": 4 * q.shape[2] ** 2 * heads * head_dim / attention_s,
             "free_bytes": _free_bytes(device, world),
-            "links": _links(world, device, repeats) if world > 1 else _no_links()}
+            "group_links": _group_links(world, device, 20 if cuda else 9) if world > 1 else {},
+            "busy_latency_s": _busy_latency(lambda: a @ b, device) if world > 1 else 0.0}
 
 
-def _alone(measure, world: int, barrier) -> float:
-    """``measure()`` on each rank in turn while the others wait at a barrier."""
-    import torch.distributed as dist
+def _busy_latency(compute, device: torch.device) -> float:
+    """Seconds a small all-reduce of the whole world adds when every rank computes between calls, as in a step:
+    rounds of ``compute`` with and without the all-reduce after each call, interleaved. On ranks that share cores
+    a rank waits there until its partners have had their turn on one, which an idle probe never sees."""
+    small = torch.ones(PROBE_SIZES[0], device=device)
 
-    rank = dist.get_rank() if world > 1 else 0
-    result = 0.0
-    for turn in range(world):
-        if turn == rank:
-            result = measure()
+    def seconds_per_call(with_collective: bool) -> float:
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        for _ in range(BUSY_CALLS):
+            compute()
+            if with_collective:
+                torch.distributed.all_reduce(small)
+        _synchronize(device)
+        return (time.perf_counter() - start) / BUSY_CALLS
+
+    rounds = [(seconds_per_call(True), seconds_per_call(False)) for _ in range(2)]
+    return max(0.0, statistics.median(busy - plain for busy, plain in rounds))
+
+
+def _by_active(measure, world: int, barrier) -> dict[int, float]:
+    """``measure()`` with ``active`` ranks busy at once, for every ``active`` dividing ``world``: the ranks take
+    turns in groups of ``active`` while the others wait at a barrier (CPU ranks share the machine's cores and
+    memory bandwidth, so a rank computes slower the more ranks compute beside it)."""
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    results = {}
+    for active in (d for d in range(1, world + 1) if world % d == 0):
+        for turn in range(world // active):
+            barrier()
+            if rank // active == turn:
+                results[active] = measure()
         barrier()
-    return result
+    return results
+
+
+def _sustained(fn, device: torch.device, seconds: float) -> float:
+    """Seconds per call of ``fn`` run back to back for ``seconds`` after one warm-up call. A per-call median would
+    favour the calls a rank made while the ranks sharing its cores waited for theirs; over a window of many
+    scheduler slices every busy rank gets its share."""
+    fn()
+    _synchronize(device)
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return elapsed / calls
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _barrier(world: int):
@@ -175,30 +238,47 @@ def _barrier(world: int):
 
 
 def _no_links() -> dict:
-    return {name: {"latency_s": 0.0, "bytes_per_s": float("inf")} for name in ("all_reduce", "all_to_all", "send_recv")}
+    return {name: {"latency_s": 0.0, "bytes_per_s": float("inf")} for name in LINK_KINDS}
 
 
-def _links(world: int, device: torch.device, repeats: int) -> dict:
-    """Latency and bandwidth of each collective kind, from a small and a large message."""
+def _group_links(world: int, device: torch.device, repeats: int) -> dict[str, dict]:
+    """Each collective kind's price within groups of every size dividing ``world`` (consecutive ranks, every group
+    at once, as a layout's tp, Ulysses or ring groups run): a 2-rank all-reduce inside 4 ranks is not priced as
+    a 4-rank one."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    peer_next, peer_previous = (rank + 1) % world, (rank - 1) % world
+    rank, prices = dist.get_rank(), {}
+    for size in (d for d in range(2, world + 1) if world % d == 0):
+        groups = [dist.new_group(list(range(first, first + size))) if size < world else None
+                  for first in range(0, world, size)]  # every rank creates every group, in the same order
+        members = list(range(rank // size * size, rank // size * size + size))
+        prices[str(size)] = _links(members, groups[rank // size], device, repeats)
+    return prices
+
+
+def _links(members: list[int], group, device: torch.device, repeats: int) -> dict:
+    """Latency and bandwidth of each collective kind within ``group`` (its global ranks ``members``), from a small
+    and a large message."""
+    import torch.distributed as dist
+
+    size, position = len(members), members.index(dist.get_rank())
+    peer_next, peer_previous = members[(position + 1) % size], members[(position - 1) % size]
 
     def send_recv(tensor: torch.Tensor, into: torch.Tensor) -> None:
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer_next),
-                                           dist.P2POp(dist.irecv, into, peer_previous)])
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, peer_next, group),
+                                           dist.P2POp(dist.irecv, into, peer_previous, group)])
         for request in requests:
             request.wait()
 
-    kinds = {"all_reduce": (lambda t, _: dist.all_reduce(t), lambda n: 2 * (world - 1) * n // world),
-             "all_to_all": (lambda t, into: dist.all_to_all_single(into, t), lambda n: (world - 1) * n // world),
+    kinds = {"all_reduce": (lambda t, _: dist.all_reduce(t, group=group), lambda n: 2 * (size - 1) * n // size),
+             "all_to_all": (lambda t, into: dist.all_to_all_single(into, t, group=group),
+                            lambda n: (size - 1) * n // size),
              "send_recv": (send_recv, lambda n: n)}
     links = {}
     for name, (operation, moved) in kinds.items():
         seconds = []
         for elements in PROBE_SIZES:
-            tensor = torch.ones(elements * world, device=device)
+            tensor = torch.ones(elements * size, device=device)
             into = torch.empty_like(tensor)
             dist.barrier()
             seconds.append((moved(tensor.numel() * 4), _timed(lambda: operation(tensor, into), device, repeats)))

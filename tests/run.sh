@@ -47,11 +47,20 @@ if [ "${WANMESH_SKIP_INSTALL:-0}" != "1" ]; then
     "$PYTHON" tests/tools/prepare_comfyui.py
 fi
 
-if [ "$#" -eq 0 ]; then
-    set -- tests
-fi
 echo "== run the tests"
 # -ra lists every skip and failure in the final summary; a hung test fails after the timeout.
 # --confcutdir keeps pytest from importing the repository root (the pack's __init__.py) as a test
 # package, which fails when the checkout folder name is not a Python identifier.
-"$PYTHON" -m pytest -ra --timeout=600 --durations=40 --confcutdir=tests "$@"
+pytest_run() { "$PYTHON" -m pytest -ra --timeout=600 --durations=40 --confcutdir=tests "$@"; }
+
+if [ "$#" -gt 0 ]; then
+    pytest_run "$@"
+    exit
+fi
+# The unit and distributed suites run in two pytest processes side by side, each test file whole in one of them
+# (pytest-xdist): much of their time is worker processes importing torch and diffusers, which one core does alone.
+# The ComfyUI, browser and fault suites follow one file at a time: they time servers, signals and hang detection.
+status=0
+pytest_run -n 2 --dist loadfile tests/unit tests/distributed || status=$?
+pytest_run tests/comfyui tests/faults || status=$?
+exit "$status"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -151,8 +152,7 @@ def report(args, subset: list[Prediction], chosen: Prediction, timings: dict, ma
               "chosen_over_best": chosen_row["measured_s"] / best["measured_s"],
               "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
               "job": {"width": args.width, "height": args.height, "frames": args.frames, "steps": args.steps,
-                      "cfg": args.cfg, "world": args.world}, "machine": machine.__dict__ | {
-                          name: getattr(machine, name).__dict__ for name in ("all_reduce", "all_to_all", "send_recv")}}
+                      "cfg": args.cfg, "world": args.world}, "machine": dataclasses.asdict(machine)}
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -4,6 +4,7 @@ machines whose figures make the right answer known; the calibration's probe on t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -79,6 +80,43 @@ def test_ring_traffic_hides_behind_attention_as_far_as_the_device_overlaps():
     assert hidden < exposed
 
 
+def test_collectives_are_priced_at_their_group_size():
+    slow, fast = Link(1e-2, 1e6), Link(0.0, 1e15)
+    by_group = replace(machine(), group_links=((2, "all_reduce", slow), (4, "all_reduce", fast)))
+    all_slow = replace(machine(), all_reduce=slow)
+    all_fast = replace(machine(), all_reduce=fast)
+    # tp 2 beside CFG parallel in 4 ranks: its all-reduces (and the guidance exchange) run within pairs
+    tp2 = Layout(tp=2, cfg_parallel=True)
+    assert predict(tp2, 4, SMALL, JOB, by_group).step_s == predict(tp2, 4, SMALL, JOB, all_slow).step_s
+    assert predict(Layout(tp=4), 4, SMALL, JOB, by_group).step_s == predict(Layout(tp=4), 4, SMALL, JOB,
+                                                                            all_fast).step_s
+    assert by_group.link("all_to_all", 2) == by_group.all_to_all  # a kind without a group figure: the world's
+
+
+def test_collectives_between_busy_ranks_cost_at_least_the_busy_latency():
+    waits = replace(machine(latency_s=1e-4), busy_latency_s=0.05)
+    assert waits.link("all_to_all", 2, every_rank_busy=True).latency_s == 0.05
+    assert waits.link("all_to_all", 2).latency_s == 1e-4
+    # ulysses 2 beside CFG parallel keeps all 4 ranks busy: its 4 all-to-alls per block and the guidance exchange
+    busy = predict(Layout(ulysses=2, cfg_parallel=True), 4, SMALL, JOB, waits).communication_s
+    idle = predict(Layout(ulysses=2, cfg_parallel=True), 4, SMALL, JOB, machine(latency_s=1e-4)).communication_s
+    assert busy - idle == pytest.approx((4 * SMALL.layers + 1) * (0.05 - 1e-4), rel=1e-6)
+    # ulysses 2 beside data parallel with a batch of one: the other pair waits, so no call waits for a core
+    half = Layout(ulysses=2)
+    assert predict(half, 4, SMALL, JOB, waits).step_s == predict(half, 4, SMALL, JOB, machine(latency_s=1e-4)).step_s
+
+
+def test_ranks_that_share_cores_compute_as_fast_as_measured_with_that_many_busy():
+    measured = replace(machine(), matmul_flops_by_active=((1, 3e11), (2, 2e11), (4, 1e11)))
+    assert [measured.speed_up(4, active) for active in (1, 2, 4)] == [3.0, 2.0, 1.0]
+    assert replace(machine(), matmul_flops_alone=3e11).speed_up(4, 2) == 2.0  # without the table: the idle share
+    # CFG parallel beside data parallel keeps 2 of 4 ranks busy with a batch of one
+    two_busy = predict(Layout(cfg_parallel=True), 4, SMALL, JOB, measured)
+    as_if_faster = predict(Layout(cfg_parallel=True), 4, SMALL, JOB,
+                           replace(machine(), matmul_flops=2e11, attention_flops=2e11))
+    assert two_busy.compute_s == pytest.approx(as_if_faster.compute_s, rel=1e-9)
+
+
 def test_spearman_and_the_measured_subset():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -99,6 +137,9 @@ def test_the_probe_measures_two_gloo_ranks_and_caches_its_figures(tmp_path, monk
     assert cached["world"] == 2 and cached["probe_s"] < 20
     assert measured.matmul_flops > 0 and measured.all_reduce.bytes_per_s > 0 and measured.free_bytes > 0
     assert 0 < measured.all_reduce.latency_s < 1
+    assert set(cached["matmul_flops_by_active"]) == {"1", "2"} and set(cached["group_links"]) == {"2"}
+    assert measured.link("send_recv", 2) == measured.send_recv  # two ranks: the one group is the world
+    assert 0 <= measured.busy_latency_s < 1 and cached["version"] == calibration.PROBE_VERSION
     assert calibration.machine_for(config) == measured  # read back from the cache, not probed again
 
 
