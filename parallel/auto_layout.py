@@ -8,11 +8,10 @@ bandwidth`` with the latency and bandwidth measured for that collective within g
 (a tp 2 all-reduce in 4 ranks runs in pairs) on this machine's links:
 
 * tensor parallelism: per block three all-reduces of the block's activations and four small ones (q/k norm
-  statistics; the same count ``distributed/tensor_parallel.analytic_collectives`` gives and the tests check
-  against the counted traffic);
-* Ulysses: per block four all-to-alls (q, k, v in, the attention output back);
-* ring attention: per block ``ring - 1`` exchanges of the key/value block with the neighbours, hidden behind the
-  attention compute as far as the device overlaps them (NCCL streams do, gloo's CPU threads barely do);
+  statistics; the same count ``distributed/tensor_parallel.analytic_collectives`` gives);
+* Ulysses: per block two all-to-alls (q, k and v stacked in one, the attention output back);
+* ring attention: per block ``ring - 1`` exchanges of the stacked key/value block with the neighbours, hidden
+  behind the attention compute as far as the device overlaps them (NCCL streams do, gloo's CPU threads barely do);
 * CFG parallel: one exchange of the guidance prediction per step;
 * data parallel: nothing (with a batch of one the extra replicas wait, and share the VAE tiles).
 
@@ -133,16 +132,19 @@ class Machine:
     matmul_flops_alone: float | None = None  # a rank's speed while the others wait (None: as when all are busy)
     matmul_flops_by_active: tuple[tuple[int, float], ...] = ()  # (busy ranks, a rank's speed) as measured
     group_links: tuple[tuple[int, str, Link], ...] = ()  # (group size, kind, price) within groups of that size
-    busy_latency_s: float = 0.0  # what a collective call costs when every rank computes between calls
+    busy_latency_s: float = 0.0  # what a collective call of the whole world costs when every rank computes
+    busy_latencies: tuple[tuple[int, float], ...] = ()  # (group size, the same within groups of that size)
 
     def link(self, kind: str, size: int, *, every_rank_busy: bool = False) -> Link:
         """The price of collective ``kind`` within groups of ``size`` ranks (every group at once), as measured
         when the calibration has that size, else the whole world's. With every rank computing between calls a
-        call costs at least the busy latency: ranks that share cores wait for their partner's turn on one."""
+        call costs at least the busy latency of groups of that size: ranks that share cores wait for their
+        partners' turn on one, once per partner the call waits for."""
         link = next((link for group_size, name, link in self.group_links if (group_size, name) == (size, kind)),
                     getattr(self, kind))
-        if every_rank_busy and self.busy_latency_s > link.latency_s:
-            return Link(self.busy_latency_s, link.bytes_per_s)
+        busy = dict(self.busy_latencies).get(size, self.busy_latency_s)
+        if every_rank_busy and busy > link.latency_s:
+            return Link(busy, link.bytes_per_s)
         return link
 
     def speed_up(self, world: int, active: int) -> float:
@@ -246,6 +248,17 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
                       memory <= machine.free_bytes)
 
 
+TP_ALL_REDUCES_PER_BLOCK = 7  # three of the activations, four of the q/k norm statistics
+
+
+def block_calls(layout: Layout) -> dict[str, int]:
+    """Collective calls one rank makes per transformer block's forward, per kind, as ``CollectiveCounter`` counts
+    them (the tests check both against the counted calls): a ring exchange is one send and one receive at once."""
+    return {"all_reduce": TP_ALL_REDUCES_PER_BLOCK if layout.tp > 1 else 0,
+            "all_to_all": 2 if layout.ulysses > 1 else 0,
+            "send_recv": layout.ring - 1}
+
+
 def block_bytes(layout: Layout, local: int, text: int, dim: int, element: int) -> dict[str, float]:
     """Bytes one rank sends per transformer block's forward, per collective kind (CollectiveCounter's convention:
     a ring all-reduce sends 2 (n - 1) / n of the tensor; tensor parallelism as ``analytic_collectives``)."""
@@ -255,8 +268,8 @@ def block_bytes(layout: Layout, local: int, text: int, dim: int, element: int) -
         moved["all_reduce"] = share * (3 * local * dim * element + (3 * local + text) * 4)
     if layout.ulysses > 1:
         moved["all_to_all"] = 4 * (layout.ulysses - 1) / layout.ulysses * local * dim / layout.tp * element
-    if layout.ring > 1:
-        moved["send_recv"] = (layout.ring - 1) * 2 * local * dim / (layout.tp * layout.ulysses) * element
+    if layout.ring > 1:  # with Ulysses around it (USP) a rank holds ulysses x local tokens of 1 / ulysses of the heads
+        moved["send_recv"] = (layout.ring - 1) * 2 * local * dim / layout.tp * element
     return moved
 
 
@@ -264,17 +277,12 @@ def _block_communication(layout: Layout, local: int, text: int, dim: int, machin
                          attention_s: float, busy: bool) -> float:
     """Seconds one rank spends in the collectives of one transformer block's forward (``busy``: every rank of
     the world computes between them)."""
-    moved = block_bytes(layout, local, text, dim, machine.element_bytes)
-    seconds = 0.0
-    if layout.tp > 1:
-        seconds += machine.link("all_reduce", layout.tp, every_rank_busy=busy).seconds(7, moved["all_reduce"])
-    if layout.ulysses > 1:
-        seconds += machine.link("all_to_all", layout.ulysses, every_rank_busy=busy).seconds(4, moved["all_to_all"])
-    if layout.ring > 1:
-        ring = machine.link("send_recv", layout.ring, every_rank_busy=busy).seconds(2 * (layout.ring - 1),
-                                                                                  moved["send_recv"])
-        seconds += max(ring - machine.overlap * attention_s, (1 - machine.overlap) * ring)
-    return seconds
+    moved, calls = block_bytes(layout, local, text, dim, machine.element_bytes), block_calls(layout)
+    seconds = {kind: machine.link(kind, size, every_rank_busy=busy).seconds(calls[kind], moved[kind])
+               for kind, size in (("all_reduce", layout.tp), ("all_to_all", layout.ulysses),
+                                  ("send_recv", layout.ring)) if size > 1}
+    ring = seconds.pop("send_recv", 0.0)
+    return sum(seconds.values()) + max(ring - machine.overlap * attention_s, (1 - machine.overlap) * ring)
 
 
 def _guidance_exchange(layout: Layout, model: ModelCost, job: Job, machine: Machine, busy: bool) -> float:

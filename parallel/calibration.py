@@ -5,7 +5,8 @@ does (gloo on CPU ranks, each with its share of the cores; NCCL on GPUs), and me
 with 1, 2, ... of the ranks busy at once (CPU ranks share cores and memory bandwidth), attention throughput with
 every rank busy, and the latency and bandwidth of all-reduce, all-to-all and neighbour send/receive within groups
 of every size dividing the world, all groups at once, at two message sizes (latency from the small one, bandwidth
-from the difference). Speeds are timed over a sustained window, not per call, so ranks that share cores are timed
+from the difference), and per group size what a call costs when every rank computes between calls (the busy
+latency). Speeds are timed over a sustained window, not per call, so ranks that share cores are timed
 over many scheduler slices. The result is cached as JSON per machine, device set and world
 (``$WANMESH_CACHE/calibration/``, readable by users; a cache of an older probe is probed again); ``reprobe=True``
 (``--reprobe``) measures again. Ranks of different speeds (a mixed GPU set) are named in the log.
@@ -30,7 +31,7 @@ from .video_io import written_atomically
 
 log = logging.getLogger("wanmesh")
 PROBE_DEADLINE_S = 60.0
-PROBE_VERSION = 3  # what the cached figures hold; a cache written by another version is probed again
+PROBE_VERSION = 4  # what the cached figures hold; a cache written by another version is probed again
 PROBE_SIZES = (1 << 12, 1 << 20)  # float32 elements of the small and large messages
 MATMUL_SHAPE = (1024, 512)  # [tokens, dim] x [dim, dim], the shape of a small transformer block's projections
 ATTENTION_SHAPE = (4, 512, 64)  # heads, tokens, head dim
@@ -84,7 +85,10 @@ def machine_from_dict(figures: dict) -> Machine:
                                                        in figures.get("matmul_flops_by_active", {}).items())),
                    free_bytes=int(figures["free_bytes"]), element_bytes=int(figures["element_bytes"]),
                    overlap=float(figures["overlap"]), group_links=groups,
-                   busy_latency_s=float(figures.get("busy_latency_s", 0.0)), **links)
+                   busy_latency_s=float(figures.get("busy_latency_s", 0.0)),
+                   busy_latencies=tuple(sorted((int(size), float(seconds))
+                                               for size, seconds in figures.get("busy_latencies", {}).items())),
+                   **links)
 
 
 def probe_ranks(config: ParallelConfig) -> list[dict]:
@@ -113,12 +117,13 @@ def combine(config: ParallelConfig, ranks: list[dict]) -> dict:
     by_active = {active: min(rank["matmul_flops_by_active"][active] for rank in ranks)
                  for active in ranks[0].get("matmul_flops_by_active", {})}
     memory = config.memory_budget_gb * 2**30 if config.memory_budget_gb else slowest["free_bytes"]
+    busy = {size: max(rank["busy_latencies"][size] for rank in ranks) for size in ranks[0]["busy_latencies"]}
     return {"devices": devices, "world": config.world, "matmul_flops": slowest["matmul_flops"],
             "matmul_flops_alone": slowest["matmul_flops_alone"], "matmul_flops_by_active": by_active,
             "attention_flops": slowest["attention_flops"], "free_bytes": int(min(memory, slowest["free_bytes"])),
             "element_bytes": 2 if cuda else 4, "overlap": 0.8 if cuda else 0.0,
             **ranks[0]["group_links"].get(str(config.world), _no_links()), "group_links": ranks[0]["group_links"],
-            "busy_latency_s": max(rank["busy_latency_s"] for rank in ranks)}
+            "busy_latency_s": busy.get(str(config.world), 0.0), "busy_latencies": busy}
 
 
 def _name_slow_ranks(ranks: list[dict], devices: list[str]) -> None:
@@ -165,16 +170,16 @@ def measure_rank(world: int, device: torch.device) -> dict:
     q = torch.randn(1, heads, length * (4 if cuda else 1), head_dim, device=device, dtype=dtype)
     barrier()  # every rank computes at once
     attention_s = _sustained(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device, window)
+    links, busy = _group_links(world, device, 20 if cuda else 9, lambda: a @ b) if world > 1 else ({}, {})
     return {"matmul_flops": by_active[world], "matmul_flops_alone": by_active[1],
             "matmul_flops_by_active": {str(active): flops for active, flops in by_active.items()},
             "attention_flops": 4 * q.shape[2] ** 2 * heads * head_dim / attention_s,
             "free_bytes": _free_bytes(device, world),
-            "group_links": _group_links(world, device, 20 if cuda else 9) if world > 1 else {},
-            "busy_latency_s": _busy_latency(lambda: a @ b, device) if world > 1 else 0.0}
+            "group_links": links, "busy_latencies": busy}
 
 
-def _busy_latency(compute, device: torch.device) -> float:
-    """Seconds a small all-reduce of the whole world adds when every rank computes between calls, as in a step:
+def _busy_latency(compute, device: torch.device, group) -> float:
+    """Seconds a small all-reduce within ``group`` adds when every rank computes between calls, as in a step:
     rounds of ``compute`` with and without the all-reduce after each call, interleaved. On ranks that share cores
     a rank waits there until its partners have had their turn on one, which an idle probe never sees."""
     small = torch.ones(PROBE_SIZES[0], device=device)
@@ -185,7 +190,7 @@ def _busy_latency(compute, device: torch.device) -> float:
         for _ in range(BUSY_CALLS):
             compute()
             if with_collective:
-                torch.distributed.all_reduce(small)
+                torch.distributed.all_reduce(small, group=group)
         _synchronize(device)
         return (time.perf_counter() - start) / BUSY_CALLS
 
@@ -241,19 +246,20 @@ def _no_links() -> dict:
     return {name: {"latency_s": 0.0, "bytes_per_s": float("inf")} for name in LINK_KINDS}
 
 
-def _group_links(world: int, device: torch.device, repeats: int) -> dict[str, dict]:
+def _group_links(world: int, device: torch.device, repeats: int, compute) -> tuple[dict[str, dict], dict[str, float]]:
     """Each collective kind's price within groups of every size dividing ``world`` (consecutive ranks, every group
     at once, as a layout's tp, Ulysses or ring groups run): a 2-rank all-reduce inside 4 ranks is not priced as
-    a 4-rank one."""
+    a 4-rank one; and the busy latency within groups of each size (``_busy_latency``)."""
     import torch.distributed as dist
 
-    rank, prices = dist.get_rank(), {}
+    rank, prices, busy = dist.get_rank(), {}, {}
     for size in (d for d in range(2, world + 1) if world % d == 0):
         groups = [dist.new_group(list(range(first, first + size))) if size < world else None
                   for first in range(0, world, size)]  # every rank creates every group, in the same order
         members = list(range(rank // size * size, rank // size * size + size))
         prices[str(size)] = _links(members, groups[rank // size], device, repeats)
-    return prices
+        busy[str(size)] = _busy_latency(compute, device, groups[rank // size])
+    return prices, busy
 
 
 def _links(members: list[int], group, device: torch.device, repeats: int) -> dict:

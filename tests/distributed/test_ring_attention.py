@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from wanmesh.parallel.auto_layout import Layout, block_calls
+from wanmesh.parallel.auto_layout import block_bytes as model_block_bytes
 from wanmesh.parallel.distributed.attention import ring_attention, ulysses_attention
 from wanmesh.parallel.bench.attention import METHODS, _bench_point
 from wanmesh.parallel.distributed.collectives import CollectiveCounter
@@ -95,7 +97,7 @@ def check_world_2(rank: int, world: int) -> None:
 
 
 def _check_traffic(rank: int, world: int) -> None:
-    """Bytes on the wire per rank against the analytic count."""
+    """Calls and bytes on the wire per rank against the analytic count and the auto layout's cost model."""
     local_len, element = 3, 4
     block_bytes = BATCH * local_len * HEADS * HEAD_DIM * element
     q, k, v = (torch.randn(BATCH, local_len, HEADS, HEAD_DIM) for _ in range(3))
@@ -104,10 +106,20 @@ def _check_traffic(rank: int, world: int) -> None:
     assert counter.calls["isend"] == world - 1 and counter.calls["irecv"] == world - 1, counter.as_dict()
     assert counter.sent["isend"] == (world - 1) * 2 * block_bytes, counter.as_dict()
     assert counter.received["irecv"] == (world - 1) * 2 * block_bytes, counter.as_dict()
+    _check_cost_model_counts(Layout(ring=world), counter, local_len, element)
     with CollectiveCounter() as counter:
         ulysses_attention(q, k, v, None)
     assert counter.calls["all_to_all_single"] == 2, counter.as_dict()
     assert counter.sent["all_to_all_single"] == 4 * block_bytes * (world - 1) // world, counter.as_dict()
+    _check_cost_model_counts(Layout(ulysses=world), counter, local_len, element)
+
+
+def _check_cost_model_counts(layout: Layout, counter: CollectiveCounter, local_len: int, element: int) -> None:
+    """The auto layout prices one attention's collectives (``block_calls``, ``block_bytes``) as counted."""
+    calls, moved = block_calls(layout), model_block_bytes(layout, BATCH * local_len, 0, HEADS * HEAD_DIM, element)
+    counted = {"all_to_all": ("all_to_all_single", "all_to_all_single"), "send_recv": ("isend", "isend")}
+    for kind, (call_op, byte_op) in counted.items():
+        assert (calls[kind], moved[kind]) == (counter.calls[call_op], counter.sent[byte_op]), (kind, counter.as_dict())
 
 
 def _check_bench_point(world: int) -> None:
@@ -147,6 +159,10 @@ def check_world_4(rank: int, world: int) -> None:
             _compare(f"ring4 L={valid_len} {dtype}", out, reference, rank, world, valid_len)
             out = ulysses_attention(*local, None, valid_kv_len=valid_len)
             _compare(f"ulysses4 L={valid_len} {dtype}", out, reference, rank, world, valid_len)
+    q, k, v = (torch.randn(BATCH, 3, HEADS, HEAD_DIM) for _ in range(3))
+    with CollectiveCounter() as counter:
+        ulysses_attention(q, k, v, ulysses_group, inner=ring_group)
+    _check_cost_model_counts(Layout(ulysses=ulysses_degree, ring=ring_degree), counter, 3, 4)
 
 
 # ------------------------------------------------------------------ tests

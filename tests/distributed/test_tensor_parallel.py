@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from checks import assert_same_state
+from wanmesh.parallel.auto_layout import Layout, block_calls
 from wanmesh.parallel.distributed.collectives import CollectiveCounter
 from wanmesh.parallel.models.wan import load_transformer
 from wanmesh.parallel.protocol import SampleRequest
@@ -91,13 +92,15 @@ def _check_traffic(label: str, sharded: torch.nn.Module, vace: bool, tp: int) ->
     with CollectiveCounter() as counter:
         sharded(**_forward_inputs(sharded, vace))
     config = sharded.config
+    blocks = config.num_layers + len(getattr(config, "vace_layers", None) or ())
     expected = analytic_collectives(
-        num_blocks=config.num_layers + len(getattr(config, "vace_layers", None) or ()), batch=1,
+        num_blocks=blocks, batch=1,
         video_tokens=LATENT_SHAPE[2] * LATENT_SHAPE[3] * LATENT_SHAPE[4] // 4, text_tokens=512,
         dim=config.num_attention_heads * config.attention_head_dim, tp=tp, activation_bytes=4,
     )
     assert set(counter.calls) == {"all_reduce"}, f"{label}: unexpected collectives {counter.as_dict()}"
     assert counter.calls["all_reduce"] == expected["calls"], f"{label}: {counter.as_dict()} vs {expected}"
+    assert counter.calls["all_reduce"] == blocks * block_calls(Layout(tp=tp))["all_reduce"]  # the auto layout's price
     assert counter.sent["all_reduce"] == expected["sent_bytes"], f"{label}: {counter.as_dict()} vs {expected}"
 
 

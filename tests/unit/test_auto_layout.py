@@ -97,10 +97,15 @@ def test_collectives_between_busy_ranks_cost_at_least_the_busy_latency():
     waits = replace(machine(latency_s=1e-4), busy_latency_s=0.05)
     assert waits.link("all_to_all", 2, every_rank_busy=True).latency_s == 0.05
     assert waits.link("all_to_all", 2).latency_s == 1e-4
-    # ulysses 2 beside CFG parallel keeps all 4 ranks busy: its 4 all-to-alls per block and the guidance exchange
+    # ulysses 2 beside CFG parallel keeps all 4 ranks busy: its 2 all-to-alls per block and the guidance exchange
     busy = predict(Layout(ulysses=2, cfg_parallel=True), 4, SMALL, JOB, waits).communication_s
     idle = predict(Layout(ulysses=2, cfg_parallel=True), 4, SMALL, JOB, machine(latency_s=1e-4)).communication_s
-    assert busy - idle == pytest.approx((4 * SMALL.layers + 1) * (0.05 - 1e-4), rel=1e-6)
+    assert busy - idle == pytest.approx((2 * SMALL.layers + 1) * (0.05 - 1e-4), rel=1e-6)
+    # pairs inside 4 ranks wait for one partner: their own busy latency when measured, else the whole world's
+    by_size = replace(waits, busy_latencies=((2, 0.02), (4, 0.05)))
+    assert [by_size.link("all_reduce", size, every_rank_busy=True).latency_s for size in (2, 4)] == [0.02, 0.05]
+    pairs = predict(Layout(ulysses=2, cfg_parallel=True), 4, SMALL, JOB, by_size).communication_s
+    assert pairs - idle == pytest.approx((2 * SMALL.layers + 1) * (0.02 - 1e-4), rel=1e-6)
     # ulysses 2 beside data parallel with a batch of one: the other pair waits, so no call waits for a core
     half = Layout(ulysses=2)
     assert predict(half, 4, SMALL, JOB, waits).step_s == predict(half, 4, SMALL, JOB, machine(latency_s=1e-4)).step_s
@@ -140,6 +145,7 @@ def test_the_probe_measures_two_gloo_ranks_and_caches_its_figures(tmp_path, monk
     assert set(cached["matmul_flops_by_active"]) == {"1", "2"} and set(cached["group_links"]) == {"2"}
     assert measured.link("send_recv", 2) == measured.send_recv  # two ranks: the one group is the world
     assert 0 <= measured.busy_latency_s < 1 and cached["version"] == calibration.PROBE_VERSION
+    assert measured.busy_latencies == ((2, measured.busy_latency_s),)  # two ranks: the one group is the world
     assert calibration.machine_for(config) == measured  # read back from the cache, not probed again
 
 
