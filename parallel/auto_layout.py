@@ -138,8 +138,8 @@ class Machine:
     def link(self, kind: str, size: int, *, every_rank_busy: bool = False) -> Link:
         """The price of collective ``kind`` within groups of ``size`` ranks (every group at once), as measured
         when the calibration has that size, else the whole world's. With every rank computing between calls a
-        call costs at least the busy latency of groups of that size: ranks that share cores wait for their
-        partners' turn on one, once per partner the call waits for."""
+        call costs at least the busy latency measured within groups of that size: ranks that share cores wait
+        for their partners' turn on one."""
         link = next((link for group_size, name, link in self.group_links if (group_size, name) == (size, kind)),
                     getattr(self, kind))
         busy = dict(self.busy_latencies).get(size, self.busy_latency_s)

@@ -256,9 +256,11 @@ def _group_links(world: int, device: torch.device, repeats: int, compute) -> tup
     for size in (d for d in range(2, world + 1) if world % d == 0):
         groups = [dist.new_group(list(range(first, first + size))) if size < world else None
                   for first in range(0, world, size)]  # every rank creates every group, in the same order
-        members = list(range(rank // size * size, rank // size * size + size))
-        prices[str(size)] = _links(members, groups[rank // size], device, repeats)
-        busy[str(size)] = _busy_latency(compute, device, groups[rank // size])
+        members, group = list(range(rank // size * size, rank // size * size + size)), groups[rank // size]
+        prices[str(size)] = _links(members, group, device, repeats)
+        busy[str(size)] = _busy_latency(compute, device, group)
+        if group is not None:  # a pool's workers calibrate too: their own groups stay as they were
+            dist.destroy_process_group(group)
     return prices, busy
 
 

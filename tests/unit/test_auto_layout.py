@@ -149,6 +149,18 @@ def test_the_probe_measures_two_gloo_ranks_and_caches_its_figures(tmp_path, monk
     assert calibration.machine_for(config) == measured  # read back from the cache, not probed again
 
 
+def test_the_probe_of_four_ranks_prices_pairs_and_the_whole_world(tmp_path, monkeypatch):
+    from wanmesh.parallel import calibration
+
+    monkeypatch.setenv("WANMESH_CACHE", str(tmp_path))
+    measured = calibration.machine_for(ParallelConfig(world=4, devices="cpu"))
+    assert [size for size, _ in measured.busy_latencies] == [2, 4]
+    assert dict(measured.busy_latencies)[4] == measured.busy_latency_s
+    assert {(size, kind) for size, kind, _ in measured.group_links} == {
+        (size, kind) for size in (2, 4) for kind in ("all_reduce", "all_to_all", "send_recv")}
+    assert [active for active, _ in measured.matmul_flops_by_active] == [1, 2, 4]
+
+
 @pytest.mark.parametrize("kind, context_tokens, latent_channels, tokens", [
     ("model", 512, 16, 1280),  # T2V: 17 frames at 256x256 through the 8x VAE and 2x2 patches: 5 x 16 x 16
     ("i2v", 512 + 257, 16, 1280),  # Wan 2.1 I2V: the cross-attention also reads one image's CLIP vision tokens
