@@ -134,6 +134,8 @@ class Machine:
     group_links: tuple[tuple[int, str, Link], ...] = ()  # (group size, kind, price) within groups of that size
     busy_latency_s: float = 0.0  # what a collective call of the whole world costs when every rank computes
     busy_latencies: tuple[tuple[int, float], ...] = ()  # (group size, the same within groups of that size)
+    cpu_cores: int = 0  # the cores CPU ranks share (0: every rank has a device of its own)
+    rank_threads: int = 1  # the threads each CPU rank computes with
 
     def link(self, kind: str, size: int, *, every_rank_busy: bool = False) -> Link:
         """The price of collective ``kind`` within groups of ``size`` ranks (every group at once), as measured
@@ -150,12 +152,26 @@ class Machine:
     def speed_up(self, world: int, active: int) -> float:
         """How much faster ``active`` busy ranks of ``world`` compute than when all are busy: ranks that share
         cores (CPU ranks outnumbering them) get the idle ranks' share. As measured with that many ranks busy when
-        the calibration has it, else up to a rank's speed alone; one device per rank gains nothing."""
+        the calibration has it, else up to a rank's speed alone; never more than the cores allow
+        (``core_share_gain``); one device per rank gains nothing."""
         measured = dict(self.matmul_flops_by_active)
         if active in measured:
-            return max(1.0, measured[active] / self.matmul_flops)
-        alone = (self.matmul_flops_alone or self.matmul_flops) / self.matmul_flops
-        return max(1.0, min(alone, world / max(active, 1)))
+            gain = measured[active] / self.matmul_flops
+        else:
+            gain = min((self.matmul_flops_alone or self.matmul_flops) / self.matmul_flops, world / max(active, 1))
+        return max(1.0, min(gain, self.core_share_gain(world, active)))
+
+    def core_share_gain(self, world: int, active: int) -> float:
+        """How many more cores each of ``active`` busy CPU ranks can use than when all ``world`` are busy: none
+        while the busy ranks' threads do not outnumber the cores. A probe that measures more (a short turbo, a
+        neighbour's load on a shared machine) measured noise; ranks on devices of their own are not bounded."""
+        if not self.cpu_cores:
+            return math.inf
+
+        def cores_per_thread(busy: int) -> float:
+            return min(1.0, self.cpu_cores / (busy * self.rank_threads))
+
+        return cores_per_thread(active) / cores_per_thread(world)
 
 
 @dataclass(frozen=True)

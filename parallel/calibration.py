@@ -31,7 +31,7 @@ from .video_io import written_atomically
 
 log = logging.getLogger("wanmesh")
 PROBE_DEADLINE_S = 60.0
-PROBE_VERSION = 4  # what the cached figures hold; a cache written by another version is probed again
+PROBE_VERSION = 5  # what the cached figures hold; a cache written by another version is probed again
 PROBE_SIZES = (1 << 12, 1 << 20)  # float32 elements of the small and large messages
 MATMUL_SHAPE = (1024, 512)  # [tokens, dim] x [dim, dim], the shape of a small transformer block's projections
 ATTENTION_SHAPE = (4, 512, 64)  # heads, tokens, head dim
@@ -88,6 +88,7 @@ def machine_from_dict(figures: dict) -> Machine:
                    busy_latency_s=float(figures.get("busy_latency_s", 0.0)),
                    busy_latencies=tuple(sorted((int(size), float(seconds))
                                                for size, seconds in figures.get("busy_latencies", {}).items())),
+                   cpu_cores=int(figures.get("cpu_cores", 0)), rank_threads=int(figures.get("rank_threads", 1)),
                    **links)
 
 
@@ -123,7 +124,8 @@ def combine(config: ParallelConfig, ranks: list[dict]) -> dict:
             "attention_flops": slowest["attention_flops"], "free_bytes": int(min(memory, slowest["free_bytes"])),
             "element_bytes": 2 if cuda else 4, "overlap": 0.8 if cuda else 0.0,
             **ranks[0]["group_links"].get(str(config.world), _no_links()), "group_links": ranks[0]["group_links"],
-            "busy_latency_s": busy.get(str(config.world), 0.0), "busy_latencies": busy}
+            "busy_latency_s": busy.get(str(config.world), 0.0), "busy_latencies": busy,
+            "cpu_cores": 0 if cuda else ranks[0]["cpu_cores"], "rank_threads": ranks[0]["threads"]}
 
 
 def _name_slow_ranks(ranks: list[dict], devices: list[str]) -> None:
@@ -175,7 +177,8 @@ def measure_rank(world: int, device: torch.device) -> dict:
             "matmul_flops_by_active": {str(active): flops for active, flops in by_active.items()},
             "attention_flops": 4 * q.shape[2] ** 2 * heads * head_dim / attention_s,
             "free_bytes": _free_bytes(device, world),
-            "group_links": links, "busy_latencies": busy}
+            "group_links": links, "busy_latencies": busy, "cpu_cores": os.cpu_count() or 1,
+            "threads": torch.get_num_threads()}
 
 
 def _busy_latency(compute, device: torch.device, group) -> float:

@@ -4,6 +4,7 @@ machines whose figures make the right answer known; the calibration's probe on t
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -122,6 +123,20 @@ def test_ranks_that_share_cores_compute_as_fast_as_measured_with_that_many_busy(
     assert two_busy.compute_s == pytest.approx(as_if_faster.compute_s, rel=1e-9)
 
 
+def test_idle_ranks_give_no_more_speed_than_the_cores_allow():
+    # two one-thread ranks on two cores never share one: a lone rank measured faster measured noise
+    two = replace(machine(), matmul_flops=1e11, matmul_flops_by_active=((1, 1.8e11), (2, 1e11)), cpu_cores=2)
+    assert two.speed_up(2, 1) == 1.0
+    data_parallel = predict(Layout(), 2, SMALL, JOB, two)  # with a batch of one the second rank waits
+    cfg_parallel = predict(Layout(cfg_parallel=True), 2, SMALL, JOB, two)
+    assert data_parallel.compute_s == pytest.approx(2 * cfg_parallel.compute_s, rel=1e-9)
+    # four on two cores share them in pairs: half of them busy get at most twice as much each
+    four = replace(machine(), matmul_flops_by_active=((1, 3e11), (2, 2.5e11), (4, 1e11)), cpu_cores=2)
+    assert [four.speed_up(4, active) for active in (1, 2, 4)] == [2.0, 2.0, 1.0]
+    eight = replace(four, matmul_flops_by_active=((2, 2.5e11), (8, 1e11)))
+    assert eight.speed_up(8, 2) == 2.5  # eight on two cores: as measured, within the 4x the cores allow
+
+
 def test_spearman_and_the_measured_subset():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -146,6 +161,7 @@ def test_the_probe_measures_two_gloo_ranks_and_caches_its_figures(tmp_path, monk
     assert measured.link("send_recv", 2) == measured.send_recv  # two ranks: the one group is the world
     assert 0 <= measured.busy_latency_s < 1 and cached["version"] == calibration.PROBE_VERSION
     assert measured.busy_latencies == ((2, measured.busy_latency_s),)  # two ranks: the one group is the world
+    assert (measured.cpu_cores, measured.rank_threads) == (os.cpu_count(), max(1, os.cpu_count() // 2))
     assert calibration.machine_for(config) == measured  # read back from the cache, not probed again
 
 
