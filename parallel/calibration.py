@@ -6,10 +6,10 @@ with 1, 2, ... of the ranks busy at once (CPU ranks share cores and memory bandw
 every rank busy, and the latency and bandwidth of all-reduce, all-to-all and neighbour send/receive within groups
 of every size dividing the world, all groups at once, at two message sizes (latency from the small one, bandwidth
 from the difference), per group size what a call costs when every rank computes between calls (the busy
-latency), and the cores and threads CPU ranks compute with (what idle ranks can give the busy ones). Speeds are timed over a sustained window, not per call, so ranks that share cores are timed
-over many scheduler slices. The result is cached as JSON per machine, device set and world
-(``$WANMESH_CACHE/calibration/``, readable by users; a cache of an older probe is probed again); ``reprobe=True``
-(``--reprobe``) measures again. Ranks of different speeds (a mixed GPU set) are named in the log.
+latency), and the cores and threads CPU ranks compute with (what idle ranks can give the busy ones). Speeds are
+timed over a sustained window, not per call, so ranks that share cores are timed over many scheduler slices.
+The result is cached as JSON per machine, device set and world (``$WANMESH_CACHE/calibration/``, readable by
+users; a cache of an older probe is probed again); ``reprobe=True`` (``--reprobe``) measures again. Ranks of different speeds (a mixed GPU set) are named in the log.
 """
 
 from __future__ import annotations

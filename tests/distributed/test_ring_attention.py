@@ -117,9 +117,8 @@ def _check_traffic(rank: int, world: int) -> None:
 def _check_cost_model_counts(layout: Layout, counter: CollectiveCounter, local_len: int, element: int) -> None:
     """The auto layout prices one attention's collectives (``block_calls``, ``block_bytes``) as counted."""
     calls, moved = block_calls(layout), model_block_bytes(layout, BATCH * local_len, 0, HEADS * HEAD_DIM, element)
-    counted = {"all_to_all": ("all_to_all_single", "all_to_all_single"), "send_recv": ("isend", "isend")}
-    for kind, (call_op, byte_op) in counted.items():
-        assert (calls[kind], moved[kind]) == (counter.calls[call_op], counter.sent[byte_op]), (kind, counter.as_dict())
+    for kind, op in {"all_to_all": "all_to_all_single", "send_recv": "isend"}.items():
+        assert (calls[kind], moved[kind]) == (counter.calls[op], counter.sent[op]), (kind, counter.as_dict())
 
 
 def _check_bench_point(world: int) -> None:
