@@ -9,7 +9,8 @@ from the difference), per group size what a call costs when every rank computes 
 latency), and the cores and threads CPU ranks compute with (what idle ranks can give the busy ones). Speeds are
 timed over a sustained window, not per call, so ranks that share cores are timed over many scheduler slices.
 The result is cached as JSON per machine, device set and world (``$WANMESH_CACHE/calibration/``, readable by
-users; a cache of an older probe is probed again); ``reprobe=True`` (``--reprobe``) measures again. Ranks of different speeds (a mixed GPU set) are named in the log.
+users; a cache of an older probe is probed again); ``reprobe=True`` (``--reprobe``) measures again. Ranks of
+different speeds (a mixed GPU set) are named in the log.
 """
 
 from __future__ import annotations
