@@ -147,6 +147,19 @@ def test_spearman_and_the_measured_subset():
     assert measured_subset(ranked[:3], 6) == ranked[:3]
 
 
+def test_each_speed_is_the_fastest_of_interleaved_rounds():
+    """A slow spell on a shared machine slows one round's reading; the fastest round counts, and each round
+    measures every setting, so the spell cannot fall on one setting only."""
+    from wanmesh.parallel import calibration
+
+    calls, matmul, attention = [], iter([3.0, 1.0, 2.0]), iter([5.0, 6.0, 4.0])
+    by_active, attention_s = calibration._fastest_of_rounds(
+        lambda: calls.append("matmul") or next(matmul), lambda: calls.append("attention") or next(attention),
+        world=1, barrier=lambda: None)
+    assert (by_active, attention_s) == ({1: 1.0}, 4.0)
+    assert calls == ["matmul", "attention"] * calibration.SPEED_ROUNDS
+
+
 def test_the_probe_measures_two_gloo_ranks_and_caches_its_figures(tmp_path, monkeypatch):
     from wanmesh.parallel import calibration
 
