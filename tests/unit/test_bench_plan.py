@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -51,3 +52,22 @@ def test_bench_plan_measures_one_pool_at_a_time_when_the_pools_do_not_fit_togeth
     result = json.loads((tmp_path / "plan.json").read_text())
     assert len(result["layouts"]) == 2 and result["chosen"] == result["layouts"][0]["layout"]
     assert all(0 < row["min_s"] <= row["measured_s"] <= row["max_s"] for row in result["layouts"])
+
+
+def test_pools_stay_up_together_only_while_each_rank_has_cores_of_its_own():
+    """``--pools auto``: four one-thread CPU ranks on two cores are measured one pool at a time (idle pools' threads
+    would share the measured ranks' time slices); two ranks, or ranks on GPUs (no cores recorded), stay together;
+    pools that do not fit in memory never do."""
+    from wanmesh.parallel.auto_layout import Layout, Link, Machine, Prediction
+    from wanmesh.parallel.bench.plan import together_by_default
+    from wanmesh.parallel.config import ParallelConfig
+
+    link = Link(1e-4, 1e9)
+    machine = Machine(matmul_flops=1e11, attention_flops=1e11, all_reduce=link, all_to_all=link, send_recv=link,
+                      free_bytes=2**34, cpu_cores=2, rank_threads=1)
+    subset = [Prediction(Layout(ulysses=2), 1.0, 1.0, 0.0, memory_bytes=2**20, fits=True)] * 4
+    assert together_by_default(subset, machine, ParallelConfig(world=2, devices="cpu"))
+    assert not together_by_default(subset, machine, ParallelConfig(world=4, devices="cpu"))
+    gpus = replace(machine, cpu_cores=0)
+    assert together_by_default(subset, gpus, ParallelConfig(world=4, devices="cpu"))
+    assert not together_by_default(subset, replace(gpus, free_bytes=2**20), ParallelConfig(world=4, devices="cpu"))
