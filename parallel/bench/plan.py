@@ -7,11 +7,10 @@ interleaved rounds, each sampling ``--steps`` steps with the same latent, prompt
 measured layout fit in memory at once they stay up for the whole run; else (``--pools in-turn``, the default for
 larger models: on GPUs two pools of a real model never fit beside each other; and where CPU ranks outnumber the
 cores, since idle pools then disturb the measured one) each round starts every layout's pool in turn, warms it up,
-times it and stops it, so one pool at a time holds the weights. The table prints the
-predicted and measured seconds per step (median, fastest..slowest), the Spearman rank correlation of the two, the
-layout ``auto`` chose and how far its measured time is from the best measured one. ``--json`` writes ``layouts``
-(``layout``, ``predicted_s``, ``measured_s``, spread, degrees) and ``chosen``; ``--plot`` draws predicted
-against measured.
+times it and stops it, so one pool at a time holds the weights. The table prints the predicted and measured
+seconds per step (median, fastest..slowest), the Spearman rank correlation of the two, the layout ``auto`` chose
+and how far its measured time is from the best measured one. ``--json`` writes ``layouts`` (``layout``,
+``predicted_s``, ``measured_s``, spread, degrees) and ``chosen``; ``--plot`` draws predicted against measured.
 """
 
 from __future__ import annotations
@@ -124,9 +123,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def together_by_default(subset: list[Prediction], machine, config: ParallelConfig) -> bool:
     """``--pools auto``: together when the pools fit beside each other and each rank has cores of its own. Where
-    CPU ranks outnumber the cores, the idle pools' threads (heartbeats, watchers; under 1% of a core each) break
-    into the time slices the measured ranks share: the tiny model at 512x320 on four ranks and two cores measured
-    0.76 s a step for cfg_parallel with the other seven pools up, 0.52 s with its pool alone."""
+    CPU ranks outnumber the cores, idle pools slow the measured one down, and unevenly across layouts: the tiny
+    model at 512x320 on four ranks and two cores measured 0.76 s a step for cfg_parallel with the other seven pools
+    up, 0.52 s with its pool alone (an idle pool's workers use under 1% of a core each)."""
     oversubscribed = machine.cpu_cores and config.world * machine.rank_threads > machine.cpu_cores
     return pools_fit_together(subset, machine) and not oversubscribed
 
