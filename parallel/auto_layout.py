@@ -161,6 +161,10 @@ class Machine:
             gain = min((self.matmul_flops_alone or self.matmul_flops) / self.matmul_flops, world / max(active, 1))
         return max(1.0, min(gain, self.core_share_gain(world, active)))
 
+    def ranks_share_cores(self, busy: int) -> bool:
+        """Whether ``busy`` CPU ranks' threads outnumber the cores (never for ranks on devices of their own)."""
+        return bool(self.cpu_cores) and busy * self.rank_threads > self.cpu_cores
+
     def core_share_gain(self, world: int, active: int) -> float:
         """How many more cores each of ``active`` busy CPU ranks can use than when all ``world`` are busy: none
         while the busy ranks' threads do not outnumber the cores. A probe that measures more (a short turbo, a

@@ -126,8 +126,7 @@ def together_by_default(subset: list[Prediction], machine, config: ParallelConfi
     CPU ranks outnumber the cores, idle pools slow the measured one down, and unevenly across layouts: the tiny
     model at 512x320 on four ranks and two cores measured 0.76 s a step for cfg_parallel with the other seven pools
     up, 0.52 s with its pool alone (an idle pool's workers use under 1% of a core each)."""
-    oversubscribed = machine.cpu_cores and config.world * machine.rank_threads > machine.cpu_cores
-    return pools_fit_together(subset, machine) and not oversubscribed
+    return pools_fit_together(subset, machine) and not machine.ranks_share_cores(config.world)
 
 
 def pools_fit_together(subset: list[Prediction], machine) -> bool:

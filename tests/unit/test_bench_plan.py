@@ -55,9 +55,9 @@ def test_bench_plan_measures_one_pool_at_a_time_when_the_pools_do_not_fit_togeth
 
 
 def test_pools_stay_up_together_only_while_each_rank_has_cores_of_its_own():
-    """``--pools auto``: four one-thread CPU ranks on two cores are measured one pool at a time (idle pools' threads
-    would share the measured ranks' time slices); two ranks, or ranks on GPUs (no cores recorded), stay together;
-    pools that do not fit in memory never do."""
+    """``--pools auto``: four one-thread CPU ranks on two cores are measured one pool at a time (idle pools slowed
+    the measured one there); two ranks, or ranks on GPUs (no cores recorded), stay together; pools that do not fit
+    in memory never do."""
     from wanmesh.parallel.auto_layout import Layout, Link, Machine, Prediction
     from wanmesh.parallel.bench.plan import together_by_default
     from wanmesh.parallel.config import ParallelConfig
