@@ -152,14 +152,29 @@ class Machine:
     def speed_up(self, world: int, active: int) -> float:
         """How much faster ``active`` busy ranks of ``world`` compute than when all are busy: ranks that share
         cores (CPU ranks outnumbering them) get the idle ranks' share. As measured with that many ranks busy when
-        the calibration has it, else up to a rank's speed alone; never more than the cores allow
+        the calibration has it (``speeds_by_active``), else up to a rank's speed alone; never more than the cores allow
         (``core_share_gain``); one device per rank gains nothing."""
-        measured = dict(self.matmul_flops_by_active)
+        measured = self.speeds_by_active()
         if active in measured:
-            gain = measured[active] / self.matmul_flops
+            gain = measured[active] / measured.get(world, self.matmul_flops)
         else:
             gain = min((self.matmul_flops_alone or self.matmul_flops) / self.matmul_flops, world / max(active, 1))
         return max(1.0, min(gain, self.core_share_gain(world, active)))
+
+    def speeds_by_active(self) -> dict[int, float]:
+        """A rank's measured speed per number of busy ranks, each raised to what the reading with more ranks busy
+        implies: fewer busy ranks never compute slower per rank, and CPU ranks whose threads outnumber the cores
+        get at most their share of them (``core_share``), so their total speed never beats fewer ranks'. A
+        disturbance only ever slows a reading, so where two readings disagree the faster one counts (four ranks on
+        two cores once read 41 GFLOP/s each against 78 for two busy ranks: more work done than the cores can)."""
+        speeds = dict(self.matmul_flops_by_active)
+        busier = None
+        for active in sorted(speeds, reverse=True):
+            if busier is not None:
+                implied = speeds[busier] * self.core_share(active) / self.core_share(busier)
+                speeds[active] = max(speeds[active], implied)
+            busier = active
+        return speeds
 
     def ranks_share_cores(self, busy: int) -> bool:
         """Whether ``busy`` CPU ranks' threads outnumber the cores (never for ranks on devices of their own)."""
@@ -171,11 +186,13 @@ class Machine:
         neighbour's load on a shared machine) measured noise; ranks on devices of their own are not bounded."""
         if not self.cpu_cores:
             return math.inf
+        return self.core_share(active) / self.core_share(world)
 
-        def cores_per_thread(busy: int) -> float:
-            return min(1.0, self.cpu_cores / (busy * self.rank_threads))
-
-        return cores_per_thread(active) / cores_per_thread(world)
+    def core_share(self, busy: int) -> float:
+        """The share of a core each thread of ``busy`` CPU ranks gets (1 on ranks with devices of their own)."""
+        if not self.cpu_cores:
+            return 1.0
+        return min(1.0, self.cpu_cores / (busy * self.rank_threads))
 
 
 @dataclass(frozen=True)
