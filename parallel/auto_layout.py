@@ -152,8 +152,8 @@ class Machine:
     def speed_up(self, world: int, active: int) -> float:
         """How much faster ``active`` busy ranks of ``world`` compute than when all are busy: ranks that share
         cores (CPU ranks outnumbering them) get the idle ranks' share. As measured with that many ranks busy when
-        the calibration has it (``speeds_by_active``), else up to a rank's speed alone; never more than the cores allow
-        (``core_share_gain``); one device per rank gains nothing."""
+        the calibration has it (``speeds_by_active``), else up to a rank's speed alone; never more than the cores
+        allow (``core_share_gain``); one device per rank gains nothing."""
         measured = self.speeds_by_active()
         if active in measured:
             gain = measured[active] / measured.get(world, self.matmul_flops)
@@ -168,17 +168,15 @@ class Machine:
         disturbance only ever slows a reading, so where two readings disagree the faster one counts (four ranks on
         two cores once read 41 GFLOP/s each against 78 for two busy ranks: more work done than the cores can)."""
         speeds = dict(self.matmul_flops_by_active)
-        busier = None
-        for active in sorted(speeds, reverse=True):
-            if busier is not None:
-                implied = speeds[busier] * self.core_share(active) / self.core_share(busier)
-                speeds[active] = max(speeds[active], implied)
-            busier = active
+        most_busy_first = sorted(speeds, reverse=True)
+        for busier, active in zip(most_busy_first, most_busy_first[1:]):
+            implied = speeds[busier] * self.core_share(active) / self.core_share(busier)
+            speeds[active] = max(speeds[active], implied)
         return speeds
 
     def ranks_share_cores(self, busy: int) -> bool:
         """Whether ``busy`` CPU ranks' threads outnumber the cores (never for ranks on devices of their own)."""
-        return bool(self.cpu_cores) and busy * self.rank_threads > self.cpu_cores
+        return self.core_share(busy) < 1.0
 
     def core_share_gain(self, world: int, active: int) -> float:
         """How many more cores each of ``active`` busy CPU ranks can use than when all ``world`` are busy: none
