@@ -132,18 +132,21 @@ class Machine:
     matmul_flops_alone: float | None = None  # a rank's speed while the others wait (None: as when all are busy)
     matmul_flops_by_active: tuple[tuple[int, float], ...] = ()  # (busy ranks, a rank's speed) as measured
     group_links: tuple[tuple[int, str, Link], ...] = ()  # (group size, kind, price) within groups of that size
+    group_links_alone: tuple[tuple[int, str, Link], ...] = ()  # the same within one group while the others wait
     busy_latency_s: float = 0.0  # what a collective call of the whole world costs when every rank computes
     busy_latencies: tuple[tuple[int, float], ...] = ()  # (group size, the same within groups of that size)
     cpu_cores: int = 0  # the cores CPU ranks share (0: every rank has a device of its own)
     rank_threads: int = 1  # the threads each CPU rank computes with
 
-    def link(self, kind: str, size: int, *, every_rank_busy: bool = False) -> Link:
-        """The price of collective ``kind`` within groups of ``size`` ranks (every group at once), as measured
-        when the calibration has that size, else the whole world's. With every rank computing between calls a
-        call costs at least the busy latency measured within groups of that size: ranks that share cores wait
-        for their partners' turn on one."""
-        link = next((link for group_size, name, link in self.group_links if (group_size, name) == (size, kind)),
-                    getattr(self, kind))
+    def link(self, kind: str, size: int, *, every_rank_busy: bool = False, alone: bool = False) -> Link:
+        """The price of collective ``kind`` within groups of ``size`` ranks (every group at once, or one group
+        ``alone`` while the others wait), as measured when the calibration has that size, else the whole world's.
+        With every rank computing between calls a call costs at least the busy latency measured within groups of
+        that size: ranks that share cores wait for their partners' turn on one."""
+        measured = {(group_size, name): link for group_size, name, link in self.group_links}
+        if alone:
+            measured.update({(group_size, name): link for group_size, name, link in self.group_links_alone})
+        link = measured.get((size, kind), getattr(self, kind))
         busy = dict(self.busy_latencies).get(size, self.busy_latency_s)
         if every_rank_busy and busy > link.latency_s:
             return Link(busy, link.bytes_per_s)
@@ -272,11 +275,10 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     speed_up = machine.speed_up(world, active)
     compute_block = linear / layout.tp / machine.matmul_flops / speed_up
     attention_block = attention / layout.tp / machine.attention_flops / speed_up
-    busy = active == world
-    communication = _block_communication(layout, local, text, dim, machine, attention_block, busy)
+    communication = _block_communication(layout, local, text, dim, machine, attention_block, active, world)
     step_compute = passes * model.layers * (compute_block + attention_block)
     step_communication = (passes * model.layers * communication
-                          + _guidance_exchange(layout, model, job, machine, busy))
+                          + _guidance_exchange(layout, model, job, machine, active, world))
     activations = math.ceil(job.batch / dp) * local * dim * machine.element_bytes * ACTIVATION_COPIES
     memory = model.weight_bytes // layout.tp + activations
     return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
@@ -309,22 +311,29 @@ def block_bytes(layout: Layout, local: int, text: int, dim: int, element: int) -
 
 
 def _block_communication(layout: Layout, local: int, text: int, dim: int, machine: Machine,
-                         attention_s: float, busy: bool) -> float:
-    """Seconds one rank spends in the collectives of one transformer block's forward (``busy``: every rank of
-    the world computes between them)."""
+                         attention_s: float, active: int, world: int) -> float:
+    """Seconds one rank spends in the collectives of one transformer block's forward, with ``active`` of the
+    ``world`` ranks computing (``_link``)."""
     moved, calls = block_bytes(layout, local, text, dim, machine.element_bytes), block_calls(layout)
-    seconds = {kind: machine.link(kind, size, every_rank_busy=busy).seconds(calls[kind], moved[kind])
+    seconds = {kind: _link(machine, kind, size, active, world).seconds(calls[kind], moved[kind])
                for kind, size in (("all_reduce", layout.tp), ("all_to_all", layout.ulysses),
                                   ("send_recv", layout.ring)) if size > 1}
     ring = seconds.pop("send_recv", 0.0)
     return sum(seconds.values()) + max(ring - machine.overlap * attention_s, (1 - machine.overlap) * ring)
 
 
-def _guidance_exchange(layout: Layout, model: ModelCost, job: Job, machine: Machine, busy: bool) -> float:
+def _guidance_exchange(layout: Layout, model: ModelCost, job: Job, machine: Machine, active: int,
+                       world: int) -> float:
     """CFG parallel: the two halves swap their predictions once per step (float32 latents of the batch)."""
     if not layout.cfg_parallel:
         return 0.0
-    return machine.link("all_reduce", 2, every_rank_busy=busy).seconds(1, 4 * job.latent_elements(model))
+    return _link(machine, "all_reduce", 2, active, world).seconds(1, 4 * job.latent_elements(model))
+
+
+def _link(machine: Machine, kind: str, size: int, active: int, world: int) -> Link:
+    """A collective's price within groups of ``size`` while ``active`` of the ``world`` ranks compute: every rank
+    busy, or (replicas without a batch row waiting) the one group of the active ranks alone."""
+    return machine.link(kind, size, every_rank_busy=active == world, alone=active == size)
 
 
 def rank_layouts(world: int, model: ModelCost, job: Job, machine: Machine, *,

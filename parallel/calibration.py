@@ -33,7 +33,7 @@ from .video_io import written_atomically
 
 log = logging.getLogger("wanmesh")
 PROBE_DEADLINE_S = 60.0
-PROBE_VERSION = 6  # what the cached figures hold; a cache written by another version is probed again
+PROBE_VERSION = 7  # what the cached figures hold; a cache written by another version is probed again
 PROBE_SIZES = (1 << 12, 1 << 20)  # float32 elements of the small and large messages
 MATMUL_SHAPE = (1024, 512)  # [tokens, dim] x [dim, dim], the shape of a small transformer block's projections
 ATTENTION_SHAPE = (4, 512, 64)  # heads, tokens, head dim
@@ -80,14 +80,16 @@ def machine_for(config: ParallelConfig, *, reprobe: bool = False, runner=None) -
 
 def machine_from_dict(figures: dict) -> Machine:
     links = {name: Link(**figures[name]) for name in LINK_KINDS}
-    groups = tuple((int(size), name, Link(**kinds[name]))
-                   for size, kinds in figures.get("group_links", {}).items() for name in LINK_KINDS)
+    groups, alone = ((tuple((int(size), name, Link(**kinds[name]))
+                            for size, kinds in figures.get(key, {}).items() for name in LINK_KINDS))
+                     for key in ("group_links", "group_links_alone"))
     return Machine(matmul_flops=figures["matmul_flops"], attention_flops=figures["attention_flops"],
                    matmul_flops_alone=figures.get("matmul_flops_alone", figures["matmul_flops"]),
                    matmul_flops_by_active=tuple(sorted((int(active), flops) for active, flops
                                                        in figures.get("matmul_flops_by_active", {}).items())),
                    free_bytes=int(figures["free_bytes"]), element_bytes=int(figures["element_bytes"]),
                    overlap=float(figures["overlap"]), group_links=groups,
+                   group_links_alone=alone,
                    busy_latency_s=float(figures.get("busy_latency_s", 0.0)),
                    busy_latencies=tuple(sorted((int(size), float(seconds))
                                                for size, seconds in figures.get("busy_latencies", {}).items())),
@@ -127,6 +129,7 @@ def combine(config: ParallelConfig, ranks: list[dict]) -> dict:
             "attention_flops": slowest["attention_flops"], "free_bytes": int(min(memory, slowest["free_bytes"])),
             "element_bytes": 2 if cuda else 4, "overlap": 0.8 if cuda else 0.0,
             **ranks[0]["group_links"].get(str(config.world), _no_links()), "group_links": ranks[0]["group_links"],
+            "group_links_alone": ranks[0].get("group_links_alone", {}),
             "busy_latency_s": busy.get(str(config.world), 0.0), "busy_latencies": busy,
             "cpu_cores": 0 if cuda else ranks[0]["cpu_cores"], "rank_threads": ranks[0]["threads"]}
 
@@ -174,12 +177,13 @@ def measure_rank(world: int, device: torch.device) -> dict:
         lambda: _sustained(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device, window),
         world, _barrier(world))
     by_active = {active: 2 * tokens * dim * dim / seconds for active, seconds in matmul_s.items()}
-    links, busy = _group_links(world, device, 20 if cuda else 9, lambda: a @ b) if world > 1 else ({}, {})
+    links, alone, busy = (_group_links(world, device, 20 if cuda else 9, lambda: a @ b) if world > 1
+                          else ({}, {}, {}))
     return {"matmul_flops": by_active[world], "matmul_flops_alone": by_active[1],
             "matmul_flops_by_active": {str(active): flops for active, flops in by_active.items()},
             "attention_flops": 4 * q.shape[2] ** 2 * heads * head_dim / attention_s,
             "free_bytes": _free_bytes(device, world),
-            "group_links": links, "busy_latencies": busy, "cpu_cores": os.cpu_count() or 1,
+            "group_links": links, "group_links_alone": alone, "busy_latencies": busy, "cpu_cores": os.cpu_count() or 1,
             "threads": torch.get_num_threads()}
 
 
@@ -265,27 +269,34 @@ def _no_links() -> dict:
     return {name: {"latency_s": 0.0, "bytes_per_s": float("inf")} for name in LINK_KINDS}
 
 
-def _group_links(world: int, device: torch.device, repeats: int, compute) -> tuple[dict[str, dict], dict[str, float]]:
+def _group_links(world: int, device: torch.device, repeats: int,
+                 compute) -> tuple[dict[str, dict], dict[str, dict], dict[str, float]]:
     """Each collective kind's price within groups of every size dividing ``world`` (consecutive ranks, every group
     at once, as a layout's tp, Ulysses or ring groups run): a 2-rank all-reduce inside 4 ranks is not priced as
-    a 4-rank one; and the busy latency within groups of each size (``_busy_latency``)."""
+    a 4-rank one; the same within the first group alone while the others wait (a layout whose replicas wait for
+    a batch row: on four ranks and two cores a pair's exchange read 0.23 to 3.8 ms with both pairs at once and
+    0.12 to 0.24 ms alone); and the busy latency within groups of each size (``_busy_latency``)."""
     import torch.distributed as dist
 
-    rank, prices, busy = dist.get_rank(), {}, {}
+    rank, prices, alone, busy = dist.get_rank(), {}, {}, {}
     for size in (d for d in range(2, world + 1) if world % d == 0):
         groups = [dist.new_group(list(range(first, first + size))) if size < world else None
                   for first in range(0, world, size)]  # every rank creates every group, in the same order
         members, group = list(range(rank // size * size, rank // size * size + size)), groups[rank // size]
-        prices[str(size)] = _links(members, group, device, repeats)
+        prices[str(size)] = _links(members, group, device, repeats, dist.barrier)
+        if size < world:
+            if rank < size:
+                alone[str(size)] = _links(members, group, device, repeats, lambda: dist.barrier(group=group))
+            dist.barrier()
         busy[str(size)] = _busy_latency(compute, device, group)
         if group is not None:  # a pool's workers calibrate too: their own groups stay as they were
             dist.destroy_process_group(group)
-    return prices, busy
+    return prices, alone, busy
 
 
-def _links(members: list[int], group, device: torch.device, repeats: int) -> dict:
+def _links(members: list[int], group, device: torch.device, repeats: int, barrier) -> dict:
     """Latency and bandwidth of each collective kind within ``group`` (its global ranks ``members``), from a small
-    and a large message."""
+    and a large message; ``barrier()`` lines up the ranks taking part before each."""
     import torch.distributed as dist
 
     size, position = len(members), members.index(dist.get_rank())
@@ -307,7 +318,7 @@ def _links(members: list[int], group, device: torch.device, repeats: int) -> dic
         for elements in PROBE_SIZES:
             tensor = torch.ones(elements * size, device=device)
             into = torch.empty_like(tensor)
-            dist.barrier()
+            barrier()
             seconds.append((moved(tensor.numel() * 4), _timed(lambda: operation(tensor, into), device, repeats)))
         (small_bytes, small_s), (large_bytes, large_s) = seconds
         bandwidth = (large_bytes - small_bytes) / max(large_s - small_s, 1e-9)

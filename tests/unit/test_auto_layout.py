@@ -94,6 +94,21 @@ def test_collectives_are_priced_at_their_group_size():
     assert by_group.link("all_to_all", 2) == by_group.all_to_all  # a kind without a group figure: the world's
 
 
+def test_one_group_alone_is_priced_as_measured_alone():
+    at_once, alone = Link(4e-3, 1e9), Link(2e-4, 1e9)
+    pairs = replace(machine(), send_recv=Link(5e-4, 1e9), group_links=((2, "send_recv", at_once),),
+                    group_links_alone=((2, "send_recv", alone),))
+    # ring 2 beside data parallel with a batch of one: one pair exchanges while the other waits
+    one_pair = predict(Layout(ring=2), 4, SMALL, JOB, pairs).communication_s
+    assert one_pair == predict(Layout(ring=2), 4, SMALL, JOB, replace(pairs, send_recv=alone,
+                                                                       group_links=())).communication_s
+    # with CFG parallel both pairs exchange at once
+    both = predict(Layout(ring=2, cfg_parallel=True), 4, SMALL, JOB, pairs)
+    assert both.communication_s == predict(Layout(ring=2, cfg_parallel=True), 4, SMALL, JOB,
+                                           replace(pairs, group_links_alone=())).communication_s
+    assert pairs.link("send_recv", 4, alone=True) == pairs.send_recv  # no figure alone for that size: at once
+
+
 def test_collectives_between_busy_ranks_cost_at_least_the_busy_latency():
     waits = replace(machine(latency_s=1e-4), busy_latency_s=0.05)
     assert waits.link("all_to_all", 2, every_rank_busy=True).latency_s == 0.05
@@ -203,6 +218,8 @@ def test_the_probe_of_four_ranks_prices_pairs_and_the_whole_world(tmp_path, monk
     assert dict(measured.busy_latencies)[4] == measured.busy_latency_s
     assert {(size, kind) for size, kind, _ in measured.group_links} == {
         (size, kind) for size in (2, 4) for kind in ("all_reduce", "all_to_all", "send_recv")}
+    assert {(size, kind) for size, kind, _ in measured.group_links_alone} == {
+        (2, kind) for kind in ("all_reduce", "all_to_all", "send_recv")}  # the whole world is never alone
     assert [active for active, _ in measured.matmul_flops_by_active] == [1, 2, 4]
 
 
