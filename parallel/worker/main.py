@@ -211,13 +211,24 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         conn.send({"kind": "error", **P.WorkerError(rank, type(exc).__name__, str(exc), traceback.format_exc()).to_wire()})
         os._exit(1)
-    # A closed connection is not always a dead driver (this worker closes its own end when it leaves, and a live
-    # driver removes its segments itself): remove the pool's leftovers only when the driver really is gone.
+    # A closed connection is not always a dead driver (a live driver closes its end when it stops the pool, and
+    # removes its segments itself): remove the pool's leftovers only when the driver really is gone.
     worker = LocalWorker(session, conn, settings["shm_prefix"],
                          lambda: leftovers() if driver_gone(settings["parent_pid"]) else None)
     worker.send({"kind": "hello", **session.health()})
     worker.serve()
+    _leave_after_shutdown(worker)
+
+
+def _leave_after_shutdown(worker: LocalWorker) -> None:
+    """Tear down in order, then end the process at once. The receiver thread is still blocked reading the
+    connection: closing it under that thread, or letting the interpreter and torch's C++ destructors tear down
+    around it, printed three times in about 180 pool stops a receiver traceback (a read from the closed
+    connection) or "terminate called without an active exception". The driver sees the connection close when
+    the process ends."""
     if worker.writer is not None:
         worker.writer.close()
     torch.distributed.destroy_process_group()
-    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

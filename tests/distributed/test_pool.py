@@ -74,8 +74,10 @@ def test_world_two_equals_world_one_and_an_independent_reference():
             health = pool.health()
             assert [r["rank"] for r in health.ranks] == list(range(world))
             assert len({r["pid"] for r in health.ranks}) == world
-            prefix = pool._backend.shm_prefix
+            prefix, workers = pool._backend.shm_prefix, list(pool._backend.procs)
         assert_all_gone(started)
+        # each rank left by itself when told to shut down, not by the driver's kill after the grace period
+        assert [worker.returncode for worker in workers] == [0] * world
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], "shared memory outlived the pool"
         with pytest.raises(RuntimeError, match="closed"):
             pool.health()
