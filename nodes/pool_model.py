@@ -6,8 +6,9 @@ with the Wan 2.2 latent format for the 48-channel TI2V 5B, whose noise mask Comf
 timesteps), so its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and
 VACE context code are ComfyUI's; only its transformer is replaced by ``PoolTransformer``, whose every call is one
 ``ModelForward`` on the pool. A call that batches conditional and unconditional rows goes out as one request,
-and the pool's CFG-parallel ranks split the rows. ComfyUI's progress bar, latent previews and interrupt work
-as with a native model (the interrupt also stops a model call that is under way).
+and the pool's CFG-parallel ranks split the rows; on a pool of layout auto the first call of each latent size
+chooses the layout. ComfyUI's progress bar, latent previews and interrupt work as with a native model (the
+interrupt also stops a model call that is under way).
 
 The classes subclass ComfyUI's, so they are made on first use (``comfy`` is imported only then).
 """
@@ -22,7 +23,7 @@ import torch
 
 from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
 from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
-from .runtime import ResidentModel, interrupted, raise_if_interrupted
+from .runtime import ResidentModel, arrange, auto_layout_of, interrupted, raise_if_interrupted
 
 log = logging.getLogger("wanmesh")
 
@@ -48,6 +49,7 @@ class PoolTransformer(torch.nn.Module):
 
     def forward(self, x, timestep, context, clip_fea=None, control=None, transformer_options=None, **extra):
         check_supported_inputs(control, extra)
+        self._arrange_for_call(x, transformer_options or {})
         request = ModelForward(
             handle=self.resident.handle, latent=x.detach().float().cpu(), timestep=call_timesteps(timestep, x),
             context=context.detach().float().cpu(), loras=list(self.resident.loras),
@@ -59,6 +61,25 @@ class PoolTransformer(torch.nn.Module):
             raise_if_interrupted()
             raise
         return prediction.to(device=x.device, dtype=x.dtype)
+
+    def _arrange_for_call(self, x: torch.Tensor, transformer_options: dict) -> None:
+        """With a Pool node on layout auto, ComfyUI's samplers show the job one model call at a time: the first
+        call with a latent of this size chooses the layout (rows sent as conditional and unconditional passes
+        mean guidance; the steps are the sampler's sigmas), and later calls of that size on the same pool keep
+        it, so a sampling run never restarts the pool between steps."""
+        if not auto_layout_of(self.resident):
+            return
+        runner, key = self.resident.runner, (self.resident.path, tuple(x.shape[1:]))
+        if key in runner.call_layouts:
+            runner.arrange(runner.call_layouts[key])  # nothing to do unless another job rearranged the pool
+            return
+        from ..parallel.auto_layout import Job
+
+        passes = len(transformer_options.get("cond_or_uncond") or (0,))
+        sigmas = transformer_options.get("sample_sigmas")
+        job = Job.of_latent(x.shape, steps=len(sigmas) - 1 if sigmas is not None else Job.steps,
+                            batch=max(1, x.shape[0] // passes), guidance=passes > 1)
+        runner.call_layouts[key] = arrange(self.resident, job, caller="Native Model: ")
 
 
 def call_timesteps(timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

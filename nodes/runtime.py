@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..parallel import PoolRunner
+
+if TYPE_CHECKING:
+    from ..parallel.config import ParallelConfig
 
 
 def default_runner() -> PoolRunner:
@@ -61,17 +65,31 @@ def progress_reporter(total: int):
 def arrange_for_job(model: ResidentModel, latent, steps: int, cfg: float, *, streaming: bool = False) -> None:
     """With a Pool node on layout auto: the degrees the cost model picks for this job (video size from the latent),
     logged as a small table; the pool is restarted only when the choice changes."""
-    runner = model.runner
-    if not getattr(runner, "auto_layout", False) or model.path is None:  # stand-in runners have none
-        return
-    from ..parallel.auto_layout import Job, explain
+    from ..parallel.auto_layout import Job
+
+    if auto_layout_of(model):
+        arrange(model, Job.of_latent(latent.shape, steps=steps, batch=latent.shape[0], guidance=cfg != 1.0),
+                streaming=streaming)
+
+
+def auto_layout_of(model: ResidentModel) -> bool:
+    """Whether ``model``'s pool came from a Pool node on layout auto (stand-in runners and models with no file
+    have no layout to choose)."""
+    return bool(getattr(model.runner, "auto_layout", False)) and model.path is not None
+
+
+def arrange(model: ResidentModel, job, *, streaming: bool = False, caller: str = "") -> ParallelConfig:
+    """Arrange ``model``'s pool on the layout the cost model ranks first for ``job``; the table goes to the log.
+    Returns the arranged config."""
+    from ..parallel.auto_layout import explain
     from ..parallel.calibration import choose_layout
 
-    frames, height, width = (latent.shape[2] - 1) * 4 + 1, latent.shape[3] * 8, latent.shape[4] * 8
-    job = Job(width, height, frames, steps=steps, batch=latent.shape[0], guidance=cfg != 1.0)
+    runner = model.runner
     ranked = choose_layout(runner.config, model.path, job, streaming=streaming, runner=runner)
-    logging.getLogger("wanmesh").info("WanMesh %s", explain(ranked, job))
-    runner.arrange(ranked[0].layout.applied_to(runner.config))
+    logging.getLogger("wanmesh").info("WanMesh %s%s", caller, explain(ranked, job))
+    config = ranked[0].layout.applied_to(runner.config)
+    runner.arrange(config)
+    return config
 
 
 def previews_enabled(runner: PoolRunner) -> bool:

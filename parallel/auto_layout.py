@@ -91,6 +91,15 @@ class Job:
     batch: int = 1
     guidance: bool = True
 
+    @classmethod
+    def of_latent(cls, shape, *, steps: int, batch: int, guidance: bool) -> "Job":
+        """The job whose video a latent of ``shape`` ([rows, channels, frames, height, width]) holds: the spatial
+        factor follows the channels (16 for the Wan 2.2 VAE's 48)."""
+        channels, frames, height, width = shape[1:]
+        factor = LATENT_SPATIAL_FACTORS.get(channels, LATENT_SPATIAL_FACTORS[LATENT_CHANNELS])
+        return cls(width * factor, height * factor, (frames - 1) * TEMPORAL_STRIDE + 1, steps=steps, batch=batch,
+                   guidance=guidance)
+
     def latent_frames(self) -> int:
         return (self.frames - 1) // TEMPORAL_STRIDE + 1
 

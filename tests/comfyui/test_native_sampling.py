@@ -3,13 +3,14 @@
 One API prompt per pool layout holds, for each sampler/scheduler pair the issue names, two KSamplers on the same
 latent, seed and conditioning: one on native ``UNETLoader``'s model, one on ``WanMesh Native Model`` over
 ``WanMesh Model Loader``'s model of the same file (the tiny native twin, which ComfyUI's Wan loader reads). ComfyUI's
-Wan code is the independent reference: world 1 must be within 1e-4 of it, and tp 2, ulysses 2 and cfg_parallel 2
-equal world 1. Different samplers' latents differ far beyond the tolerance, so the comparison would catch a difference.
+Wan code is the independent reference: world 1 must be within 1e-4 of it, and tp 2, ulysses 2, cfg_parallel 2 and
+layout auto on two ranks equal world 1. Different samplers' latents differ far beyond the tolerance, so the comparison would catch a difference.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import pytest
@@ -27,7 +28,8 @@ SAMPLERS = (("euler", "simple"), ("uni_pc", "simple"), ("dpmpp_2m", "beta"), ("l
             ("euler_ancestral", "normal"))
 LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2": dict(devices="cpu:2", world=2, tp=2),
            "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
-           "cfg_parallel2": dict(devices="cpu:2", world=2, cfg_parallel=True)}
+           "cfg_parallel2": dict(devices="cpu:2", world=2, cfg_parallel=True),
+           "auto2": dict(devices="cpu:2", world=2, layout="auto")}
 # The WanMesh Sampler with ComfyUI's names: the first six run in the workers, res_multistep and ddim_uniform
 # (a scheduler the workers do not have) through ComfyUI's own code on the MODEL.
 NODE_SAMPLERS = (("euler", "simple"), ("euler_ancestral", "normal"), ("dpmpp_2m", "beta"), ("lcm", "sgm_uniform"),
@@ -158,6 +160,18 @@ def test_parallel_layouts_equal_one_rank(layout_latents, layout: str) -> None:
         assert difference <= TOLERANCE, f"{layout} {node}: {difference:.3g} from world 1"
 
 
+def test_native_samplers_on_layout_auto_choose_the_layout_once_per_size(recent_comfyui_server: ComfyUIServer,
+                                                                         layout_latents) -> None:
+    """ComfyUI's samplers on a pool of layout auto: the first model call of the job chooses the layout (logged as
+    the cost model's table, guidance read from the conditional and unconditional rows, steps from the sigmas);
+    the other calls of that size on that pool keep it: one table for the prompt's KSamplers, SamplerCustomAdvanced
+    and the WanMesh Sampler's runs through ComfyUI's code, not one per call. The latents equal one rank's (``test_parallel_layouts_equal_one_rank``)."""
+    log = recent_comfyui_server.log()
+    tables = re.findall(rf"WanMesh Native Model: auto layout \({WIDTH}x{HEIGHT}, {LENGTH} frames, (\d+) steps\)", log)
+    assert tables, f"no auto layout table from a native sampler's model call in the log:\n{log[-3000:]}"
+    assert tables == [str(STEPS)], f"{len(tables)} tables (steps {tables}): the layout was chosen more than once"
+
+
 def test_the_comparison_is_sensitive(layout_latents) -> None:
     """Two samplers' latents differ far beyond the tolerance, so equal latents above are not an accident."""
     pairs = layout_latents["world1"]
@@ -210,7 +224,7 @@ def test_native_lora_loader_on_wanmesh_model_is_refused_in_one_line(recent_comfy
     assert "WanMesh LoRA Loader" in result.error_text(), result.error_text()
 
 
-@pytest.mark.parametrize("name", ["t2v_native_ksampler", "wan22_native_ksampler_advanced"])
+@pytest.mark.parametrize("name", ["t2v_native_ksampler", "t2v_native_auto_layout", "wan22_native_ksampler_advanced"])
 def test_native_sampler_workflows_run_as_api_prompts(recent_comfyui_server: ComfyUIServer, name: str) -> None:
     """The example workflows (WanMesh models into native KSampler / two chained KSamplerAdvanced, native VAE
     decode) run as API prompts and write an MP4 of the latent's frames."""

@@ -430,8 +430,17 @@ def native_tail(w: WorkflowBuilder, sampled: int, vae: int, name: str) -> None:
 def t2v_native_ksampler(info: dict[str, Any]) -> WorkflowBuilder:
     """A native text-to-video graph whose model comes from the pool: WanMesh loaders and Native Model, then
     ComfyUI's ModelSamplingSD3, KSampler (uni_pc / simple) and VAEDecode; CFG parallel on two CPU ranks."""
+    return native_ksampler_graph(info, "t2v_native_ksampler", cfg_parallel=True)
+
+
+def t2v_native_auto_layout(info: dict[str, Any]) -> WorkflowBuilder:
+    """The same graph on a pool of layout auto: ComfyUI's KSampler's first model call chooses the degrees."""
+    return native_ksampler_graph(info, "t2v_native_auto_layout", layout="auto")
+
+
+def native_ksampler_graph(info: dict[str, Any], name: str, **pool_modes: Any) -> WorkflowBuilder:
     w = WorkflowBuilder(info, upload_in_prompt=False)
-    pool_id = pool(w, cfg_parallel=True)
+    pool_id = pool(w, **pool_modes)
     positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
     latent, vae = native_latent_and_decode(w)
     sampled = w.node("KSampler", [COLUMNS[4], 40],
@@ -439,7 +448,7 @@ def t2v_native_ksampler(info: dict[str, Any]) -> WorkflowBuilder:
                       "denoise": 1.0},
                      {"model": (native_model(w, model, 620), 0), "positive": (positive, 0),
                       "negative": (negative, 0), "latent_image": (latent, 0)})
-    native_tail(w, sampled, vae, "t2v_native_ksampler")
+    native_tail(w, sampled, vae, name)
     return w
 
 
@@ -489,6 +498,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("native", "vace_native", "recent", vace_native),
     ("native", "vace_wanmesh", "recent", vace_wanmesh),
     ("native", "t2v_native_ksampler", "recent", t2v_native_ksampler),
+    ("native", "t2v_native_auto_layout", "recent", t2v_native_auto_layout),
     ("native", "wan22_native_ksampler_advanced", "recent", wan22_native_ksampler_advanced),
 ]
 

@@ -39,6 +39,15 @@ def test_candidates_split_the_heads_and_respect_guidance_and_streaming():
     assert all(layout.tp != 3 for layout in candidate_layouts(6, ModelCost(4, 4, 32, 256, 1), JOB))
 
 
+def test_a_latent_gives_the_job_of_its_video():
+    wan21 = Job.of_latent((2, 16, 21, 60, 104), steps=4, batch=1, guidance=True)
+    assert (wan21.width, wan21.height, wan21.frames, wan21.steps, wan21.batch) == (832, 480, 81, 4, 1)
+    wan22 = Job.of_latent((1, 48, 31, 44, 80), steps=4, batch=1, guidance=False)  # the TI2V 5B's 16x VAE
+    assert (wan22.width, wan22.height, wan22.frames, wan22.guidance) == (1280, 704, 121, False)
+    image_to_video = Job.of_latent((1, 36, 21, 60, 104), steps=4, batch=1, guidance=True)  # mask and image channels
+    assert (image_to_video.width, image_to_video.height) == (832, 480)
+
+
 def test_tensor_parallel_bytes_are_the_analytic_count():
     for tp in (2, 4):
         local, text, dim = 1560, 512, 5120
