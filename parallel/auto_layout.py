@@ -28,8 +28,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import (CLIP_VISION_TOKENS, LATENT_CHANNELS, LATENT_SPATIAL_FACTORS, TEXT_TOKENS, TEMPORAL_STRIDE,
-                     VAE_SPATIAL_FACTOR, ParallelConfig, check_head_split)
+from .config import (CLIP_VISION_TOKENS, LATENT_CHANNELS, TEXT_TOKENS, TEMPORAL_STRIDE, ParallelConfig,
+                     check_head_split, latent_spatial_factor)
 
 DEFAULT_VAE_TILE_PX = 256  # the tile edge the VAE uses when vae_patch > 1 and no tile size is given
 ACTIVATION_COPIES = 6  # live [tokens, dim] tensors of one block's forward (one pass at a time), temporaries included
@@ -70,7 +70,7 @@ class ModelCost:
     @property
     def vae_factor(self) -> int:
         """Pixels per latent along each spatial axis: 8 (Wan 2.1 VAE), 16 (the Wan 2.2 VAE of 48-channel models)."""
-        return LATENT_SPATIAL_FACTORS.get(self.latent_channels, VAE_SPATIAL_FACTOR)
+        return latent_spatial_factor(self.latent_channels)
 
 
 def image_tokens(config) -> int:
@@ -96,7 +96,7 @@ class Job:
         """The job whose video a latent of ``shape`` ([rows, channels, frames, height, width]) holds: the spatial
         factor follows the channels (16 for the Wan 2.2 VAE's 48)."""
         channels, frames, height, width = shape[1:]
-        factor = LATENT_SPATIAL_FACTORS.get(channels, LATENT_SPATIAL_FACTORS[LATENT_CHANNELS])
+        factor = latent_spatial_factor(channels)
         return cls(width * factor, height * factor, (frames - 1) * TEMPORAL_STRIDE + 1, steps=steps, batch=batch,
                    guidance=guidance)
 

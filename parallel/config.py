@@ -51,6 +51,13 @@ WAN22_LATENT_CHANNELS = 48
 WAN22_VAE_SPATIAL_FACTOR = 16
 LATENT_CHANNEL_COUNTS = (LATENT_CHANNELS, WAN22_LATENT_CHANNELS)
 LATENT_SPATIAL_FACTORS = {LATENT_CHANNELS: VAE_SPATIAL_FACTOR, WAN22_LATENT_CHANNELS: WAN22_VAE_SPATIAL_FACTOR}
+
+
+def latent_spatial_factor(channels: int) -> int:
+    """Pixels per latent along each spatial axis for a latent of ``channels``: 16 for the Wan 2.2 VAE's 48, else
+    the Wan 2.1 VAE's 8 (image-to-video inputs carry its 16 channels plus mask and image channels)."""
+    return LATENT_SPATIAL_FACTORS.get(channels, VAE_SPATIAL_FACTOR)
+
 CLIP_VISION_TOKENS = 257  # per image: ViT-H/14 at 224 px, 16 x 16 patches and the class token (Wan 2.1 I2V / FLF2V)
 # The Wan 2.2 VAE's latent mean/std (ComfyUI's Wan22 latent format, diffusers' Wan 2.2 VAE config.json). Written out
 # because diffusers' AutoencoderKLWan defaults hold only the Wan 2.1 values (sampling/latents.py reads those).
