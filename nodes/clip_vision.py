@@ -71,7 +71,7 @@ class WanMeshCLIPVisionLoader:
                    "process, float32 on the CPU; for WanMesh CLIP Vision Encode.")
 
     def load(self, clip_name):
-        from ..parallel.models.clip_vision import load_clip_vision
+        from ..parallel.weights.clip_vision_files import load_clip_vision
 
         return (load_clip_vision(_clip_vision_path(clip_name), torch.float32, "cpu"),)
 
@@ -94,7 +94,7 @@ class WanMeshCLIPVisionEncode:
                    "CLIPVisionEncode; the output goes to WanImageToVideo's clip_vision_output.")
 
     def encode(self, clip_vision, image, crop="center"):
-        from ..parallel.models.clip_vision import encode_images
+        from ..parallel.networks.clip_vision import encode_images
 
         clip_vision.to(_encode_device())
         try:

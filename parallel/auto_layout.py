@@ -75,7 +75,7 @@ class ModelCost:
 
 def image_tokens(config) -> int:
     """CLIP vision tokens the image cross-attention reads: 257 per image for Wan 2.1 I2V (one) and FLF2V (two)."""
-    from .models.detect import image_inputs
+    from .weights.detect import image_inputs
 
     return {"clip_vision": CLIP_VISION_TOKENS, "first_last": 2 * CLIP_VISION_TOKENS}.get(image_inputs(config), 0)
 

@@ -31,9 +31,9 @@ from .config import (
     check_video_size,
     ranks_over_cores_warning,
 )
-from .models.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
-from .models.vae22 import is_wan22_vae
-from .models.detect import KIND_DESCRIPTIONS, detect_kind, image_inputs, infer_transformer_config, read_header
+from .weights.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
+from .weights.vae22_keys import is_wan22_vae
+from .weights.detect import KIND_DESCRIPTIONS, detect_kind, image_inputs, infer_transformer_config, read_header
 
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
 

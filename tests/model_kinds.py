@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from wanmesh.parallel.models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
-from wanmesh.parallel.models.gguf_file import block_size
+from wanmesh.parallel.weights.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
+from wanmesh.parallel.weights.gguf_file import block_size
 from wanmesh.parallel.tiny.fp8_write import fp8_state, write_fp8_file
 from wanmesh.parallel.tiny.gguf_write import gguf_storage_type, quantize, write_wan_gguf
 from wanmesh.parallel.tiny.models import TINY_TRANSFORMER

@@ -47,8 +47,8 @@ def model_path(args, tiny_name: str = "model") -> str:
 
 def model_config(path: str, vace_module: str | None = None) -> dict:
     """A transformer's full config (defaults included), from shapes and metadata only: no tensor is read."""
-    from ..models.checkpoint import build_empty
-    from ..models.wan import transformer_weight_source
+    from ..weights.checkpoint import build_empty
+    from ..weights.loaders import transformer_weight_source
 
     with contextlib.ExitStack() as stack:
         model_class, config, _ = transformer_weight_source(path, vace_module, stack)

@@ -73,7 +73,7 @@ def _tiny_root(args) -> Path:
 
 def _tiny_models(args, device, vace: bool):
     from ..tiny.files import TINY_FILES
-    from ..models.wan import load_transformer
+    from ..weights.loaders import load_transformer
 
     root = _tiny_root(args)
     ours = load_transformer(str(root / TINY_FILES["model"]), device=device)
@@ -85,7 +85,7 @@ def _tiny_models(args, device, vace: bool):
 def _wan_1_3b(device, vace: bool):
     from diffusers import WanTransformer3DModel
 
-    from ..models.wan_vace import WanVaceMultiContext
+    from ..networks.wan_vace import WanVaceMultiContext
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**WAN_1_3B).to(device=device, dtype=torch.bfloat16).eval()

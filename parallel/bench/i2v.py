@@ -70,7 +70,7 @@ def _guided_step(model, latent_shape: tuple, kind: str, device: torch.device):
 
 def run(args) -> list[dict]:
     from ..config import latent_shape
-    from ..models.wan import load_transformer
+    from ..weights.loaders import load_transformer
 
     device = torch.device(args.device)
     shape = latent_shape(args.width, args.height, args.frames, 1)

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _time_rank(rank: int, world: int, model_path: str, loras: list[str], device: str, repeats: int,
                out: str) -> None:
-    from ..models.sharded import load_transformer_tp
+    from ..weights.sharded import load_transformer_tp
     from ..worker.lora_merge import apply_loras
 
     target = torch.device(device, rank) if device == "cuda" else torch.device("cpu")

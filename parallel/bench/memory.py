@@ -38,10 +38,10 @@ import torch.distributed as dist
 from ..config import TEXT_TOKENS, latent_shape
 from ..distributed.spawn import slowest_rank_seconds
 from ..distributed.tensor_parallel import check_tp_degree, tensor_parallel_plan, tp_size_and_rank
-from ..models.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors_header, scale_key_for
-from ..models.gguf_file import is_gguf_path
-from ..models.sharded import load_transformer_tp
-from ..models.wan import transformer_weight_source
+from ..weights.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors_header, scale_key_for
+from ..weights.gguf_file import is_gguf_path
+from ..weights.sharded import load_transformer_tp
+from ..weights.loaders import transformer_weight_source
 from ..worker.memory import resident_bytes
 from ..worker.residency import DTYPES
 from .common import (PeakAnonymousMemory, Timing, mib, model_config, model_path, rank_device, run_world,

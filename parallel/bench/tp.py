@@ -23,7 +23,7 @@ from ..config import TEXT_TOKENS
 import torch.distributed as dist
 
 from ..distributed.collectives import CollectiveCounter
-from ..models.sharded import load_transformer_tp, weight_bytes
+from ..weights.sharded import load_transformer_tp, weight_bytes
 from ..distributed.tensor_parallel import analytic_collectives, check_tp_degree
 from ..distributed.spawn import slowest_rank_median_s
 from .common import (PeakAnonymousMemory, check_repeats, int_list, mib, model_config, model_path, rank_device,

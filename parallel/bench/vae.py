@@ -32,7 +32,7 @@ import torch
 from ..config import LATENT_CHANNELS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR
 from ..distributed.patch_parallel import assign_by_workload
 from ..distributed.spawn import slowest_rank_seconds, spawn_ranks
-from ..models.vae_tiling import resolve_tile_options, split_spatial, tiled_decode, tiled_encode
+from ..networks.vae_tiling import resolve_tile_options, split_spatial, tiled_decode, tiled_encode
 from .common import int_list
 
 VAE_KINDS = ("2.1", "2.2")

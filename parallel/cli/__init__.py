@@ -174,7 +174,7 @@ def resolve_model_files(args) -> dict[str, str | None]:
 
 def read_loras(lora_args: list[str], files: dict) -> list[tuple[str, float]]:
     """--lora FILE[:STRENGTH] values as (file, strength), each file's header checked against the model's."""
-    from ..models.lora import check_lora_for_model, parse_lora_arg
+    from ..weights.lora_files import check_lora_for_model, parse_lora_arg
 
     loras = [parse_lora_arg(text) for text in lora_args]
     model_files = [path for path in (files["model"], files["vace_module"]) if path]

@@ -96,7 +96,8 @@ class ImageInputs:
     def _clip_tokens(self) -> torch.Tensor | None:
         if self.clip_vision is None:
             return None
-        from ..models.clip_vision import encode_images, load_clip_vision
+        from ..networks.clip_vision import encode_images
+        from ..weights.clip_vision_files import load_clip_vision
 
         encoder = load_clip_vision(self.clip_vision)
         images = [image for image in (self.start, self.end) if image is not None]

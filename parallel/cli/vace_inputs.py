@@ -30,8 +30,8 @@ import torch
 
 from ..config import check_vace_contexts, latent_shape
 from ..fields import add_flag
-from ..models.checkpoint import resolve_model_location
-from ..models.detect import KIND_DESCRIPTIONS, safetensors_kind
+from ..weights.checkpoint import resolve_model_location
+from ..weights.detect import KIND_DESCRIPTIONS, safetensors_kind
 from ..protocol import EncodeVace, VaceEncoded
 from ..tensor_files import save_tensors_atomic
 from ..vace import builders

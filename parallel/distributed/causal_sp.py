@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import check_head_split
-from ..models.causal import BlockKVCache, masked_attention
+from ..networks.causal import BlockKVCache, masked_attention
 from .attention import _heads_to_sequence, _sequence_to_heads, attention
 from .context_parallel import SequenceShard
 from .groups import group_size_and_rank

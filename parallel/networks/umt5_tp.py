@@ -1,5 +1,5 @@
-"""Tensor parallelism for the umT5 text encoder, with sharded loading: each rank holds ~1/tp of its matrices;
-runs in the workers.
+"""Tensor parallelism for the umT5 text encoder: each rank holds ~1/tp of its matrices; runs in the workers.
+Loading a shard (each rank reading only its slices) is ``weights/umt5_files.py``.
 
 The model stays transformers' ``UMT5EncoderModel``; the Wan transformer's machinery (``TensorParallelPlan``,
 the column / row linears, ``ShardedWeightSource``) is applied to it from outside. In every encoder layer:
@@ -16,16 +16,10 @@ are replicated and every rank returns the same embeddings as one device.
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
-
-import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import UMT5Config, UMT5EncoderModel
 
-from .checkpoint import build_empty, load_weights_into
-from .sharded import ShardedWeightSource
 from ..distributed.tensor_parallel import (
     COLUMN,
     HEAD_TABLE,
@@ -35,14 +29,12 @@ from ..distributed.tensor_parallel import (
     shard_planned_modules_,
     tp_size_and_rank,
 )
-from .umt5 import TextEncoder, open_text_encoder
 
-__all__ = [
-    "apply_text_encoder_tp", "check_text_encoder_tp_degree", "load_text_encoder_shard", "load_text_encoder_tp",
-    "text_encoder_tp_plan",
-]
+__all__ = ["apply_text_encoder_tp", "check_text_encoder_tp_degree", "text_encoder_tp_plan"]
 
 UMT5_HEAD_ATTRIBUTES = ("n_heads", "inner_dim")
+
+
 _FEED_FORWARD_STYLES = {"wi": COLUMN, "wi_0": COLUMN, "wi_1": COLUMN, "wo": ROW}
 
 
@@ -87,44 +79,3 @@ def apply_text_encoder_tp(model: UMT5EncoderModel, tp_group: dist.ProcessGroup |
     check_text_encoder_tp_degree(model.config, tp)
     return shard_planned_modules_(model, text_encoder_tp_plan(model), rank, tp, tp_group)
 
-
-def load_text_encoder_shard(
-    path: str | Path,
-    *,
-    tp_rank: int,
-    tp_size: int,
-    tp_group: dist.ProcessGroup | None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-) -> TextEncoder:
-    """Rank ``tp_rank`` of ``tp_size``'s shard of a umT5 encoder (every accepted format), reading only its slices.
-
-    Loading needs no communication, so a shard can be loaded and inspected without a process group; encoding
-    needs ``tp_group``. The degree is checked against the config before any weight is read.
-    """
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be in [0, {tp_size - 1}] for tp_size={tp_size}, got {tp_rank}")
-    with contextlib.ExitStack() as stack:
-        config, source, aliases, tokenizer = open_text_encoder(path, stack)
-        check_text_encoder_tp_degree(config, tp_size)
-        model = build_empty(lambda: UMT5EncoderModel(config))
-        if tp_size > 1:
-            plan = text_encoder_tp_plan(model)
-            shard_planned_modules_(model, plan, tp_rank, tp_size, tp_group)
-            source = ShardedWeightSource(source, plan.shard_dims(), tp_rank, tp_size)
-        load_weights_into(model, source, dtype=dtype, device=device, aliases=aliases)
-    return TextEncoder(model, tokenizer)
-
-
-def load_text_encoder_tp(
-    path: str | Path,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    tp_group: dist.ProcessGroup | None = None,
-) -> TextEncoder:
-    """This rank's tensor-parallel shard of a umT5 encoder over ``tp_group``; every rank of it must call this,
-    and every rank must encode the same prompts together. With one rank this is the full encoder."""
-    tp_size, tp_rank = tp_size_and_rank(tp_group)
-    return load_text_encoder_shard(path, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                                   dtype=dtype, device=device)

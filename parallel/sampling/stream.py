@@ -46,7 +46,7 @@ import torch
 from ..config import (check_stream_layout, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                       stream_chunks)
 from ..errors import Cancelled
-from ..models.causal import CacheWindow, CausalWan, LocalAttention
+from ..networks.causal import CacheWindow, CausalWan, LocalAttention
 from .guidance import combine_guidance
 from .latents import check_finite, denormalize_latents, normalize_latents, seeded_noise
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER, scale_key_for
-from ..models.quantized import BLOCK_PREFIXES, keeps_quantized
+from ..weights.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER, scale_key_for
+from ..weights.quantized import BLOCK_PREFIXES, keeps_quantized
 from ..tensor_files import save_tensors_atomic
 
 __all__ = ["fp8_state", "is_block_linear_weight", "write_fp8_file"]

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-from ..models.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
+from ..weights.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
 from ..video_io import written_atomically
 
 __all__ = ["gguf_storage_type", "quantize", "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k",

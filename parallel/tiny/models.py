@@ -35,9 +35,9 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 from transformers.utils import logging as transformers_logging
 
-from ..models.checkpoint import rename_map
-from ..models.wan import convert_wan_transformer_keys
-from ..models.umt5 import SPIECE_FILENAME, SPIECE_KEY
+from ..weights.checkpoint import rename_map
+from ..weights.loaders import convert_wan_transformer_keys
+from ..weights.umt5_files import SPIECE_FILENAME, SPIECE_KEY
 from ..tensor_files import save_tensors_atomic
 from .files import MEDIUM_FILES, TINY_FILES
 

@@ -16,8 +16,14 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLWan
 
-from ..models.vae22 import (WAN22_IO_CHANNELS, WAN22_LATENT_CHANNELS, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD,
-                            WAN22_PATCH, convert_wan22_vae_keys)
+from ..weights.vae22_keys import (
+    WAN22_IO_CHANNELS,
+    WAN22_LATENT_CHANNELS,
+    WAN22_LATENTS_MEAN,
+    WAN22_LATENTS_STD,
+    WAN22_PATCH,
+    convert_wan22_vae_keys,
+)
 from ..tensor_files import save_tensors_atomic
 from .files import TINY_FILES
 

@@ -1,3 +1,7 @@
-"""Model files and models; runs in the workers (and the CLI's make-tiny): checkpoint reading and detection,
-Wan T2V/VACE transformer and VAE loading (diffusers classes), tensor-parallel sharded loading, umT5, VAE
-tiling, pixel formats, and the tiny test models."""
+"""Model weight files and their formats; runs in the workers (and the driver, for header-only checks).
+
+Reading safetensors (and weights-only pickles), scaled fp8 and GGUF files as name maps with per-tensor readers,
+dequantization (kept quantized layers), each rank's sharded reads, recognising a file's model kind and config
+from its tensor shapes, LoRA files, and the loaders that read a file into a network of ``parallel.networks``.
+Imports go one way: this package uses ``parallel.networks``; nothing there reads a file.
+"""

@@ -34,7 +34,7 @@ _FP8_DTYPES = tuple(
     if hasattr(torch, name)
 )
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-log = logging.getLogger("wanmesh.models")
+log = logging.getLogger("wanmesh.weights")
 
 TensorSlice = tuple[slice | int, ...] | slice | None
 

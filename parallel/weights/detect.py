@@ -217,7 +217,7 @@ def image_inputs(config: Mapping) -> str | None:
 def infer_vae_config(shapes: Shapes) -> dict:
     """diffusers `AutoencoderKLWan` kwargs from original-layout VAE shapes (unprefixed keys): the Wan 2.2 VAE (48
     latent channels, nested levels; ``vae22.py``) or the Wan 2.1 VAE (16 channels, one flat block sequence)."""
-    from .vae22 import infer_wan22_vae_config, is_wan22_vae  # here: this module loads at ComfyUI start-up
+    from .vae22_keys import infer_wan22_vae_config, is_wan22_vae  # here: this module loads at ComfyUI start-up
 
     if is_wan22_vae(shapes):
         return infer_wan22_vae_config(shapes)

@@ -1,4 +1,4 @@
-"""Public model loaders: Wan / VACE transformers, the Wan VAEs (2.1 and 2.2) and the umT5 text encoder.
+"""Model loaders: Wan / VACE transformers and the Wan VAEs (2.1 and 2.2), read from their files; runs in the workers.
 
 Each loader accepts a ComfyUI-style single file in the original key layout, a diffusers model folder
 (`config.json` + safetensors, maybe sharded) or a diffusers pipeline folder (`model_index.json` with
@@ -21,7 +21,6 @@ from diffusers.loaders.single_file_utils import (
     convert_wan_vae_to_diffusers,
 )
 
-from ..config import TEXT_TOKENS
 from .checkpoint import (
     COMFY_TRANSFORMER_PREFIX,
     CheckpointFile,
@@ -36,14 +35,19 @@ from .checkpoint import (
     strip_prefix,
 )
 from .gguf_file import open_files
-from .umt5 import TextEncoder, load_text_encoder
-from .vae22 import WAN22_LATENT_CHANNELS, check_wan22_folder_config, convert_wan22_vae_keys, is_wan22_vae
-from .wan_vace import WanVaceMultiContext
-from .detect import (WAN21_LATENT_CHANNELS, check_latent_channels, describe_kind, detect_kind, infer_transformer_config,
-                     infer_vae_config)
+from .vae22_keys import WAN22_LATENT_CHANNELS, check_wan22_folder_config, convert_wan22_vae_keys, is_wan22_vae
+from ..networks.wan_inputs import with_native_inputs
+from ..networks.wan_vace import WanVaceMultiContext
+from .detect import (
+    WAN21_LATENT_CHANNELS,
+    check_latent_channels,
+    describe_kind,
+    detect_kind,
+    infer_transformer_config,
+    infer_vae_config,
+)
 
-__all__ = ["ModelFileError", "TextEncoder", "load_text_encoder", "load_transformer", "load_vae", "pad_to_patches",
-           "pad_inputs_to_patches", "with_native_inputs", "resolve_model_location", "transformer_weight_source"]
+__all__ = ["load_transformer", "load_vae", "transformer_weight_source"]
 
 # diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support.
 TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext}
@@ -180,97 +184,6 @@ def load_transformer(
         model = load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
         return with_native_inputs(model)
 
-
-def with_native_inputs(model: torch.nn.Module) -> torch.nn.Module:
-    """The loaded transformer taking its inputs as native Wan takes them: latents of any size (padded to patches)
-    and, for models with image tokens, native text lengths and first-last-frame tokens. In place; returns it."""
-    pad_inputs_to_patches(model)
-    if getattr(model.config, "image_dim", None):
-        pad_text_for_image_tokens(model)
-        if getattr(model.config, "pos_embed_seq_len", None):
-            embed_image_tokens_natively(model.condition_embedder.image_embedder)
-    return model
-
-
-# -- image tokens (Wan 2.1 I2V / FLF2V) ------------------------------------------------------------------------------
-
-
-def pad_text_for_image_tokens(model: torch.nn.Module) -> None:
-    """diffusers' attention tells image tokens from text tokens by assuming exactly TEXT_TOKENS (512) text tokens
-    after them; native Wan's text encoder pads every prompt to 512 with zero embeddings, so a shorter context is
-    padded the same way here, and a longer one (which native splits by the image token count) is refused."""
-
-    def pad_text(module, args, kwargs):
-        text = kwargs.get("encoder_hidden_states")
-        if text is None or text.shape[1] == TEXT_TOKENS:
-            return args, kwargs
-        if text.shape[1] > TEXT_TOKENS:
-            raise ValueError(f"image-to-video models take at most {TEXT_TOKENS} text tokens; this prompt has "
-                             f"{text.shape[1]}: shorten it")
-        kwargs["encoder_hidden_states"] = torch.nn.functional.pad(text, (0, 0, 0, TEXT_TOKENS - text.shape[1]))
-        return args, kwargs
-
-    model.register_forward_pre_hook(pad_text, with_kwargs=True)
-
-
-def embed_image_tokens_natively(embedder: torch.nn.Module) -> None:
-    """FLF2V's image embedding as native Wan computes it: the learned position embedding added to however many
-    tokens are given (two images, or one when there is no end image). diffusers' version folds the batch into
-    pairs of images and cannot take one image's tokens."""
-
-    def forward(tokens: torch.Tensor) -> torch.Tensor:
-        positions = embedder.pos_embed.shape[1]
-        tokens = tokens[:, :positions] + embedder.pos_embed[:, : tokens.shape[1]].to(tokens.dtype)
-        return embedder.norm2(embedder.ff(embedder.norm1(tokens)))
-
-    embedder.forward = forward
-
-
-# -- latents of any size: padded to the patch grid, the output cropped back ----------------------------------------
-
-PATCH_PADDING_MODE = "circular"  # as native ComfyUI's WanModel pads the latent before its patch embedding
-PADDED_INPUTS = ("hidden_states", "control_hidden_states")  # the video latent and the VACE contexts
-
-
-def pad_to_patches(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
-    """``x[..., T, h, w]`` padded at the end of each of its last three axes to a multiple of ``patch``, wrapping
-    around (circular). Leading axes beyond batch and channel (several VACE contexts) are folded for the pad."""
-    pad: list[int] = []
-    for size, step in zip(reversed(x.shape[-3:]), reversed(patch)):
-        pad += [0, -size % step]
-    if not any(pad):
-        return x
-    folded = x.reshape(-1, *x.shape[-4:])
-    padded = torch.nn.functional.pad(folded, pad, mode=PATCH_PADDING_MODE)
-    return padded.reshape(*x.shape[:-3], *padded.shape[-3:])
-
-
-def pad_inputs_to_patches(model: torch.nn.Module) -> torch.nn.Module:
-    """Let ``model`` take latents of any size, as native Wan does: each forward pads the video latent (and the VACE
-    contexts) to the patch grid and crops the output back to the latent's size. In place; returns the model."""
-    patch = tuple(model.config.patch_size)
-    sizes: list[tuple[int, ...]] = []
-
-    def pad_inputs(module, args, kwargs):
-        latent = args[0] if args else kwargs["hidden_states"]  # diffusers' forward takes the latent first
-        sizes.append(tuple(latent.shape[-3:]))
-        if args:
-            args = (pad_to_patches(args[0], patch), *args[1:])
-        for name in PADDED_INPUTS:
-            if isinstance(kwargs.get(name), torch.Tensor):
-                kwargs[name] = pad_to_patches(kwargs[name], patch)
-        return args, kwargs
-
-    def crop_output(module, args, kwargs, output):
-        t, h, w = sizes.pop()
-        if isinstance(output, tuple):
-            return (output[0][..., :t, :h, :w], *output[1:])
-        output.sample = output.sample[..., :t, :h, :w]
-        return output
-
-    model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
-    model.register_forward_hook(crop_output, with_kwargs=True)
-    return model
 
 
 def _strip_first_matching_prefix(keys: list[str], prefixes: tuple[str, ...]) -> dict[str, str]:

@@ -23,7 +23,8 @@ from torch import nn
 
 from .checkpoint import TensorSlice, WeightSource, build_empty, load_weights_into
 from .quantized import StoredTensor, logical_name
-from .wan import transformer_weight_source, with_native_inputs
+from .loaders import transformer_weight_source
+from ..networks.wan_inputs import with_native_inputs
 from ..distributed.tensor_parallel import (
     TensorParallelPlan,
     check_tp_degree,

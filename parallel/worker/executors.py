@@ -13,8 +13,8 @@ import torch.distributed as dist
 from ..config import LATENT_CHANNELS, encode_geometry
 from ..errors import Cancelled
 from ..distributed.patch_parallel import effective_patch_size
-from ..models.frames import centre_crop, frames_to_pixels, pixels_to_frames
-from ..models.vae_tiling import decode_raw, spatial_factor, tiled_decode, tiled_encode
+from ..networks.frames import centre_crop, frames_to_pixels, pixels_to_frames
+from ..networks.vae_tiling import decode_raw, spatial_factor, tiled_decode, tiled_encode
 from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace

@@ -30,11 +30,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..distributed.tensor_parallel import shard_index
-from ..models.checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, first_names, rename_map
-from ..models.gguf_file import open_files
-from ..models.quantized import logical_parameters, quantized_layers
+from ..weights.checkpoint import COMFY_TRANSFORMER_PREFIX, CheckpointFile, first_names, rename_map
+from ..weights.gguf_file import open_files
+from ..weights.quantized import logical_parameters, quantized_layers
 from ..config import check_lora_strength
-from ..models.lora import DIFFUSERS, KOHYA, LoraHeader, LoraLayer, read_lora_header
+from ..weights.lora_files import DIFFUSERS, KOHYA, LoraHeader, LoraLayer, read_lora_header
 
 __all__ = ["LoraPatch", "LoraState", "apply_loras", "plan_lora", "applied_loras"]
 
@@ -286,7 +286,7 @@ def _rank_source(model: nn.Module, source):
     plan, tp = getattr(model, "tp_plan", None), getattr(model, "tp_size", 1)
     if plan is None or tp == 1:
         return source
-    from ..models.sharded import ShardedWeightSource
+    from ..weights.sharded import ShardedWeightSource
 
     return ShardedWeightSource(source, plan.shard_dims(), model.tp_rank, tp)
 
@@ -296,7 +296,7 @@ def apply_loras(model: nn.Module, loras, *, path: str, vace_module: str | None =
 
     Every file is matched and checked before any weight changes. Appending LoRAs merges just the new ones;
     any other change first restores the parameters the old list touched from the model file."""
-    from ..models.wan import transformer_weight_source
+    from ..weights.loaders import transformer_weight_source
 
     wanted = normalise_loras(loras)
     state: LoraState = getattr(model, STATE_ATTRIBUTE, LoraState())

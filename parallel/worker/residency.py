@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 
 from ..config import DTYPE_NAMES, check_weights_mode
-from ..models import wan
+from ..weights import loaders as wan
+from ..weights import umt5_files
 from .memory import estimated_load_bytes, memory_budget_bytes, resident_bytes
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class ResidentModels:
             model = wan.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device,
                                          weights=weights)
         else:
-            from ..models.sharded import load_transformer_tp
+            from ..weights.sharded import load_transformer_tp
 
             model = load_transformer_tp(path, vace_module=vace_module, dtype=torch_dtype, device=self.device,
                                         tp_group=self.parallel.tp_group, weights=weights)
@@ -138,8 +139,8 @@ class ResidentModels:
 
     def _load_umt5(self, path: str, torch_dtype: torch.dtype):
         if self._degree("tp") == 1:
-            return wan.load_text_encoder(path, dtype=torch_dtype, device=self.device)
-        from ..models.umt5_tp import load_text_encoder_tp
+            return umt5_files.load_text_encoder(path, dtype=torch_dtype, device=self.device)
+        from ..weights.umt5_files import load_text_encoder_tp
 
         return load_text_encoder_tp(path, dtype=torch_dtype, device=self.device, tp_group=self.parallel.tp_group)
 

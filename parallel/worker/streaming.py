@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..models.frames import pixels_to_frames
-from ..models.vae_stream import StreamingVaeDecoder
+from ..networks.frames import pixels_to_frames
+from ..networks.vae_stream import StreamingVaeDecoder
 from ..protocol import StreamSample
 from ..sampling.loop import text_context
 

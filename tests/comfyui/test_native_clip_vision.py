@@ -41,7 +41,7 @@ comfy.options.enable_args_parsing()
 import comfy.clip_vision, comfy.utils
 from safetensors.torch import load_file, save_file
 from wanmesh.nodes.clip_vision import WanMeshCLIPVisionEncode
-from wanmesh.parallel.models.clip_vision import load_clip_vision
+from wanmesh.parallel.weights.clip_vision_files import load_clip_vision
 FIELDS = ("last_hidden_state", "image_embeds", "penultimate_hidden_states")
 
 def native(state):
@@ -98,7 +98,8 @@ def native(recent_comfyui_dir: Path, files, images) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def wanmesh(files, images) -> dict[str, torch.Tensor]:
-    from wanmesh.parallel.models.clip_vision import encode_images, load_clip_vision
+    from wanmesh.parallel.networks.clip_vision import encode_images
+    from wanmesh.parallel.weights.clip_vision_files import load_clip_vision
 
     out = {}
     for layout in LAYOUTS:
@@ -116,7 +117,7 @@ def _largest(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("crop", list(CROPS))
 def test_preprocessing_equals_comfyuis_clip_preprocess(native, images, crop) -> None:
-    from wanmesh.parallel.models.clip_vision import clip_preprocess
+    from wanmesh.parallel.networks.clip_vision import clip_preprocess
 
     assert _largest(clip_preprocess(images, crop=CROPS[crop]), native[f"pixels.{crop}"]) <= PIXEL_TOLERANCE
 

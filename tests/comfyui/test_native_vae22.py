@@ -129,7 +129,7 @@ def test_encoding_seven_frames_of_an_odd_size_equals_native_vae_encode(native, w
 
 
 def test_latent_statistics_are_comfyui_wan22s(native) -> None:
-    from wanmesh.parallel.models.vae22 import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
+    from wanmesh.parallel.weights.vae22_keys import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
 
     assert torch.equal(native["latents_mean"], torch.tensor(WAN22_LATENTS_MEAN))
     assert torch.equal(native["latents_std"], torch.tensor(WAN22_LATENTS_STD))

@@ -131,7 +131,7 @@ def test_encoding_ten_frames_of_an_odd_size_equals_native_vae_encode(native, wan
 
 
 def test_transformer_on_an_odd_latent_size_equals_native_wan_model(recent_comfyui_dir, tiny_models_dir, tmp_path):
-    from wanmesh.parallel.models.wan import load_transformer
+    from wanmesh.parallel.weights.loaders import load_transformer
 
     model_file = tiny_models_dir / "diffusion_models" / "wan_tiny_t2v.safetensors"
     model = load_transformer(str(model_file))

@@ -11,7 +11,7 @@ import torch
 
 from pool_helpers import cpu_pool, one_thread_per_worker, random_prompt_request, tiny_model_paths  # noqa: F401
 from wanmesh.parallel.driver.runner import PoolRunner
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import sample
 

@@ -31,8 +31,8 @@ COMFYUI_SIDE = {
     "parallel.driver", "parallel.driver.pool", "parallel.driver.runner", "parallel.driver.timings",
     "parallel.validation", "parallel.video_io",
     "parallel.vace", "parallel.vace.builders", "parallel.vace.encode",
-    "parallel.models", "parallel.models.checkpoint", "parallel.models.detect", "parallel.models.gguf_file",
-    "parallel.models.lora", "parallel.models.quantized", "parallel.models.vae22",
+    "parallel.weights", "parallel.weights.checkpoint", "parallel.weights.detect", "parallel.weights.gguf_file",
+    "parallel.weights.lora_files", "parallel.weights.quantized", "parallel.weights.vae22_keys",
 }
 WORKER_IDLE = {"parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.transport",
                "parallel.distributed", "parallel.distributed.mesh", "parallel.worker", "parallel.worker.main",
@@ -75,7 +75,7 @@ def test_a_worker_loads_neither_nodes_nor_driver(tmp_path):
     assert _wanmesh_modules(idle) == WORKER_IDLE, sorted(_wanmesh_modules(idle) ^ WORKER_IDLE)
     assert not [name for name in MODEL_LIBRARIES if name in idle]
     loaded = _wanmesh_modules(working)
-    assert {"parallel.models.quantized", "parallel.models.dequant", "parallel.sampling.loop"} <= loaded
+    assert {"parallel.weights.quantized", "parallel.weights.dequant", "parallel.sampling.loop"} <= loaded
     assert "diffusers" in working  # the model library loads with the model, in the worker
     wrong = sorted(name for name in loaded if name.startswith(NEVER_IN_A_WORKER))
     assert not wrong, f"driver-side modules in a worker: {wrong}"

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from checks import assert_same_state
 from wanmesh.parallel.auto_layout import Layout, block_calls
 from wanmesh.parallel.distributed.collectives import CollectiveCounter
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import sample
-from wanmesh.parallel.models.sharded import load_transformer_tp, weight_bytes
+from wanmesh.parallel.weights.sharded import load_transformer_tp, weight_bytes
 from wanmesh.parallel.distributed.tensor_parallel import analytic_collectives, apply_tensor_parallel
 from wanmesh.parallel.distributed.spawn import spawn_ranks
 from wanmesh.parallel.tiny.models import TINY_TRANSFORMER, make_tiny

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from checks import assert_same_state
-from wanmesh.parallel.models.sharded import weight_bytes
+from wanmesh.parallel.weights.sharded import weight_bytes
 from wanmesh.parallel.distributed.spawn import spawn_ranks
-from wanmesh.parallel.models.umt5 import load_text_encoder
-from wanmesh.parallel.models.umt5_tp import apply_text_encoder_tp, load_text_encoder_tp, text_encoder_tp_plan
+from wanmesh.parallel.weights.umt5_files import load_text_encoder
+from wanmesh.parallel.networks.umt5_tp import apply_text_encoder_tp, text_encoder_tp_plan
+from wanmesh.parallel.weights.umt5_files import load_text_encoder_tp
 from wanmesh.parallel.tiny.models import make_tiny
 
 HARD_DEADLINE_S = 120.0

@@ -46,7 +46,7 @@ def _encode_input(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _run_all(vae, group, tag: str, out_dir: Path) -> None:
-    from wanmesh.parallel.models.vae_tiling import tiled_decode, tiled_encode
+    from wanmesh.parallel.networks.vae_tiling import tiled_decode, tiled_encode
 
     saved = {}
     for name, shape in DECODE_CASES.items():

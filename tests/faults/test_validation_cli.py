@@ -125,7 +125,7 @@ def test_bad_input_exits_2_with_one_line_before_any_worker(bad_input_results, na
 def test_prompt_tokens_beyond_512_are_counted_with_the_encoders_tokenizer(files):
     """The driver's count (tokenizer bytes read from the file header's tensor) against the worker's own
     tokenization of the same prompt (the text encoder as loaded for encoding)."""
-    from wanmesh.parallel.models.umt5 import open_text_encoder
+    from wanmesh.parallel.weights.umt5_files import open_text_encoder
     from wanmesh.parallel.validation import count_prompt_tokens, prompt_length_warning
     import contextlib
 

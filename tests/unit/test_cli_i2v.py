@@ -19,7 +19,8 @@ from wanmesh.parallel.cli import generate as generate_module
 from wanmesh.parallel.cli import main
 from wanmesh.parallel.cli.media import read_image
 from wanmesh.parallel.image_to_video import first_last_video, start_image_video, wan22_image_latent, wan22_start_frames
-from wanmesh.parallel.models.clip_vision import encode_images, load_clip_vision
+from wanmesh.parallel.networks.clip_vision import encode_images
+from wanmesh.parallel.weights.clip_vision_files import load_clip_vision
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.worker.executors import RankExecutor
 

@@ -13,10 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wanmesh.parallel.models.checkpoint import ModelFileError
-from wanmesh.parallel.models.clip_vision import (CLIP_MEAN, CLIP_STD, ClipVisionOutput, clip_head_count,
-                                                 clip_preprocess, encode_images, infer_clip_vision_config,
-                                                 load_clip_vision)
+from wanmesh.parallel.weights.checkpoint import ModelFileError
+from wanmesh.parallel.networks.clip_vision import CLIP_MEAN, CLIP_STD, ClipVisionOutput, clip_preprocess, encode_images
+from wanmesh.parallel.weights.clip_vision_files import clip_head_count, infer_clip_vision_config, load_clip_vision
 from wanmesh.parallel.tiny.clip_vision import (CLIP_VISION_FILE, TINY_CLIP_VISION, build_tiny_clip_vision,
                                                openclip_state, tiny_clip_vision_state, write_tiny_clip_vision)
 

@@ -1,4 +1,4 @@
-"""GGUF dequantisation in torch (``parallel/models/dequant.py``) against the gguf package's numpy dequantiser,
+"""GGUF dequantisation in torch (``parallel/weights/dequant.py``) against the gguf package's numpy dequantiser,
 and the test-file K-type quantisers (``parallel/tiny/gguf_write.py``) against the values they were given.
 
 Every supported type is bit-exact in float32 (the products are of an f16 scale and small integers, so exact;
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from wanmesh.parallel.models.dequant import SUPPORTED_TYPES, dequantize
+from wanmesh.parallel.weights.dequant import SUPPORTED_TYPES, dequantize
 from wanmesh.parallel.tiny.gguf_write import quantize
 
 Q = gguf.GGMLQuantizationType

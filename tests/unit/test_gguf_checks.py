@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from model_kinds import write_gguf_tensors
-from wanmesh.parallel.models import gguf_file
-from wanmesh.parallel.models.detect import safetensors_kind
+from wanmesh.parallel.weights import gguf_file
+from wanmesh.parallel.weights.detect import safetensors_kind
 from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import sample
 

@@ -14,12 +14,12 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-from wanmesh.parallel.models.gguf_file import GGUFFile
+from wanmesh.parallel.weights.gguf_file import GGUFFile
 from wanmesh.parallel.tiny.gguf_write import write_wan_gguf
-from wanmesh.parallel.models.sharded import load_transformer_shard
+from wanmesh.parallel.weights.sharded import load_transformer_shard
 from wanmesh.parallel.tiny.models import original_state_dict, original_transformer_names, randomise_
-from wanmesh.parallel.models.wan import load_transformer, transformer_weight_source
-from wanmesh.parallel.models.quantized import read_weights
+from wanmesh.parallel.weights.loaders import load_transformer, transformer_weight_source
+from wanmesh.parallel.weights.quantized import read_weights
 
 Q = gguf.GGMLQuantizationType
 # Input dims of 256 / 512 so K-quant blocks (256) also fit the halves a row-parallel tp=2 split reads.

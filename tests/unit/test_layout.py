@@ -126,3 +126,51 @@ def test_every_module_says_its_role_and_process(path):
     in_nodes = path.relative_to(PACK_ROOT).parts[0] == "nodes"
     assert in_nodes or any(word in docstring for word in PROCESS_WORDS), (
         f"{path.relative_to(PACK_ROOT)}: the docstring does not say which process runs it")
+
+
+FILE_FORMAT_LIBRARIES = ("safetensors", "gguf")
+
+
+def _imports_anywhere(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports, at module level or inside a function, as absolute dotted names."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def _reads_files(name: str, path: Path) -> list[str]:
+    """What in module ``name`` reads a weight file: an import of the weights package or a file-format library, or a
+    call of torch.load."""
+    weights = f"{PACKAGE}.parallel.weights"
+    bad = sorted(m for m in _imports_anywhere(name, path)
+                 if m == weights or m.startswith(weights + ".") or m.split(".")[0] in FILE_FORMAT_LIBRARIES)
+    if "torch.load(" in path.read_text(encoding="utf-8"):
+        bad.append("torch.load")
+    return bad
+
+
+def test_networks_read_no_weight_file():
+    """parallel/networks holds the networks only: no module there imports parallel/weights (files, formats, loaders),
+    safetensors or gguf, or calls torch.load; the weights package builds networks from files, never the reverse."""
+    networks = {n: p for n, p in _modules().items() if n.startswith(f"{PACKAGE}.parallel.networks")}
+    assert len(networks) >= 8
+    offenders = {name: bad for name, path in networks.items() if (bad := _reads_files(name, path))}
+    assert not offenders, offenders
+
+
+def test_the_file_reading_check_sees_a_weights_import(tmp_path):
+    module = tmp_path / "probe.py"
+    module.write_text("def f():\n    from ..weights.checkpoint import CheckpointFile\n    import gguf\n")
+    assert _reads_files(f"{PACKAGE}.parallel.networks.probe", module) == sorted([
+        f"{PACKAGE}.parallel.weights.checkpoint", f"{PACKAGE}.parallel.weights.checkpoint.CheckpointFile", "gguf"])

@@ -10,10 +10,11 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from wanmesh.parallel.models.checkpoint import CheckpointFile, ModelFileError, read_tensor
-from wanmesh.parallel.models.wan import load_text_encoder, load_transformer, load_vae
-from wanmesh.parallel.models.detect import infer_transformer_config
-from wanmesh.parallel.models.quantized import read_weights
+from wanmesh.parallel.weights.checkpoint import CheckpointFile, ModelFileError, read_tensor
+from wanmesh.parallel.weights.umt5_files import load_text_encoder
+from wanmesh.parallel.weights.loaders import load_transformer, load_vae
+from wanmesh.parallel.weights.detect import infer_transformer_config
+from wanmesh.parallel.weights.quantized import read_weights
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

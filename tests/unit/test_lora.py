@@ -12,11 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import latent_shape
-from wanmesh.parallel.models.lora import check_lora_for_model, parse_lora_arg, read_lora_header
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.lora_files import check_lora_for_model, parse_lora_arg, read_lora_header
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.worker.executors import RankExecutor
 from wanmesh.parallel.worker.lora_merge import applied_loras
-from wanmesh.parallel.models.quantized import read_weights
+from wanmesh.parallel.weights.quantized import read_weights
 
 STRENGTH = 0.7
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from wanmesh.parallel.config import latent_shape
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import pad_to_wan_text_length, sample
 from wanmesh.parallel.sampling.preview import WAN21_LATENT_RGB, WAN21_LATENT_RGB_BIAS, preview_image

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from wanmesh.parallel.models.checkpoint import read_safetensors_header
-from wanmesh.parallel.models.quantized import keeps_quantized, quantized_layers, read_weights
-from wanmesh.parallel.models.sharded import load_transformer_shard
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.checkpoint import read_safetensors_header
+from wanmesh.parallel.weights.quantized import keeps_quantized, quantized_layers, read_weights
+from wanmesh.parallel.weights.sharded import load_transformer_shard
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.tiny.fp8_write import write_fp8_file
 from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
 from wanmesh.parallel.worker.lora_merge import apply_loras
@@ -93,7 +93,7 @@ def test_a_gguf_slice_that_cuts_quant_blocks_is_dequantized_at_load_and_logged(f
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types["blocks.0.ffn.2.weight"] == gguf.GGMLQuantizationType.Q4_K
     assert quantized_layers(load_transformer(path))  # one rank keeps them
-    with caplog.at_level(logging.WARNING, logger="wanmesh.models"):
+    with caplog.at_level(logging.WARNING, logger="wanmesh.weights"):
         shard = load_transformer_shard(path, tp_rank=1, tp_size=2, tp_group=None)
     cut = [record.getMessage() for record in caplog.records if "dequantized at load" in record.getMessage()]
     assert len(cut) == 1 and f"{_quantized_in_file(path)} tensors (" in cut[0] and "MiB" in cut[0], cut
@@ -127,7 +127,7 @@ def test_loras_on_kept_weights_equal_loras_merged_into_dequantized_ones(files, t
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_table_decode_is_bit_identical_to_torch_cast_for_every_byte(fp8_dtype, dtype) -> None:
-    from wanmesh.parallel.models.quantized import fp8_values
+    from wanmesh.parallel.weights.quantized import fp8_values
 
     every_byte = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).reshape(16, 16)
     for data in (every_byte, every_byte.t()):  # a transposed (non-contiguous) slice too

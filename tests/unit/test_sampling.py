@@ -7,7 +7,7 @@ import torch
 from diffusers import UniPCMultistepScheduler, WanPipeline
 
 from wanmesh.parallel.worker.executors import RankExecutor
-from wanmesh.parallel.models.wan import load_transformer, load_vae
+from wanmesh.parallel.weights.loaders import load_transformer, load_vae
 from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.errors import Cancelled
 from wanmesh.parallel.protocol import SampleRequest

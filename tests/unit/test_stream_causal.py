@@ -14,7 +14,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from wanmesh.parallel.errors import Cancelled
-from wanmesh.parallel.models.causal import CacheWindow, CausalRope, CausalWan
+from wanmesh.parallel.networks.causal import CacheWindow, CausalRope, CausalWan
 from wanmesh.parallel.tiny.models import TINY_TRANSFORMER, randomise_
 from wanmesh.parallel.sampling.latents import denormalize_latents, seeded_noise
 from wanmesh.parallel.sampling.stream import sample_stream, stream_sigmas
@@ -147,7 +147,7 @@ def test_window_bounds_the_cache_and_restores_the_model(causal_model, text_conte
 def test_odd_latent_size_streams_with_the_cache_as_without():
     """A latent of odd height and width: the loaded model pads it to its patches (as native Wan) and the causal RoPE
     and frame masks cover the padded grid, so the cache still equals recomputation and the shape comes back."""
-    from wanmesh.parallel.models.wan import pad_inputs_to_patches
+    from wanmesh.parallel.networks.wan_inputs import pad_inputs_to_patches
 
     torch.manual_seed(0)
     t2v = WanTransformer3DModel(**TINY_TRANSFORMER)

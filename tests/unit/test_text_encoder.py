@@ -7,7 +7,7 @@ import torch
 from diffusers import WanPipeline
 from transformers import T5Tokenizer
 
-from wanmesh.parallel.models.wan import load_text_encoder
+from wanmesh.parallel.weights.umt5_files import load_text_encoder
 
 PROMPTS = [
     "A cat sits on a red sofa in the warm afternoon light.",
@@ -30,7 +30,7 @@ def reference_pipeline(tiny_models):
 
 def test_tokenizer_matches_transformers(file_encoder, tiny_models):
     reference = T5Tokenizer.from_pretrained(tiny_models["diffusers_t2v"] / "tokenizer")
-    from wanmesh.parallel.models.umt5 import clean_prompt
+    from wanmesh.parallel.networks.umt5 import clean_prompt
 
     prompts = PROMPTS + [LONG_PROMPT]
     ids, mask = file_encoder.tokenize(prompts)

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from checks import write_fp8_variant
-from wanmesh.parallel.models import checkpoint
-from wanmesh.parallel.models.sharded import weight_bytes
+from wanmesh.parallel.weights import checkpoint
+from wanmesh.parallel.weights.sharded import weight_bytes
 from wanmesh.parallel.distributed.tensor_parallel import shard_index
-from wanmesh.parallel.models.umt5 import load_text_encoder
-from wanmesh.parallel.models.umt5_tp import load_text_encoder_shard, text_encoder_tp_plan
+from wanmesh.parallel.weights.umt5_files import load_text_encoder
+from wanmesh.parallel.weights.umt5_files import load_text_encoder_shard
+from wanmesh.parallel.networks.umt5_tp import text_encoder_tp_plan
 
 
 

@@ -17,9 +17,9 @@ from wanmesh.parallel.config import (WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, chec
                                      check_model_input, check_noise_mask)
 from wanmesh.parallel.image_to_video import (frame_timesteps, latent_noise_mask, wan22_image_latent,
                                              wan22_start_frames)
-from wanmesh.parallel.models.checkpoint import ModelFileError
-from wanmesh.parallel.models.detect import check_latent_channels, image_inputs, infer_transformer_config
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.checkpoint import ModelFileError
+from wanmesh.parallel.weights.detect import check_latent_channels, image_inputs, infer_transformer_config
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.protocol import ModelForward, SampleRequest
 from wanmesh.parallel.sampling.forward import forward_rows
 from wanmesh.parallel.sampling.guidance import token_timesteps

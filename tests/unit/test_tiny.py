@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import UMT5EncoderModel
 
-from wanmesh.parallel.models.checkpoint import build_empty
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.checkpoint import build_empty
+from wanmesh.parallel.weights.loaders import load_transformer
 from wanmesh.parallel.tiny import models as tiny
 from wanmesh.parallel.tiny.files import MEDIUM_FILES, TINY_FILES
 from wanmesh.parallel.tiny.fp8_write import write_fp8_file

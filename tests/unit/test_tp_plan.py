@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from checks import write_fp8_variant
-from wanmesh.parallel.models import checkpoint
-from wanmesh.parallel.models.quantized import read_weights
-from wanmesh.parallel.models.wan import load_transformer, transformer_weight_source
-from wanmesh.parallel.models.sharded import load_transformer_shard, weight_bytes
+from wanmesh.parallel.weights import checkpoint
+from wanmesh.parallel.weights.quantized import read_weights
+from wanmesh.parallel.weights.loaders import load_transformer, transformer_weight_source
+from wanmesh.parallel.weights.sharded import load_transformer_shard, weight_bytes
 from wanmesh.parallel.distributed.tensor_parallel import (
     apply_tensor_parallel,
     check_tp_degree,

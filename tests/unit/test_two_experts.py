@@ -11,8 +11,8 @@ from diffusers import UniPCMultistepScheduler
 
 
 from wanmesh.parallel.config import latent_shape
-from wanmesh.parallel.models.checkpoint import ModelFileError
-from wanmesh.parallel.models.detect import infer_transformer_config
+from wanmesh.parallel.weights.checkpoint import ModelFileError
+from wanmesh.parallel.weights.detect import infer_transformer_config
 from wanmesh.parallel.protocol import SampleRequest
 from wanmesh.parallel.sampling.loop import pad_to_wan_text_length, sample
 from wanmesh.parallel.sampling.schedules import schedule

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from wanmesh.parallel.models.checkpoint import ModelFileError
-from wanmesh.parallel.models.detect import safetensors_kind
-from wanmesh.parallel.models.wan import load_transformer
+from wanmesh.parallel.weights.checkpoint import ModelFileError
+from wanmesh.parallel.weights.detect import safetensors_kind
+from wanmesh.parallel.weights.loaders import load_transformer
 
 
 def test_kinds_come_from_the_header(tiny_models, tmp_path):

@@ -11,11 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wanmesh.parallel import protocol as P
-from wanmesh.parallel.models.checkpoint import ModelFileError
-from wanmesh.parallel.models.detect import infer_vae_config
-from wanmesh.parallel.models.vae22 import (WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, convert_wan22_vae_keys,
-                                           is_wan22_vae)
-from wanmesh.parallel.models.wan import load_vae
+from wanmesh.parallel.weights.checkpoint import ModelFileError
+from wanmesh.parallel.weights.detect import infer_vae_config
+from wanmesh.parallel.weights.vae22_keys import (
+    WAN22_LATENTS_MEAN,
+    WAN22_LATENTS_STD,
+    convert_wan22_vae_keys,
+    is_wan22_vae,
+)
+from wanmesh.parallel.weights.loaders import load_vae
 from wanmesh.parallel.tiny.vae22 import TINY_VAE22, TINY_VAE22_FILE, build_tiny_vae22, write_tiny_vae22
 from wanmesh.parallel.worker.executors import RankExecutor
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 
-from wanmesh.parallel.models.frames import pixels_to_frames
+from wanmesh.parallel.networks.frames import pixels_to_frames
 from wanmesh.parallel.tiny.models import TINY_VAE, randomise_
-from wanmesh.parallel.models.vae_stream import StreamingVaeDecoder, stream_decoded_frame_count
+from wanmesh.parallel.networks.vae_stream import StreamingVaeDecoder, stream_decoded_frame_count
 
 
 @pytest.fixture(scope="module")

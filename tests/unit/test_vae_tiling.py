@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from wanmesh.parallel.distributed.patch_parallel import TileTask, assign_by_workload, effective_patch_size, run_patch_parallel
-from wanmesh.parallel.models.vae_tiling import (
+from wanmesh.parallel.networks.vae_tiling import (
     merge_blended,
     resolve_tile_options,
     split_spatial,

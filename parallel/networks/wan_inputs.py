@@ -1,0 +1,102 @@
+"""How the loaded Wan transformer takes its inputs as native Wan takes them; runs in the workers.
+
+Forward hooks on diffusers' ``WanTransformer3DModel`` (and the VACE model): latents of any size are padded to the
+patch grid and the output cropped back; image-to-video models get native text lengths and first-last-frame image
+tokens. Applied by the loaders after the weights are in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import TEXT_TOKENS
+
+
+def with_native_inputs(model: torch.nn.Module) -> torch.nn.Module:
+    """The loaded transformer taking its inputs as native Wan takes them: latents of any size (padded to patches)
+    and, for models with image tokens, native text lengths and first-last-frame tokens. In place; returns it."""
+    pad_inputs_to_patches(model)
+    if getattr(model.config, "image_dim", None):
+        pad_text_for_image_tokens(model)
+        if getattr(model.config, "pos_embed_seq_len", None):
+            embed_image_tokens_natively(model.condition_embedder.image_embedder)
+    return model
+
+
+def pad_text_for_image_tokens(model: torch.nn.Module) -> None:
+    """diffusers' attention tells image tokens from text tokens by assuming exactly TEXT_TOKENS (512) text tokens
+    after them; native Wan's text encoder pads every prompt to 512 with zero embeddings, so a shorter context is
+    padded the same way here, and a longer one (which native splits by the image token count) is refused."""
+
+    def pad_text(module, args, kwargs):
+        text = kwargs.get("encoder_hidden_states")
+        if text is None or text.shape[1] == TEXT_TOKENS:
+            return args, kwargs
+        if text.shape[1] > TEXT_TOKENS:
+            raise ValueError(f"image-to-video models take at most {TEXT_TOKENS} text tokens; this prompt has "
+                             f"{text.shape[1]}: shorten it")
+        kwargs["encoder_hidden_states"] = torch.nn.functional.pad(text, (0, 0, 0, TEXT_TOKENS - text.shape[1]))
+        return args, kwargs
+
+    model.register_forward_pre_hook(pad_text, with_kwargs=True)
+
+
+def embed_image_tokens_natively(embedder: torch.nn.Module) -> None:
+    """FLF2V's image embedding as native Wan computes it: the learned position embedding added to however many
+    tokens are given (two images, or one when there is no end image). diffusers' version folds the batch into
+    pairs of images and cannot take one image's tokens."""
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        positions = embedder.pos_embed.shape[1]
+        tokens = tokens[:, :positions] + embedder.pos_embed[:, : tokens.shape[1]].to(tokens.dtype)
+        return embedder.norm2(embedder.ff(embedder.norm1(tokens)))
+
+    embedder.forward = forward
+
+
+PATCH_PADDING_MODE = "circular"  # as native ComfyUI's WanModel pads the latent before its patch embedding
+
+
+PADDED_INPUTS = ("hidden_states", "control_hidden_states")  # the video latent and the VACE contexts
+
+
+def pad_to_patches(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """``x[..., T, h, w]`` padded at the end of each of its last three axes to a multiple of ``patch``, wrapping
+    around (circular). Leading axes beyond batch and channel (several VACE contexts) are folded for the pad."""
+    pad: list[int] = []
+    for size, step in zip(reversed(x.shape[-3:]), reversed(patch)):
+        pad += [0, -size % step]
+    if not any(pad):
+        return x
+    folded = x.reshape(-1, *x.shape[-4:])
+    padded = torch.nn.functional.pad(folded, pad, mode=PATCH_PADDING_MODE)
+    return padded.reshape(*x.shape[:-3], *padded.shape[-3:])
+
+
+def pad_inputs_to_patches(model: torch.nn.Module) -> torch.nn.Module:
+    """Let ``model`` take latents of any size, as native Wan does: each forward pads the video latent (and the VACE
+    contexts) to the patch grid and crops the output back to the latent's size. In place; returns the model."""
+    patch = tuple(model.config.patch_size)
+    sizes: list[tuple[int, ...]] = []
+
+    def pad_inputs(module, args, kwargs):
+        latent = args[0] if args else kwargs["hidden_states"]  # diffusers' forward takes the latent first
+        sizes.append(tuple(latent.shape[-3:]))
+        if args:
+            args = (pad_to_patches(args[0], patch), *args[1:])
+        for name in PADDED_INPUTS:
+            if isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = pad_to_patches(kwargs[name], patch)
+        return args, kwargs
+
+    def crop_output(module, args, kwargs, output):
+        t, h, w = sizes.pop()
+        if isinstance(output, tuple):
+            return (output[0][..., :t, :h, :w], *output[1:])
+        output.sample = output.sample[..., :t, :h, :w]
+        return output
+
+    model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
+    model.register_forward_hook(crop_output, with_kwargs=True)
+    return model
+
