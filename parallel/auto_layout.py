@@ -271,6 +271,22 @@ def candidate_layouts(world: int, model: ModelCost, job: Job, *, streaming: bool
     return layouts
 
 
+def block_flops(model: ModelCost, tokens: int, sequence_split: int = 1) -> tuple[float, float]:
+    """(matmul, attention) FLOPs of one block's forward on one rank holding ``tokens / sequence_split`` of a
+    video's ``tokens`` (one pass, no tensor parallelism): the q/k/v/out projections of self-attention, the
+    cross-attention's q/out and its text keys/values, the FFN; self-attention's scores and weighted sum over the
+    whole sequence and the cross-attention's over the text."""
+    local, text, dim = math.ceil(tokens / sequence_split), model.text_tokens, model.dim
+    linear = 2 * local * (6 * dim * dim + 2 * dim * model.ffn_dim) + 2 * text * 2 * dim * dim
+    attention = 4 * tokens * tokens * dim / sequence_split + 4 * local * text * dim
+    return linear, attention
+
+
+def activation_bytes(rows: int, local_tokens: int, dim: int, element_bytes: int) -> int:
+    """Activation bytes a rank holds during one block's forward (``ACTIVATION_COPIES`` live [tokens, dim])."""
+    return rows * local_tokens * dim * element_bytes * ACTIVATION_COPIES
+
+
 def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Machine) -> Prediction:
     """Seconds of one denoising step on the slowest rank, and the bytes each rank holds."""
     sequence_split = layout.ulysses * layout.ring
@@ -278,8 +294,7 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     passes = math.ceil(job.batch / dp) * (2 if job.guidance and not layout.cfg_parallel else 1)
     tokens, text, dim = job.video_tokens(model), model.text_tokens, model.dim
     local = math.ceil(tokens / sequence_split)
-    linear = 2 * local * (6 * dim * dim + 2 * dim * model.ffn_dim) + 2 * text * 2 * dim * dim
-    attention = 4 * tokens * tokens * dim / sequence_split + 4 * local * text * dim
+    linear, attention = block_flops(model, tokens, sequence_split)
     active = world // dp * min(dp, job.batch)  # replicas without a batch row wait
     speed_up = machine.speed_up(world, active)
     compute_block = linear / layout.tp / machine.matmul_flops / speed_up
@@ -288,7 +303,7 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     step_compute = passes * model.layers * (compute_block + attention_block)
     step_communication = (passes * model.layers * communication
                           + _guidance_exchange(layout, model, job, machine, active, world))
-    activations = math.ceil(job.batch / dp) * local * dim * machine.element_bytes * ACTIVATION_COPIES
+    activations = activation_bytes(math.ceil(job.batch / dp), local, dim, machine.element_bytes)
     memory = model.weight_bytes // layout.tp + activations
     return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
                       memory <= machine.free_bytes)
