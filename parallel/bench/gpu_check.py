@@ -36,7 +36,6 @@ import copy
 import datetime
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -105,7 +104,8 @@ class Sizes:
 GPU_SIZES = Sizes(
     presets=("tiny", "medium"), check_latent=(1, 16, 5, 16, 16), attention_shape=(1, 4096, 12, 128),
     vae_latent_frames=3, vae_latent_hw=(16, 16),
-    step_models={"Wan 2.1 1.3B": WAN_1_3B, f"Wan 14B slice ({WAN_14B_SLICE['num_layers']} of 40 layers)": WAN_14B_SLICE},
+    step_models={"Wan 2.1 1.3B": WAN_1_3B,
+                 f"Wan 14B slice ({WAN_14B_SLICE['num_layers']} of {WAN_14B_LAYERS} layers)": WAN_14B_SLICE},
     step_sizes=VIDEO_SIZES, quantized_model=dict(WAN_1_3B, num_layers=2), quantized_size="480p",
     vae_time_config=None, vae_time_latent=(1, 16, 6, 60, 104), repeats=3,
 )
@@ -263,7 +263,8 @@ def _check_inputs(model_config, latent_shape: tuple[int, ...]) -> dict[str, torc
 
 
 def _forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], device, dtype) -> torch.Tensor:
-    moved = {k: v.to(device, dtype if v.is_floating_point() and k != "timestep" else v.dtype) for k, v in inputs.items()}
+    moved = {key: value.to(device, dtype if value.is_floating_point() and key != "timestep" else value.dtype)
+             for key, value in inputs.items()}
     with torch.no_grad():
         return model(**moved, return_dict=False)[0].float().cpu()
 
@@ -554,7 +555,8 @@ def check_two_ranks(run: Run) -> dict:
             spawn_pair(_nccl_probe, (), "nccl", run.device, deadline_s=min(60.0, run.remaining() / 3))
             backend = "nccl"
         except Exception as error:  # noqa: BLE001 - NCCL refusing two ranks on one GPU: gloo instead
-            nccl_error = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300] if str(error).strip() else ''}"
+            lines = str(error).strip().splitlines()
+            nccl_error = f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
     with tempfile.TemporaryDirectory() as folder:
         inputs_path = save_tensors_atomic(inputs, Path(folder, "inputs.safetensors"))
         spawn_pair(_two_rank_main, (path, str(inputs_path), folder), backend, run.device,
@@ -749,8 +751,8 @@ def measure_quantized_step(run: Run) -> dict:
     timings = time_interleaved({name: _forward_function(model, inputs) for name, model in variants.items()},
                                run.device, run.sizes.repeats)
     base = timings["bf16"].median
-    rows = [{"weights": name, **_timing_row(t), "vs_bf16": t.median / base, "weight_bytes": _weight_bytes(variants[name])}
-            for name, t in timings.items()]
+    rows = [{"weights": name, **_timing_row(t), "vs_bf16": t.median / base,
+             "weight_bytes": _weight_bytes(variants[name])} for name, t in timings.items()]
     return {"rows": rows, "model_layers": config["num_layers"], "size": run.sizes.quantized_size}
 
 
@@ -760,8 +762,9 @@ def measure_compile(run: Run) -> dict:
 
     (model_name, config), (size_name, size) = (next(iter(run.sizes.step_models.items())),
                                                next(iter(run.sizes.step_sizes.items())))
-    eager = with_native_inputs(_random_model(config, run.device))
+    eager = _random_model(config, run.device)
     compiled = copy.deepcopy(eager)
+    eager, compiled = with_native_inputs(eager), with_native_inputs(compiled)
     backend = "eager" if run.dry_run else "inductor"  # the dry run proves the capture only (no C++ compile)
     for index, block in enumerate(compiled.blocks):
         compiled.blocks[index] = torch.compile(block, backend=backend)
@@ -771,10 +774,11 @@ def measure_compile(run: Run) -> dict:
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     compile_s = time.monotonic() - start
-    timings = time_interleaved({"eager": _forward_function(eager, inputs), "compiled": _forward_function(compiled, inputs)},
-                               run.device, run.sizes.repeats)
+    timings = time_interleaved({"eager": _forward_function(eager, inputs),
+                                "compiled": _forward_function(compiled, inputs)}, run.device, run.sizes.repeats)
     output_error = relative_error(_forward_function(compiled, inputs)(), _forward_function(eager, inputs)())
-    return {"model": model_name, "size": size_name, "backend": backend, "compile_s": compile_s, "output_error_vs_eager": output_error,
+    return {"model": model_name, "size": size_name, "backend": backend, "compile_s": compile_s,
+            "output_error_vs_eager": output_error,
             "rows": [{"mode": name, **_timing_row(t)} for name, t in timings.items()],
             "compiled_vs_eager": timings["compiled"].median / timings["eager"].median}
 
@@ -800,7 +804,8 @@ def measure_vae_decode(run: Run) -> dict:
     timing = time_interleaved({"decode": decode}, run.device, max(1, run.sizes.repeats - 1))["decode"]
     peak = _peak_bytes(decode, run.device, _weight_bytes(vae))
     height, width = latent.shape[3] * 8, latent.shape[4] * 8
-    return {"vae": "Wan 2.1 (random weights)" if not config else "tiny Wan 2.1", "dtype": str(dtype).removeprefix("torch."),
+    return {"vae": "Wan 2.1 (random weights)" if not config else "tiny Wan 2.1",
+            "dtype": str(dtype).removeprefix("torch."),
             "video": f"{width}x{height}x{frames}", **_timing_row(timing), "per_frame_s": timing.median / frames,
             "peak_bytes": peak}
 
@@ -903,8 +908,8 @@ def markdown(report: dict) -> str:
                   f"{_gib(r['weight_bytes'])} |" for r in quantized["rows"]]
     compiled = _section(report, "torch_compile")
     if compiled:
-        lines += ["", f"### torch.compile ({compiled['model']}, {compiled['size']}): compile {compiled['compile_s']:.1f} s,"
-                      f" compiled / eager {compiled['compiled_vs_eager']:.3f}"]
+        lines += ["", f"### torch.compile ({compiled['model']}, {compiled['size']}, {compiled['backend']}): compile "
+                      f"{compiled['compile_s']:.1f} s, compiled / eager {compiled['compiled_vs_eager']:.3f}"]
     vae = _section(report, "vae_decode_time")
     if vae:
         lines += ["", f"### VAE decode: {vae['vae']} {vae['dtype']}, {vae['video']}: {vae['median_s']:.3f} s "
@@ -953,8 +958,8 @@ MEASUREMENTS = (("transformer_step", 150, measure_transformer_step), ("quantized
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="run every section on the CPU at the smallest sizes "
                         "(what CI runs; its numbers say nothing about a GPU)")
-    parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="folder for gpu_report.json and "
-                        "gpu_report.md (default ./gpu-check; tests/gpu/run.sh passes $OUT when set)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/gpu-check"), help="folder for gpu_report.json "
+                        "and gpu_report.md (default bench-out/gpu-check; tests/gpu/run.sh passes $OUT when set)")
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                         help=f"seconds after which no section starts (default {DEFAULT_DEADLINE_S:.0f})")
     parser.add_argument("--only", help="comma-separated section names to run (default: all)")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA path proven and measured in one command on one GPU (under 6 minutes on an H100 / H200):
 #   bash tests/gpu/run.sh [--dry-run] [--out DIR] [--deadline SECONDS] [--only SECTION,...]
-# Writes gpu_report.json and gpu_report.md to --out, else $OUT, else ./gpu-check. `--dry-run` runs every section on
-# the CPU at the smallest sizes (CI runs it; its numbers say nothing about a GPU). Without --dry-run and without a
-# CUDA device it says so in one line and exits 2.
+# Writes gpu_report.json and gpu_report.md to --out, else $OUT, else bench-out/gpu-check. `--dry-run` runs every
+# section on the CPU at the smallest sizes (CI runs it; its numbers say nothing about a GPU). Without --dry-run and
+# without a CUDA device it says so in one line and exits 2.
 #
 # The GPU machine has no network and lacks some of the pack's packages: `bash tests/gpu/fetch_wheels.sh` (run where
 # pip can download) puts their wheels in .gpu-wheels/, which travels with the working tree; here every wheel whose
@@ -29,11 +29,12 @@ while [ "$#" -gt 0 ]; do
     esac
     shift
 done
-out="${out:-gpu-check}"
+out="${out:-bench-out/gpu-check}"
 case "$out" in /*) ;; *) out="$caller/$out" ;; esac
 
-if [ "$dry_run" = 0 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "tests/gpu/run.sh: no CUDA device is visible (or torch is missing); run it on a GPU machine, or pass --dry-run" >&2
+cuda_check="import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+if [ "$dry_run" = 0 ] && ! "$PYTHON" -c "$cuda_check" 2>/dev/null; then
+    echo "tests/gpu/run.sh: no CUDA device is visible (or torch is missing); run it on a GPU, or pass --dry-run" >&2
     exit 2
 fi
 
@@ -63,7 +64,8 @@ for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
 PY
 )
     if [ "${#needed[@]}" -gt 0 ]; then
-        echo "== installing ${#needed[@]} wheels into $scratch/site: $(for w in "${needed[@]}"; do basename "$w" | cut -d- -f1-2; done | tr '\n' ' ')"
+        names="$(for wheel in "${needed[@]}"; do basename "$wheel" | cut -d- -f1-2; done | tr '\n' ' ')"
+        echo "== installing ${#needed[@]} wheels into $scratch/site: $names"
         if ! "$PYTHON" -m pip install -q --no-index --no-deps --target "$scratch/site" "${needed[@]}"; then
             echo "== pip failed; unpacking the wheels instead"
             for wheel in "${needed[@]}"; do "$PYTHON" -m zipfile -e "$wheel" "$scratch/site"; done
@@ -71,7 +73,7 @@ PY
     fi
     pythonpath="$pythonpath:$scratch/site"
 elif [ "$dry_run" = 0 ]; then
-    echo "== no $wheels folder: using the packages installed here (run tests/gpu/fetch_wheels.sh where pip can download)"
+    echo "== no $wheels: using the packages installed here (tests/gpu/fetch_wheels.sh fetches them where pip can)"
 fi
 export PYTHONPATH="$pythonpath${PYTHONPATH:+:$PYTHONPATH}"
 
