@@ -20,7 +20,8 @@ transformer forward of WanMesh world 1 (the loader's input hooks), WanMesh's att
 processor at degree 1) and diffusers' WanTransformer3DModel at the Wan 2.1 1.3B shape and a slice of the 14B shape
 at the 480p and 720p x 81 frames token counts: time, peak memory against the cost model's prediction, achieved
 TFLOP/s (``auto_layout.block_flops``) against the device's bf16 peak, the attention share; kept fp8 and Q4_K
-against bf16; ``torch.compile`` on and off; the VAE decode time per frame at 480p. The targets are printed as pass
+against bf16; loading the same model folder with WanMesh's loader and with diffusers' ``from_pretrained``;
+``torch.compile`` on and off; the VAE decode time per frame at 480p. The targets are printed as pass
 or miss, never failing the run.
 
 Every section has its own time budget (an alarm interrupts it) and its own try/except; a global deadline skips the
@@ -339,6 +340,7 @@ def attention_backends(device: torch.device) -> list[str]:
                                                                            "sdpa_efficient", "math"]
 
 
+@_no_tf32()  # math's einsum in float32 must not run in TF32 on the GPU
 def check_attention_backends(run: Run) -> dict:
     from ..distributed.attention import attention, select_backend
 
@@ -717,6 +719,29 @@ def measure_transformer_step(run: Run) -> dict:
     return {"rows": rows, "bf16_peak_tflops": peak}
 
 
+def measure_load(run: Run) -> dict:
+    """The same diffusers model folder (bf16) loaded onto the device by WanMesh's loader and by diffusers'
+    ``from_pretrained``, interleaved (the files stay in the page cache after the warm-up)."""
+    from diffusers import WanTransformer3DModel
+
+    from ..tiny.models import MEDIUM_TRANSFORMER, TINY_TRANSFORMER, randomise_
+    from ..weights.loaders import load_transformer
+
+    config = TINY_TRANSFORMER if run.dry_run else MEDIUM_TRANSFORMER
+    model = WanTransformer3DModel(**config)
+    randomise_(model, 7)
+    folder = run.work / "load_folder"
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    del model
+    functions = {"WanMesh load_transformer": lambda: load_transformer(str(folder), dtype=torch.bfloat16,
+                                                                      device=run.device),
+                 "diffusers from_pretrained": lambda: WanTransformer3DModel.from_pretrained(
+                     folder, torch_dtype=torch.bfloat16).to(run.device)}
+    timings = time_interleaved(functions, run.device, run.sizes.repeats)
+    return {"model": "tiny" if run.dry_run else "medium (143M)",
+            "rows": [{"loader": name, **_timing_row(t)} for name, t in timings.items()]}
+
+
 def _keep_quantized_(model: torch.nn.Module, form: str) -> torch.nn.Module:
     """Every block linear held as ``form`` stores it (fp8 scaled or GGUF Q4_K), dequantised per matmul as
     WanMesh's "keep" weights mode does."""
@@ -906,6 +931,11 @@ def markdown(report: dict) -> str:
                   "| weights | median s | min-max s | vs bf16 | weight GiB |", "|---|---|---|---|---|"]
         lines += [f"| {r['weights']} | {r['median_s']:.4f} | {r['min_s']:.4f}-{r['max_s']:.4f} | {r['vs_bf16']:.3f} | "
                   f"{_gib(r['weight_bytes'])} |" for r in quantized["rows"]]
+    loads = _section(report, "load_time")
+    if loads:
+        lines += ["", f"### Loading a diffusers folder ({loads['model']}, bf16) onto the device", "",
+                  "| loader | median s | min-max s |", "|---|---|---|"]
+        lines += [f"| {r['loader']} | {r['median_s']:.3f} | {r['min_s']:.3f}-{r['max_s']:.3f} |" for r in loads["rows"]]
     compiled = _section(report, "torch_compile")
     if compiled:
         lines += ["", f"### torch.compile ({compiled['model']}, {compiled['size']}, {compiled['backend']}): compile "
@@ -952,7 +982,8 @@ CHECKS = (("cuda_tests", 90, check_cuda_tests), ("world1_vs_cpu", 75, check_worl
           ("attention_backends", 30, check_attention_backends), ("quantized_layers", 30, check_quantized_layers),
           ("vae_decode", 40, check_vae_decode), ("two_ranks", 90, check_two_ranks))
 MEASUREMENTS = (("transformer_step", 150, measure_transformer_step), ("quantized_step", 60, measure_quantized_step),
-                ("vae_decode_time", 40, measure_vae_decode), ("torch_compile", 100, measure_compile))
+                ("load_time", 30, measure_load), ("vae_decode_time", 40, measure_vae_decode),
+                ("torch_compile", 100, measure_compile))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

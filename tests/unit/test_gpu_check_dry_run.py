@@ -17,7 +17,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "gpu" / "run.sh"
 CHECKS = ["cuda_tests", "world1_vs_cpu", "attention_backends", "quantized_layers", "vae_decode", "two_ranks"]
-MEASUREMENTS = ["transformer_step", "quantized_step", "vae_decode_time", "torch_compile"]
+MEASUREMENTS = ["transformer_step", "quantized_step", "load_time", "vae_decode_time", "torch_compile"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,8 @@ def test_every_measurement_has_its_rows(dry_run):
     assert {row["variant"] for row in step} == {"diffusers", "WanMesh world 1", "WanMesh attention seam"}
     assert all(row["median_s"] > 0 and row["tflops"] > 0 and row["predicted_bytes"] > 0 for row in step)
     assert {row["weights"] for row in measurements["quantized_step"]["rows"]} == {"bf16", "fp8 scaled", "Q4_K"}
+    assert {row["loader"] for row in measurements["load_time"]["rows"]} == {"WanMesh load_transformer",
+                                                                             "diffusers from_pretrained"}
     assert measurements["vae_decode_time"]["per_frame_s"] > 0
     assert {row["mode"] for row in measurements["torch_compile"]["rows"]} == {"eager", "compiled"}
     assert {target["result"] for target in report["targets"]} <= {"n/a (dry run)", "not measured"}
