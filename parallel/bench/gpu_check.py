@@ -514,10 +514,9 @@ def _nccl_probe(rank: int, device: torch.device) -> None:
 def _two_rank_main(rank: int, device: torch.device, model_path: str, inputs_path: str, folder: str) -> None:
     """tp 2, then ulysses 2, each one forward in fp32 (TF32 off); rank 0 writes the outputs."""
     import torch.distributed as dist
-
-    from ..distributed.context_parallel import apply_context_parallel
     from safetensors.torch import load_file
 
+    from ..distributed.context_parallel import apply_context_parallel
     from ..tensor_files import save_tensors_atomic
     from ..weights.loaders import load_transformer
     from ..weights.sharded import load_transformer_tp
