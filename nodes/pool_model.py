@@ -23,6 +23,8 @@ import torch
 
 from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
 from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
+from .pool_patches import (POOL_LORAS, add_lora_patches, check_model_patches, drop_torch_compile,
+                           native_weight_shapes, skipped_blocks)
 from .runtime import ResidentModel, arrange, auto_layout_of, interrupted, raise_if_interrupted
 
 log = logging.getLogger("wanmesh")
@@ -33,8 +35,8 @@ UNSUPPORTED_INPUTS = {
     "reference_latent": "a reference latent",
     "control": "a ControlNet",
 }
-LORA_REFUSAL = ("ComfyUI's LoRA loaders cannot patch a WanMesh MODEL (its weights live in the worker pool); load "
-                "the LoRA with the WanMesh LoRA Loader between the WanMesh Model Loader and WanMesh Native Model")
+MERGE_REFUSAL = ("model merging (ModelMerge*, model key patches) cannot read a WanMesh MODEL's weights (they live in "
+                 "the worker pool); merge the files beforehand and load the result")
 
 
 class PoolTransformer(torch.nn.Module):
@@ -47,13 +49,31 @@ class PoolTransformer(torch.nn.Module):
         # ComfyUI's Wan conditioning reads the input width from the patch embedding (for image-to-video channels)
         self.patch_embedding = SimpleNamespace(weight=SimpleNamespace(shape=(0, in_channels, 1, 2, 2)))
 
-    def forward(self, x, timestep, context, clip_fea=None, control=None, transformer_options=None, **extra):
-        check_supported_inputs(control, extra)
-        self._arrange_for_call(x, transformer_options or {})
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """ComfyUI's Wan weight names, each with an empty tensor (their shapes are in the file's header): what its
+        LoRA key map reads; the pool holds the weights, so the MODEL's size here stays 0."""
+        for name in native_weight_shapes(tuple(self.resident.model_files())) or ():
+            destination[prefix + name] = torch.empty(0, device="meta")
+
+    def forward(self, x, timestep, context, clip_fea=None, time_dim_concat=None, transformer_options=None, **extra):
+        """As ComfyUI's WanModel.forward: its DIFFUSION_MODEL wrappers (EasyCache) run here around each pool call."""
+        import comfy.patcher_extension as extension
+
+        options = transformer_options if transformer_options is not None else {}
+        wrappers = extension.get_all_wrappers(extension.WrappersMP.DIFFUSION_MODEL, options)
+        return extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers).execute(
+            x, timestep, context, clip_fea, time_dim_concat, options, **extra)
+
+    def _forward(self, x, timestep, context, clip_fea=None, time_dim_concat=None, transformer_options=None,
+                 control=None, **extra):
+        check_supported_inputs(control, {"time_dim_concat": time_dim_concat, **extra})
+        options = transformer_options or {}
+        self._arrange_for_call(x, options)
         request = ModelForward(
             handle=self.resident.handle, latent=x.detach().float().cpu(), timestep=call_timesteps(timestep, x),
-            context=context.detach().float().cpu(), loras=list(self.resident.loras),
+            context=context.detach().float().cpu(), loras=[*self.resident.loras, *options.get(POOL_LORAS, ())],
             clip_fea=None if clip_fea is None else clip_fea.detach().float().cpu(), **vace_inputs(extra),
+            skip_blocks=skipped_blocks(options),
         )
         try:
             prediction = self.resident.runner.forward(request, should_stop=interrupted)
@@ -139,8 +159,23 @@ def comfy_classes():
             pass
 
     class PoolModelPatcher(comfy.model_patcher.ModelPatcher):
-        def add_patches(self, *args, **kwargs):
-            raise ValueError(LORA_REFUSAL)
+        """ComfyUI's weight patches go to the pool as LoRAs; patches it cannot run are refused (pool_patches.py)."""
+
+        def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+            transformer = self.model.diffusion_model
+            shapes = native_weight_shapes(tuple(transformer.resident.model_files()))
+            return add_lora_patches(self, shapes, patches, strength_patch, strength_model)
+
+        def get_key_patches(self, *args, **kwargs):
+            raise ValueError(MERGE_REFUSAL)
+
+        def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+            if not drop_torch_compile(wrapper_type, key):
+                super().add_wrapper_with_key(wrapper_type, key, wrapper)
+
+        def pre_run(self):
+            check_model_patches(self)
+            super().pre_run()
 
     return PoolWan, PoolWanVace, PoolWan22, PoolModelPatcher
 

@@ -208,6 +208,7 @@ class ModelForward(Request):
     vace_strengths: list[float] = field(default_factory=list)  # one per VACE context
     loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA file, strength), merged before the call
     clip_fea: torch.Tensor | None = None  # [B, tokens, 1280]: CLIP vision tokens (Wan 2.1 I2V / FLF2V)
+    skip_blocks: list[int] = field(default_factory=list)  # transformer blocks this call skips (skip layer guidance)
 
     def validate(self) -> None:
         check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths,

@@ -8,6 +8,8 @@ parallel plans, exactly as the worker-side loop calls the model.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..protocol import ModelForward
@@ -123,4 +125,24 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
                          "latent made for the model (48 channels: Wan 2.2 TI2V 5B only)")
     # the input holds its image channels already: only the CLIP vision tokens are added
     extra.update(image_token_inputs(model, request.clip_fea, rows, request.latent.shape[0], dtype, device))
-    return flow_prediction(model, latents, timestep, context, extra).float().cpu()
+    with skipping_blocks(model, request.skip_blocks):
+        return flow_prediction(model, latents, timestep, context, extra).float().cpu()
+
+
+def _skipped_block_forward(hidden_states, *args, **kwargs):
+    return hidden_states  # a skipped block's output is its input, as ComfyUI's skip-layer replacement returns
+
+
+@contextlib.contextmanager
+def skipping_blocks(model, indices: list[int]):
+    """The model with the given blocks' computation left out for one call. The block modules stay in place, so
+    the hooks on them (the sequence split before block 0) still run; every rank skips alike, so the collectives
+    of the skipped blocks are skipped everywhere. An index past the last block skips nothing, as natively."""
+    indices = [index for index in indices if 0 <= index < len(model.blocks)]
+    try:
+        for index in indices:
+            model.blocks[index].forward = _skipped_block_forward
+        yield model
+    finally:
+        for index in indices:
+            model.blocks[index].__dict__.pop("forward", None)

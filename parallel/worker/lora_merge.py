@@ -231,7 +231,9 @@ def _bias_delta(patch: LoraPatch, layer: LoraLayer, dim: int | None, rank: int, 
 
 def _layer_deltas(layer: LoraLayer, module: str) -> list[tuple[str, str]]:
     """(parameter name, "weight" or "bias") of each delta the layer brings."""
-    deltas = [(f"{module}.weight", "weight")] if layer.weight_delta_shape() is not None else []
+    # a full diff of a 1-D weight (a norm's) has no (out, in) shape but is a weight delta all the same
+    has_weight = layer.weight_delta_shape() is not None or "diff" in layer.keys
+    deltas = [(f"{module}.weight", "weight")] if has_weight else []
     return deltas + ([(f"{module}.bias", "bias")] if "diff_b" in layer.keys else [])
 
 
