@@ -18,8 +18,8 @@ class WanMeshNativeModel:
     CATEGORY = CATEGORY
     DESCRIPTION = ("ComfyUI's MODEL for a model in the worker pool: KSampler, KSamplerAdvanced, SamplerCustom"
                    "(Advanced), guiders, sigma nodes and ModelSamplingSD3 use it as a native Wan model from "
-                   "UNETLoader; each model call runs on the pool with its parallel layout. LoRAs: WanMesh LoRA "
-                   "Loader before this node.")
+                   "UNETLoader; each model call runs on the pool with its parallel layout. LoRAs: ComfyUI's "
+                   "LoraLoaderModelOnly after this node, or the WanMesh LoRA Loader before it.")
 
     def wrap(self, model):
         return (pool_model(model),)

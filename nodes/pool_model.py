@@ -8,7 +8,8 @@ VACE context code are ComfyUI's; only its transformer is replaced by ``PoolTrans
 ``ModelForward`` on the pool. A call that batches conditional and unconditional rows goes out as one request,
 and the pool's CFG-parallel ranks split the rows; on a pool of layout auto the first call of each latent size
 chooses the layout. ComfyUI's progress bar, latent previews and interrupt work as with a native model (the
-interrupt also stops a model call that is under way).
+interrupt also stops a model call that is under way). ComfyUI's LoRA loaders, wrappers and block replacements on
+this MODEL follow ``pool_patches.py``.
 
 The classes subclass ComfyUI's, so they are made on first use (``comfy`` is imported only then).
 """

@@ -150,7 +150,7 @@ def write_factors(tensors: dict[str, torch.Tensor]) -> Path:
     digest = hashlib.sha256()
     for key, value in tensors.items():
         digest.update(f"{key}:{value.dtype}:{tuple(value.shape)}".encode())
-        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
     folder = cache_root() / LORA_FOLDER
     path = folder / f"{digest.hexdigest()[:32]}.safetensors"
     if not path.is_file():

@@ -212,18 +212,6 @@ def test_vace_conditioning_through_the_wanmesh_model_equals_native(recent_comfyu
     assert difference <= TOLERANCE, f"VACE model ({vace}): WanMesh MODEL is {difference:.3g} from the native model"
 
 
-def test_native_lora_loader_on_wanmesh_model_is_refused_in_one_line(recent_comfyui_server: ComfyUIServer,
-                                                                   tiny_models_dir) -> None:
-    prompt = twin_prompt(LAYOUTS["world1"], pairs=SAMPLERS[:1])
-    lora = next(iter(sorted((tiny_models_dir / "loras").glob("*.safetensors")))).name
-    prompt["lora"] = {"class_type": "LoraLoaderModelOnly",
-                      "inputs": {"model": ["wmodel", 0], "lora_name": lora, "strength_model": 1.0}}
-    prompt["wk0"]["inputs"]["model"] = ["lora", 0]
-    result = recent_comfyui_server.run(prompt, 300)
-    assert not isinstance(result, RejectedPrompt) and result.status == "error", "the LoRA was not refused"
-    assert "WanMesh LoRA Loader" in result.error_text(), result.error_text()
-
-
 @pytest.mark.parametrize("name", ["t2v_native_ksampler", "t2v_native_auto_layout", "wan22_native_ksampler_advanced"])
 def test_native_sampler_workflows_run_as_api_prompts(recent_comfyui_server: ComfyUIServer, name: str) -> None:
     """The example workflows (WanMesh models into native KSampler / two chained KSamplerAdvanced, native VAE

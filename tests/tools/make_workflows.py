@@ -438,15 +438,29 @@ def t2v_native_auto_layout(info: dict[str, Any]) -> WorkflowBuilder:
     return native_ksampler_graph(info, "t2v_native_auto_layout", layout="auto")
 
 
-def native_ksampler_graph(info: dict[str, Any], name: str, **pool_modes: Any) -> WorkflowBuilder:
+def t2v_easycache(info: dict[str, Any]) -> WorkflowBuilder:
+    """ComfyUI's EasyCache on the WanMesh MODEL: it sees every model call's output and reuses it on the steps it
+    skips (its log line says how many)."""
+    def easycache(w: WorkflowBuilder, model: int) -> int:
+        return w.node("EasyCache", [COLUMNS[4], 620], {"reuse_threshold": 1.0, "start_percent": 0.0,
+                                                        "end_percent": 1.0, "verbose": False}, {"model": (model, 0)})
+    return native_ksampler_graph(info, "t2v_easycache", steps=8, patch=easycache, cfg_parallel=True)
+
+
+def native_ksampler_graph(info: dict[str, Any], name: str, steps: int = 4,
+                          patch: Callable[[WorkflowBuilder, int], int] | None = None,
+                          **pool_modes: Any) -> WorkflowBuilder:
     w = WorkflowBuilder(info, upload_in_prompt=False)
     pool_id = pool(w, **pool_modes)
     positive, negative, model = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
     latent, vae = native_latent_and_decode(w)
+    model = native_model(w, model, 620)
+    if patch is not None:
+        model = patch(w, model)
     sampled = w.node("KSampler", [COLUMNS[4], 40],
-                     {"seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "uni_pc", "scheduler": "simple",
+                     {"seed": 42, "steps": steps, "cfg": 5.0, "sampler_name": "uni_pc", "scheduler": "simple",
                       "denoise": 1.0},
-                     {"model": (native_model(w, model, 620), 0), "positive": (positive, 0),
+                     {"model": (model, 0), "positive": (positive, 0),
                       "negative": (negative, 0), "latent_image": (latent, 0)})
     native_tail(w, sampled, vae, name)
     return w
@@ -476,6 +490,37 @@ def wan22_native_ksampler_advanced(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+def wan22_lightx2v(info: dict[str, Any]) -> WorkflowBuilder:
+    """A Wan 2.2 distill-LoRA workflow as shared: each expert's WanMesh MODEL through ComfyUI's own
+    LoraLoaderModelOnly and ModelSamplingSD3, two chained KSamplerAdvanced, 4 steps at cfg 1."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, ulysses=2)
+    positive, negative, high = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
+    low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
+                 {"model_name": "wan_tiny_t2v_low.safetensors", "dtype": "auto", "vace_module": "none"},
+                 {"pool": (pool_id, 0)}, title="Low-noise expert")
+    latent, vae = native_latent_and_decode(w)
+
+    def expert(model: int, y: int) -> int:
+        wrapped = w.node("WanMeshNativeModel", [COLUMNS[2], y], {}, {"model": (model, 0)})
+        lora = w.node("LoraLoaderModelOnly", [COLUMNS[3], y],
+                      {"lora_name": "wan_tiny_lora_comfy.safetensors", "strength_model": 1.0}, {"model": (wrapped, 0)})
+        return w.node("ModelSamplingSD3", [COLUMNS[3], y + 120], {"shift": 5.0}, {"model": (lora, 0)})
+
+    common = {"noise_seed": 42, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple"}
+    texts = {"positive": (positive, 0), "negative": (negative, 0)}
+    first = w.node("KSamplerAdvanced", [COLUMNS[4], 40],
+                   {**common, "add_noise": "enable", "start_at_step": 0, "end_at_step": 2,
+                    "return_with_leftover_noise": "enable"},
+                   {"model": (expert(high, 620), 0), **texts, "latent_image": (latent, 0)})
+    second = w.node("KSamplerAdvanced", [COLUMNS[4], 520],
+                    {**common, "add_noise": "disable", "start_at_step": 2, "end_at_step": 10000,
+                     "return_with_leftover_noise": "disable"},
+                    {"model": (expert(low, 860), 0), **texts, "latent_image": (first, 0)})
+    native_tail(w, second, vae, "wan22_lightx2v")
+    return w
+
+
 # (sub-folder of workflows/, name, which /object_info, builder)
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
@@ -500,6 +545,8 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("native", "t2v_native_ksampler", "recent", t2v_native_ksampler),
     ("native", "t2v_native_auto_layout", "recent", t2v_native_auto_layout),
     ("native", "wan22_native_ksampler_advanced", "recent", wan22_native_ksampler_advanced),
+    ("native", "wan22_lightx2v", "recent", wan22_lightx2v),
+    ("native", "t2v_easycache", "recent", t2v_easycache),
 ]
 
 
