@@ -19,7 +19,8 @@ import torch
 from comfyui_server import ComfyUIServer, RejectedPrompt
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_comfyui_server import run_successfully
+from test_comfyui_server import assert_video, run_successfully, saved_video
+from workflow_graph import load_workflow, node_of_type
 from test_native_sampling import (LAYOUTS, MODEL_FILE, TEXT_ENCODER_FILE, TOLERANCE, largest_difference,
                                   pool_inputs, save_latent, saved)
 
@@ -107,8 +108,9 @@ def base_prompt(layout: dict[str, Any]) -> dict[str, Any]:
 
 
 def patch_prompt(layout: dict[str, Any], with_patches: bool) -> dict[str, Any]:
-    """``n``/``w``/``m``: native, WanMesh MODEL and WanMesh LoRA Loader with the two LoRAs; with patches also
-    ``b`` (native without LoRA), ``ns``/``ws`` (SkipLayerGuidanceDiTSimple) and ``ne``/``we`` (EasyCache)."""
+    """``n``/``w``/``m``: native, WanMesh MODEL and WanMesh LoRA Loader with the two LoRAs, ``ws`` the WanMesh
+    MODEL under SkipLayerGuidanceDiTSimple; with patches also ``b`` (native without LoRA), ``ns`` (native skip
+    layer guidance) and ``ne``/``we`` (EasyCache)."""
     prompt = base_prompt(layout)
     for side, start, node in (("n", ["unet", 0], "LoraLoaderModelOnly"), ("w", ["wmodel", 0], "LoraLoaderModelOnly"),
                               ("m", ["wm", 0], "WanMeshLoraLoader")):
@@ -118,13 +120,14 @@ def patch_prompt(layout: dict[str, Any], with_patches: bool) -> dict[str, Any]:
             prompt["mmodel"] = {"class_type": "WanMeshNativeModel", "inputs": {"model": model}}
             model = ["mmodel", 0]
         prompt.update(_ksampler(model, side))
+    for side, model in (("n", ["unet", 0]), ("w", ["wmodel", 0]))[0 if with_patches else 1:]:
+        prompt[f"{side}slg"] = {"class_type": "SkipLayerGuidanceDiTSimple", "inputs": {
+            "model": model, "double_layers": "1", "single_layers": "", "start_percent": 0.0, "end_percent": 1.0}}
+        prompt.update(_ksampler([f"{side}slg", 0], f"{side}s", cfg=SLG_CFG))
     if with_patches:
         prompt.update(_ksampler(["unet", 0], "b"))
         prompt.update(_ksampler(["unet", 0], "bs", cfg=SLG_CFG))
         for side, model in (("n", ["unet", 0]), ("w", ["wmodel", 0])):
-            prompt[f"{side}slg"] = {"class_type": "SkipLayerGuidanceDiTSimple", "inputs": {
-                "model": model, "double_layers": "1", "single_layers": "", "start_percent": 0.0, "end_percent": 1.0}}
-            prompt.update(_ksampler([f"{side}slg", 0], f"{side}s", cfg=SLG_CFG))
             prompt[f"{side}ec"] = {"class_type": "EasyCache", "inputs": {
                 "model": model, "reuse_threshold": 1.0, "start_percent": 0.0, "end_percent": 1.0, "verbose": True}}
             prompt.update(_ksampler([f"{side}ec", 0], f"{side}e"))
@@ -141,7 +144,7 @@ class LayoutLatents(dict):
     def __missing__(self, name: str) -> dict[str, torch.Tensor]:
         with_patches = name == "world1"
         result = run_successfully(self.server, patch_prompt(LAYOUTS[name], with_patches))
-        nodes = ["n", "w", "m"] + (["b", "bs", "ns", "ws", "ne", "we"] if with_patches else [])
+        nodes = ["n", "w", "m", "ws"] + (["b", "bs", "ns", "ne", "we"] if with_patches else [])
         self[name] = {node: saved(self.server, result, node) for node in nodes}
         return self[name]
 
@@ -160,7 +163,7 @@ def test_comfyui_lora_loaders_on_wanmesh_model_equal_native(latents) -> None:
 
 @pytest.mark.parametrize("layout", PATCH_LAYOUTS[1:])
 def test_lora_loaders_in_parallel_layouts_equal_world1(latents, layout: str) -> None:
-    for node in ("w", "m"):
+    for node in ("w", "m", "ws"):  # ws: skip layer guidance, the skipped block bypassed on every rank
         assert largest_difference(latents[layout][node], latents["world1"][node]) <= TOLERANCE, (layout, node)
 
 
@@ -188,6 +191,19 @@ def test_bad_lora_on_wanmesh_model_is_one_line_naming_the_file(server: ComfyUISe
     assert not isinstance(result, RejectedPrompt) and result.status == "error", result
     message = result.error_text()
     assert lora in message and what in message, message
+
+
+@pytest.mark.parametrize("name", ["wan22_lightx2v", "t2v_easycache"])
+def test_lora_and_easycache_workflows_run_as_api_prompts(server: ComfyUIServer, name: str) -> None:
+    """The example workflows run and write their MP4; EasyCache's own log line says it skipped steps."""
+    prompt = load_workflow(f"native/api/{name}.json")
+    latent = node_of_type(prompt, "EmptyHunyuanLatentVideo")["inputs"]
+    log_before = len(server.log())
+    result = run_successfully(server, prompt)
+    assert_video(saved_video(server, result, prompt), latent["length"], latent["width"], latent["height"])
+    if name == "t2v_easycache":
+        skipped = re.findall(r"EasyCache - skipped (\d+)/(\d+) steps", server.log()[log_before:])
+        assert skipped and int(skipped[-1][0]) > 0, skipped
 
 
 # -- every ComfyUI node that takes and returns MODEL ----------------------------------------------------------
@@ -267,9 +283,10 @@ def walk_prompt(info: dict[str, Any], nodes: dict[str, dict]) -> dict[str, Any]:
     return prompt
 
 
-def _branch_of(prompt: dict[str, Any], node_id: str) -> str:
-    """The sampler output (``na3``, ``wa3``) downstream of a node, or the node itself."""
-    return node_id[:1] + "a" + node_id[2:] if re.fullmatch(r"[nw]p\d+|k[nw]a\d+", node_id) else node_id
+def _branch_of(node_id: str) -> tuple[str, int] | None:
+    """(side "n" or "w", node index) of a walked node or its sampler, None for a shared node."""
+    match = re.fullmatch(r"k?([nw])[pa](\d+)", node_id)
+    return (match.group(1), int(match.group(2))) if match else None
 
 
 def _drop_branch(prompt: dict[str, Any], side: str, index: int) -> None:
@@ -288,32 +305,35 @@ def test_every_comfyui_model_node_equals_native_or_is_refused_in_one_line(server
     for name in ("LoraLoaderModelOnly",):  # its default LoRA file is whichever sorts first: use the native twin's
         nodes[name] = {**nodes[name], "lora_name": LORA_A}
     prompt = walk_prompt(info, nodes)
-    verdicts: dict[str, str] = {}
+    errors: dict[tuple[str, int], tuple[str, str]] = {}  # (side, index) -> (exception type, message)
     for _ in range(len(nodes) * 2 + 1):
         result = server.run(prompt, 600)
         assert not isinstance(result, RejectedPrompt), result.error_text()
         if result.status == "success":
             break
         (error,) = [data for event, data in result.messages if event == "execution_error"]
-        branch = _branch_of(prompt, error["node_id"])
-        assert re.fullmatch(r"[nw]a\d+", branch), f"the prompt failed outside a walked branch: {error}"
-        index = int(branch[2:])
-        message = error["exception_message"].strip()
-        if branch[0] == "w":
-            assert "\n" not in message and len(message) <= MAX_MESSAGE, (names[index], message)
-            verdicts[names[index]] = f"refused: {message}"
-            _drop_branch(prompt, "w", index)
-        else:
-            verdicts[names[index]] = f"fails natively on Wan too ({message.splitlines()[0][:120]})"
-            _drop_branch(prompt, "n", index)
-            _drop_branch(prompt, "w", index)
+        branch = _branch_of(error["node_id"])
+        assert branch is not None, f"the prompt failed outside a walked branch: {error['exception_message']}"
+        errors[branch] = (error["exception_type"], error["exception_message"].strip())
+        _drop_branch(prompt, *branch)
     else:
         pytest.fail("the walk did not finish")
+    verdicts: dict[str, str] = {}
+    for (side, index), (kind, message) in sorted(errors.items()):
+        if side == "n" or ("n", index) in errors:
+            verdicts[names[index]] = f"fails natively on Wan too ({kind})"
+            continue
+        assert kind == "ValueError" and "\n" not in message and len(message) <= MAX_MESSAGE, (names[index], message)
+        verdicts[names[index]] = f"refused: {message}"
     plain_native, plain_wanmesh = saved(server, result, "b"), saved(server, result, "wb")
     assert largest_difference(plain_native, plain_wanmesh) <= TOLERANCE
     differing = {}
     for index, name in enumerate(names):
         if name in verdicts:
+            continue
+        if f"na{index}" not in result.outputs and name not in SPEED_ONLY:
+            # its native branch failed after its WanMesh one ran: a native failure on Wan
+            verdicts[name] = "fails natively on Wan too"
             continue
         native = plain_native if name in SPEED_ONLY else saved(server, result, f"na{index}")
         difference = largest_difference(native, saved(server, result, f"wa{index}"))
