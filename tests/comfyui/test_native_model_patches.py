@@ -208,7 +208,7 @@ def test_lora_and_easycache_workflows_run_as_api_prompts(server: ComfyUIServer, 
 
 # -- every ComfyUI node that takes and returns MODEL ----------------------------------------------------------
 
-WALK_STEPS, WALK_CFG = 2, 3.0
+WALK_STEPS, WALK_CFG = 1, 3.0
 SPEED_ONLY = ("TorchCompileModel",)  # compiled natively would time the compiler: compared with the plain model
 VERDICTS_FILE = Path(__file__).resolve().parents[2] / "build" / "test-output" / "model_patch_verdicts.md"
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -336,8 +336,10 @@ def test_every_comfyui_model_node_equals_native_or_is_refused_in_one_line(server
             verdicts[name] = "fails natively on Wan too"
             continue
         native = plain_native if name in SPEED_ONLY else saved(server, result, f"na{index}")
+        # relative to the latent's size: a model sampling of the wrong kind for Wan (eps prediction, sigmas up to
+        # 14.6) makes latents far larger than 1, and the float32 rounding of the prediction with them
         difference = largest_difference(native, saved(server, result, f"wa{index}"))
-        if difference > TOLERANCE:
+        if difference > TOLERANCE * max(1.0, native.abs().max().item()):
             differing[name] = difference
         changes = largest_difference(native, plain_native) > 100 * TOLERANCE
         verdicts[name] = ("accepted (the pool runs its own kernels)" if name in SPEED_ONLY
