@@ -343,7 +343,7 @@ def test_every_comfyui_model_node_equals_native_or_is_refused_in_one_line(server
             differing[name] = difference
         changes = largest_difference(native, plain_native) > 100 * TOLERANCE
         verdicts[name] = ("accepted (the pool runs its own kernels)" if name in SPEED_ONLY
-                          else f"equals native{' (changes the result)' if changes else ' (no effect on Wan natively either)'}")
+                          else f"equals native{' (changes the result)' if changes else ' (same result as without it here)'}")
     verdicts.update({name: f"not walked (needs a {kind} input)" for name, kind in unwalked.items()})
     VERDICTS_FILE.parent.mkdir(parents=True, exist_ok=True)
     VERDICTS_FILE.write_text("".join(f"| `{name}` | {verdict} |\n" for name, verdict in sorted(verdicts.items())))
