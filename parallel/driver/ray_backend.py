@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from typing import Any, Callable
 
 from .. import protocol as P
@@ -35,6 +36,61 @@ RAY_CONNECT_TIMEOUT_S = 30.0
 
 
 IDLE_PING_TIMEOUT_S = 5.0  # the idle liveness check's wait for an actor's answer
+LOST_HOST_WAIT_S = 30.0  # after a failure, how long to wait for Ray to say whether a host of the pool is gone
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's network interface that the route to ``host`` leaves from (``lo`` for this
+    machine's own loopback), found by the source address a UDP socket connected there gets (no packet is sent);
+    None when no interface has that address. gloo and NCCL otherwise bind to whatever the host name resolves to,
+    which on many clusters is not the interface the other hosts reach."""
+    import psutil
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        source = probe.getsockname()[0]
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == source for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)):
+            return name
+    return None
+
+
+def order_by_host(nodes: list[tuple[str, str]], driver_ip: str | None = None) -> list[int]:
+    """Actor indices in rank order, given each actor's (node id, node IP): the actors of one host get consecutive
+    ranks (tensor parallel groups are consecutive ranks, then Ulysses / ring, so the fastest-talking groups stay
+    inside a host), hosts with more actors first, the driver's host first among equals, then by address."""
+    members: dict[str, list[int]] = {}
+    for index, (node_id, _) in enumerate(nodes):
+        members.setdefault(node_id, []).append(index)
+    ip_of = {node_id: ip for node_id, ip in nodes}
+    order = sorted(members, key=lambda n: (-len(members[n]), ip_of[n] != driver_ip, ip_of[n], n))
+    return [index for node_id in order for index in members[node_id]]
+
+
+def slots_by_host(nodes: list[dict], resource: str) -> dict[str, float]:
+    """``resource`` slots (CPU or GPU) of each live Ray node, by node address (from ``ray.nodes()``)."""
+    slots: dict[str, float] = {}
+    for node in nodes:
+        if node.get("Alive"):
+            ip = node.get("NodeManagerAddress", "?")
+            slots[ip] = slots.get(ip, 0) + node.get("Resources", {}).get(resource, 0)
+    return slots
+
+
+def check_slots(world: int, resource: str, nodes: list[dict], address: str) -> None:
+    """Bad input before any actor starts: a cluster with fewer ``resource`` slots than ``world``, in one line
+    naming the slots each host has (and the hosts that left the cluster)."""
+    slots = slots_by_host(nodes, resource)
+    if sum(slots.values()) >= world:
+        return
+    found = ", ".join(f"{ip}: {count:g}" for ip, count in sorted(slots.items())) or "no live host"
+    alive = set(slots)
+    gone = sorted({n.get("NodeManagerAddress", "?") for n in nodes if not n.get("Alive")} - alive)
+    left = f"; hosts that left the cluster: {', '.join(gone)}" if gone else ""
+    raise ValueError(f"world={world} needs {world} {resource} slots but the Ray cluster at {address} has "
+                     f"{sum(slots.values()):g} ({found}){left}; valid: a world of at most {sum(slots.values()):g}, "
+                     "or more nodes (ray start --address on each)")
 
 
 def _unreachable(address: str, why: str) -> P.WorkerError:
@@ -113,7 +169,7 @@ def _actor_class(ray):
     class RayWorker:
         """One rank. Everything it needs is imported inside, under the package name ``wanmesh``."""
 
-        def __init__(self, pack_dir: str, rank: int, settings: dict, progress_queue):
+        def __init__(self, pack_dir: str, settings: dict, progress_queue):
             import importlib.util
             import sys
             import types
@@ -129,10 +185,14 @@ def _actor_class(ray):
                 pack = types.ModuleType("wanmesh")
                 pack.__path__ = locations
                 sys.modules["wanmesh"] = pack
-            self.rank = rank
+            self.rank = -1  # given by setup, once the driver has ordered the actors by host
             self.settings = settings
             self.queue = progress_queue
             self.session = None
+
+        def node(self) -> tuple[str, str]:
+            """(node id, node IP address) of the Ray node this actor runs on."""
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
         def rendezvous_address(self) -> tuple[str, int]:
             import socket
@@ -142,17 +202,21 @@ def _actor_class(ray):
                 probe.bind((host, 0))
                 return host, probe.getsockname()[1]
 
-        def setup(self, host: str, port: int) -> dict:
-            """Join the process group and start the rank's session (``worker/session.py``, as a local worker)."""
+        def setup(self, rank: int, host: str, port: int) -> dict:
+            """Join the process group as ``rank`` and start the rank's session (``worker/session.py``, as a local
+            worker). gloo and NCCL bind to the interface of the route to rank 0's address unless the user named one."""
             import datetime
             import importlib
-            import ipaddress
 
             import torch
             import torch.distributed as dist
 
-            if ipaddress.ip_address(host).is_loopback:
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            self.rank = rank
+            backend = importlib.import_module("wanmesh.parallel.driver.ray_backend")
+            interface = backend.interface_towards(host)
+            for name in backend.SOCKET_IFNAME_VARIABLES:
+                if interface:
+                    os.environ.setdefault(name, interface)
             session_module = importlib.import_module("wanmesh.parallel.worker.session")
             config = importlib.import_module("wanmesh.parallel.config").ParallelConfig.from_dict(self.settings["config"])
             store = dist.TCPStore(host, port, config.world, is_master=self.rank == 0,
@@ -163,7 +227,7 @@ def _actor_class(ray):
                 diagnostics=self.settings.get("diagnostics"))
             self.session.start_heartbeats(lambda fields: self.queue.put_nowait({"kind": "heartbeat", "rank": self.rank,
                                                                                 **fields}))
-            return self.session.health()
+            return {name: os.environ.get(name) for name in backend.SOCKET_IFNAME_VARIABLES}
 
         def execute(self, request_id: int, body: dict) -> dict:
             import importlib
@@ -195,8 +259,12 @@ class RayWorkers:
         self.pg_timeout_s = pg_timeout_s
         self.diagnostics = os.path.abspath(diagnostics) if diagnostics else None
         self.actors: list[Any] = []
+        self.nodes: list[tuple[str, str]] = []  # each rank's (Ray node id, node address)
+        self.interfaces: list[dict] = []  # each rank's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+        self.store_address = ""
         self.queue = None
         self._pending: dict[Any, int] = {}
+        self._checked_loss = False
 
     def _use_gpus(self) -> bool:
         gpus = self.ray.cluster_resources().get("GPU", 0)
@@ -206,19 +274,80 @@ class RayWorkers:
         return wanted == "cuda" or (wanted == "auto" and gpus >= self.config.world)
 
     def start(self, timeout_s: float, should_cancel=None) -> None:
+        """Check the cluster's slots, start one actor per rank, order them by host, join the process group."""
         ray = self.ray
         connect_ray(ray, self.config.ray_address)
         from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         gpu = self._use_gpus()
-        self.queue = Queue()
+        check_slots(self.config.world, "GPU" if gpu else "CPU", ray.nodes(), self.config.ray_address or "auto")
+        here = ray.get_runtime_context().get_node_id()  # the queue lives on the driver's host, not on one that may go
+        self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy":
+                                          NodeAffinitySchedulingStrategy(here, soft=True)})
         settings = {"config": self.config.to_dict(), "gpu": gpu, "pg_timeout_s": self.pg_timeout_s,
                     "diagnostics": self.diagnostics}
         actor = _actor_class(ray).options(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
-        self.actors = [actor.remote(PACK_DIR, rank, settings, self.queue) for rank in range(self.config.world)]
+        actors = self.actors = [actor.remote(PACK_DIR, settings, self.queue) for _ in range(self.config.world)]
+        nodes = self._get([a.node.remote() for a in actors], timeout_s, "starting")
+        order = order_by_host(nodes, ray.util.get_node_ip_address())
+        self.actors, self.nodes = [actors[i] for i in order], [nodes[i] for i in order]
         host, port = self._get(self.actors[0].rendezvous_address.remote(), timeout_s, "starting")
-        hellos = [a.setup.remote(host, port) for a in self.actors]
-        self._get(hellos, timeout_s, "joining the process group")
+        hellos = [a.setup.remote(rank, host, port) for rank, a in enumerate(self.actors)]
+        self.interfaces = self._get(hellos, timeout_s, "joining the process group")
+        self.store_address = f"{host}:{port}"
+
+    @property
+    def hosts(self) -> list[str]:
+        """Each rank's host (its Ray node's address), in rank order."""
+        return [ip for _, ip in self.nodes]
+
+    def lost_ranks(self, wait_s: float) -> list[int]:
+        """Ranks whose actor or whose host is gone, once Ray has decided about every rank or ``wait_s`` passed:
+        a host's death is seen by Ray's health checks of its node, an actor's by a call to it failing."""
+        ray = self.ray
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+            lost = {rank for rank, (node_id, _) in enumerate(self.nodes) if node_id in dead_nodes}
+            pings = {actor.pid.remote(): rank for rank, actor in enumerate(self.actors) if rank not in lost}
+            ready, unknown = ray.wait(list(pings), num_returns=len(pings), timeout=1.0) if pings else ([], [])
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    lost.add(pings[ref])
+            if not unknown or time.monotonic() > deadline:
+                return sorted(lost)
+
+    def lost_line(self, lost: list[int]) -> str:
+        """'host 10.0.0.6 was lost with ranks 2, 3 (ranks 0, 1 on 10.0.0.5 remain)' for the lost ranks."""
+        by_host: dict[str, list[int]] = {}
+        for rank in lost:
+            by_host.setdefault(self.hosts[rank], []).append(rank)
+        dead_nodes = {n["NodeID"] for n in self.ray.nodes() if not n.get("Alive")}
+        parts = []
+        for ip, ranks in by_host.items():
+            whole = all(self.hosts[r] != ip or r in lost for r in range(len(self.hosts)))
+            gone = whole or any(self.nodes[r][0] in dead_nodes for r in ranks)
+            listed = ", ".join(map(str, ranks))
+            parts.append(f"host {ip} was lost with rank{'s' * (len(ranks) > 1)} {listed}" if gone
+                         else f"the Ray actor{'s' * (len(ranks) > 1)} of rank{'s' * (len(ranks) > 1)} {listed} on "
+                         f"host {ip} died")
+        left = [r for r in range(len(self.hosts)) if r not in lost]
+        remain = sorted({self.hosts[r] for r in left})
+        many = len(left) > 1
+        tail = f" (rank{'s' * many} {', '.join(map(str, left))} on {', '.join(remain)} remain{'s' * (not many)})" if left else ""
+        return "; ".join(parts) + tail
+
+    def _raise_if_lost(self) -> None:
+        """After a rank failed: when Ray says a host (or actor) of the pool is gone, that is the cause to name."""
+        if self._checked_loss:
+            return
+        self._checked_loss = True
+        lost = self.lost_ranks(min(LOST_HOST_WAIT_S, self.config.worker_timeout))
+        if lost:
+            raise RankDied(lost[0], self.lost_line(lost))
 
     def _get(self, refs, timeout_s: float, what: str):
         ray = self.ray
@@ -237,6 +366,7 @@ class RayWorkers:
 
     def send_request(self, request_id: int, body) -> None:
         self._pending = {a.execute.remote(request_id, body): rank for rank, a in enumerate(self.actors)}
+        self._checked_loss = False
 
     def send_cancel(self, request_id: int) -> None:
         for actor in self.actors:
@@ -251,9 +381,13 @@ class RayWorkers:
         for ref in ready:
             rank = self._pending.pop(ref)
             try:
-                messages.append((rank, self.ray.get(ref)))
-            except self.ray.exceptions.RayActorError as exc:
-                raise RankDied(rank, f"the Ray actor died: {exc}") from None
+                message = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:
+                self._raise_if_lost()
+                raise RankDied(rank, "its Ray actor died") from None
+            if message.get("kind") == "error":
+                self._raise_if_lost()  # a peer's host gone shows first as a collective failing on this rank
+            messages.append((rank, message))
         return messages
 
     def check_alive(self) -> None:
@@ -264,7 +398,8 @@ class RayWorkers:
             try:
                 self.ray.get(ref, timeout=IDLE_PING_TIMEOUT_S)
             except self.ray.exceptions.RayActorError:
-                raise RankDied(rank, "its Ray actor died") from None
+                lost = self.lost_ranks(IDLE_PING_TIMEOUT_S) or [rank]
+                raise RankDied(lost[0], self.lost_line(lost)) from None
             except self.ray.exceptions.GetTimeoutError:
                 continue
 
