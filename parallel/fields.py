@@ -92,9 +92,10 @@ FIELDS: tuple[Field, ...] = (
           checked=("ParallelConfig.cfg_parallel",)),
     _degree("vae_patch", "ranks that share the VAE tiles", ("generate --vae-patch",)),
     Field("backend", "CHOICE", BACKENDS[0], "local: processes on this machine; ray: actors on a Ray cluster",
-          choices=BACKENDS, nodes=("WanMeshPool.backend",), checked=("ParallelConfig.backend",)),
+          choices=BACKENDS, nodes=("WanMeshPool.backend",), flags=("generate --backend", "stream --backend"),
+          checked=("ParallelConfig.backend",)),
     Field("ray_address", "STRING", "", "Ray cluster address (ray backend; empty: auto)",
-          nodes=("WanMeshPool.ray_address",)),
+          nodes=("WanMeshPool.ray_address",), flags=("generate --ray-address", "stream --ray-address")),
     Field("worker_timeout", "FLOAT", DEFAULT_WORKER_TIMEOUT_S, "seconds a worker may stop answering (or wait in a "
           "collective) before the pool names it, stops and restarts on next use; raise it for very slow models",
           MIN_WORKER_TIMEOUT_S, 86400.0, 1.0, valid=Valid(MIN_WORKER_TIMEOUT_S), nodes=("WanMeshPool.worker_timeout",),

@@ -42,7 +42,8 @@ def add_model_file_arguments(parser: argparse.ArgumentParser, model_help: str, c
     return files
 
 
-POOL_FIELDS = ("world", "tp", "ulysses", "ring", "cfg_parallel", "vae_patch", "worker_timeout", "memory_budget_gb")
+POOL_FIELDS = ("world", "tp", "ulysses", "ring", "cfg_parallel", "vae_patch", "worker_timeout", "memory_budget_gb",
+               "backend", "ray_address")
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser, command: str):

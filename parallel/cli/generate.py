@@ -39,7 +39,7 @@ def pool_config(args) -> ParallelConfig:
     return ParallelConfig(
         world=args.world, tp=args.tp, ulysses=args.ulysses, ring=args.ring, cfg_parallel=args.cfg_parallel,
         vae_patch=args.vae_patch, devices=args.device or "auto", memory_budget_gb=args.memory_budget_gb,
-        worker_timeout=args.worker_timeout,
+        worker_timeout=args.worker_timeout, backend=args.backend, ray_address=args.ray_address or None,
     )
 
 

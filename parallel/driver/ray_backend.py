@@ -262,6 +262,7 @@ class RayWorkers:
         self.nodes: list[tuple[str, str]] = []  # each rank's (Ray node id, node address)
         self.interfaces: list[dict] = []  # each rank's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
         self.store_address = ""
+        self.driver_host = ""
         self.queue = None
         self._pending: dict[Any, int] = {}
         self._checked_loss = False
@@ -283,14 +284,15 @@ class RayWorkers:
         gpu = self._use_gpus()
         check_slots(self.config.world, "GPU" if gpu else "CPU", ray.nodes(), self.config.ray_address or "auto")
         here = ray.get_runtime_context().get_node_id()  # the queue lives on the driver's host, not on one that may go
+        self.driver_host = ray.util.get_node_ip_address()
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy":
-                                          NodeAffinitySchedulingStrategy(here, soft=True)})
+                                          NodeAffinitySchedulingStrategy(here, soft=False)})
         settings = {"config": self.config.to_dict(), "gpu": gpu, "pg_timeout_s": self.pg_timeout_s,
                     "diagnostics": self.diagnostics}
         actor = _actor_class(ray).options(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
         actors = self.actors = [actor.remote(PACK_DIR, settings, self.queue) for _ in range(self.config.world)]
         nodes = self._get([a.node.remote() for a in actors], timeout_s, "starting")
-        order = order_by_host(nodes, ray.util.get_node_ip_address())
+        order = order_by_host(nodes, self.driver_host)
         self.actors, self.nodes = [actors[i] for i in order], [nodes[i] for i in order]
         host, port = self._get(self.actors[0].rendezvous_address.remote(), timeout_s, "starting")
         hellos = [a.setup.remote(rank, host, port) for rank, a in enumerate(self.actors)]

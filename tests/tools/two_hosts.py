@@ -29,6 +29,7 @@ RAY_PORT = 6379
 START_TIMEOUT_S = 90.0
 RAY_ENV = {  # a small cluster: no usage reports, no prestarted workers, a dead node noticed within seconds
     "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",  # a cluster that exists only inside the test (the token file is machine-wide)
     "RAY_enable_worker_prestart": "0",
     "RAY_prestart_worker_first_driver": "0",
     "RAY_health_check_period_ms": "1000",
@@ -190,16 +191,38 @@ def end_processes(host: Host, grace_s: float = 5.0) -> list[int]:
     return stubborn
 
 
+def remove_abandoned() -> list[str]:
+    """Namespaces of earlier runs whose process is gone (killed before its teardown ran): their processes are
+    ended and the namespaces deleted. A namespace is named ``wmA<pid>-<n>`` / ``wmB<pid>-<n>`` after its creator."""
+    removed = []
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if len(name) < 4 or name[:3] not in ("wmA", "wmB") or "-" not in name:
+            continue
+        owner = name[3:].split("-")[0]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            end_processes(Host(name, "", "", ""))
+            _run("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    for folder in Path(tempfile.gettempdir()).glob("wm2h*-*"):
+        owner = folder.name[4:].split("-")[0]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
 @contextlib.contextmanager
 def two_hosts(seed: int | None = None):
     """The two-host Ray cluster, torn down on exit whatever happened."""
+    remove_abandoned()
     rng = random.Random(seed)
-    tag = f"{os.getpid() % 100000}{rng.randrange(1000):03d}"
+    pid, number = os.getpid(), rng.randrange(1000)
     subnet = free_subnet(rng)
     first, second = list(subnet.hosts())
-    root = tempfile.mkdtemp(prefix="wm2h")  # short: Ray's socket paths must stay under 108 characters
-    hosts = TwoHosts(Host(f"wmA{tag}", f"wma{tag}", str(first), f"{root}/a"),
-                     Host(f"wmB{tag}", f"wmb{tag}", str(second), f"{root}/b"), subnet, env=dict(RAY_ENV))
+    root = tempfile.mkdtemp(prefix=f"wm2h{pid}-")  # short: Ray's socket paths must stay under 108 characters
+    hosts = TwoHosts(Host(f"wmA{pid}-{number}", f"wma{pid}-{number}", str(first), f"{root}/a"),
+                     Host(f"wmB{pid}-{number}", f"wmb{pid}-{number}", str(second), f"{root}/b"), subnet,
+                     env=dict(RAY_ENV))
     for host in hosts.hosts:
         os.makedirs(host.temp_dir)
     try:
