@@ -45,15 +45,35 @@ def interface_towards(host: str) -> str | None:
     machine's own loopback), found by the source address a UDP socket connected there gets (no packet is sent);
     None when no interface has that address. gloo and NCCL otherwise bind to whatever the host name resolves to,
     which on many clusters is not the interface the other hosts reach."""
-    import psutil
-
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         source = probe.getsockname()[0]
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == source for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)):
+    for name, addresses in _interface_addresses().items():
+        if source in addresses:
             return name
     return None
+
+
+def _interface_addresses() -> dict[str, list[str]]:
+    """Each interface's addresses: psutil's where it is installed, else each interface's IPv4 address asked from
+    the kernel (Linux ``SIOCGIFADDR``; nodes need not have psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        import fcntl
+        import struct
+
+        found: dict[str, list[str]] = {}
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+                except OSError:
+                    continue  # no IPv4 address
+                found[name] = [socket.inet_ntoa(packed[20:24])]
+        return found
+    return {name: [a.address.split("%")[0] for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]
+            for name, addresses in psutil.net_if_addrs().items()}
 
 
 def order_by_host(nodes: list[tuple[str, str]], driver_ip: str | None = None) -> list[int]:
