@@ -18,6 +18,7 @@ under any module name, while on the actors it is registered as ``wanmesh`` from 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -33,6 +34,7 @@ from ..transport import pack_for_ray, unpack_from_ray
 
 
 RAY_CONNECT_TIMEOUT_S = 30.0
+log = logging.getLogger("wanmesh.pool")
 
 
 IDLE_PING_TIMEOUT_S = 5.0  # the idle liveness check's wait for an actor's answer
@@ -318,6 +320,18 @@ class RayWorkers:
         hellos = [a.setup.remote(rank, host, port) for rank, a in enumerate(self.actors)]
         self.interfaces = self._get(hellos, timeout_s, "joining the process group")
         self.store_address = f"{host}:{port}"
+        log.info("WanMesh Ray pool: %s; store at %s", self.placement_text(), self.store_address)
+
+    def placement_text(self) -> str:
+        """'ranks 0-1 on 10.0.0.5 (eth1), ranks 2-3 on 10.0.0.6 (eth1)': where the ranks run, in rank order."""
+        parts, start = [], 0
+        for rank in range(1, len(self.nodes) + 1):
+            if rank == len(self.nodes) or self.hosts[rank] != self.hosts[start]:
+                span = f"rank {start}" if rank - start == 1 else f"ranks {start}-{rank - 1}"
+                interface = (self.interfaces[start] or {}).get("GLOO_SOCKET_IFNAME") if self.interfaces else None
+                parts.append(f"{span} on {self.hosts[start]}" + (f" ({interface})" if interface else ""))
+                start = rank
+        return ", ".join(parts)
 
     @property
     def hosts(self) -> list[str]:

@@ -1,12 +1,11 @@
-"""The driver of the two-host tests, run as its own process inside the first host's network namespace (or, for
-the world-1 reference, anywhere): it starts a WanMesh pool, samples with the tiny model, and writes what it saw
-to a JSON file (and the latents to a .pt file).
+"""The driver of the two-host tests, run as its own process inside the first host's network namespace: it
+starts WanMesh pools, samples with the tiny model, and writes what it saw to a JSON file.
 
-``sample SPEC OUT``: one pool of SPEC's layout samples the seeded request; OUT.json gets each rank's host, the
-interfaces gloo binds to, the store's address.
-``lose SPEC OUT``: a world-4 pool samples a long request; at step 2 the second host's raylet (SPEC's
-``raylet_pid``) is killed; OUT.json gets the error and how long it took, the next call's error on the same pool,
-the pool's actor processes left on this host, and a world-2 pool on what is left samples the short request.
+``lose SPEC OUT``: a local world-1 pool samples the seeded request (the reference); a world-4 Ray pool (tp 2,
+CFG parallel) samples it too (OUT.json gets each rank's host, the interfaces gloo binds to, the store's address
+and the largest difference to the reference), then samples a long request during which, at step 2, the second
+host's raylet (SPEC's ``raylet_pid``) is killed; OUT.json gets the error and how long it took, the next call's
+error on the same pool, and the pool's actor processes left on this host.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ def placement(pool: WorkerPool) -> dict:
     if not hasattr(backend, "hosts"):
         return {}
     return {"hosts": backend.hosts, "interfaces": backend.interfaces, "store": backend.store_address,
-            "driver": backend.driver_host}
+            "driver": backend.driver_host, "text": backend.placement_text()}
 
 
 def our_actor_processes() -> list[str]:
@@ -68,14 +67,6 @@ def our_actor_processes() -> list[str]:
     return found
 
 
-def run_sample(spec: dict, out: Path) -> None:
-    with open_pool(spec, **spec["layout"]) as pool:
-        latents = sample(pool, spec["model"], spec["steps"])
-        torch.save(latents, out.with_suffix(".pt"))
-        report = placement(pool)
-    out.write_text(json.dumps(report))
-
-
 def run_lose(spec: dict, out: Path) -> None:
     report: dict = {}
     killed: list[float] = []
@@ -85,9 +76,13 @@ def run_lose(spec: dict, out: Path) -> None:
             os.kill(spec["raylet_pid"], signal.SIGKILL)
             killed.append(time.monotonic())
 
+    with open_pool({"backend": "local"}, world=1) as pool:
+        reference = sample(pool, spec["model"], spec["steps"])
     with open_pool(spec, world=4, tp=2, cfg_parallel=True) as pool:
         report["placement"] = placement(pool)
-        print("placement", report["placement"], flush=True)
+        latents = sample(pool, spec["model"], spec["steps"])
+        report["difference"] = (latents - reference).abs().max().item()
+        report["reference_std"] = reference.std().item()
         try:
             sample(pool, spec["model"], 200, progress=kill_at_step_two)
             report["error"] = None
@@ -103,12 +98,9 @@ def run_lose(spec: dict, out: Path) -> None:
         while our_actor_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
         report["leftovers"] = our_actor_processes()
-    with open_pool(spec, world=2, tp=2) as pool:
-        torch.save(sample(pool, spec["model"], spec["steps"]), out.with_suffix(".pt"))
-        report["after"] = placement(pool)
     out.write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
     mode, spec_text, out_path = sys.argv[1:4]
-    {"sample": run_sample, "lose": run_lose}[mode](json.loads(spec_text), Path(out_path))
+    {"lose": run_lose}[mode](json.loads(spec_text), Path(out_path))
