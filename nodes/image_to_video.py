@@ -36,7 +36,7 @@ class WanMeshImageToVideo:
             },
             "optional": {
                 "clip_vision_output": ("CLIP_VISION_OUTPUT", {
-                    "tooltip": "CLIP vision of the start image (Wan 2.1 I2V / FLF2V need it; Wan 2.2 I2V does not)"}),
+                    "tooltip": "CLIP vision of the start image (Wan 2.1 I2V / FLF2V; without it they run as native does without it, Wan 2.2 I2V takes none)"}),
                 "start_image": ("IMAGE", {"tooltip": "first frame(s); resized and center-cropped as native"}),
                 "end_image": ("IMAGE", {"tooltip": "last frame(s) (first-last-frame models): WanFirstLastFrameToVideo"}),
                 "clip_vision_end_output": ("CLIP_VISION_OUTPUT", {"tooltip": "CLIP vision of the end image (FLF2V)"}),

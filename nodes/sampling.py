@@ -8,6 +8,7 @@ import torch
 
 from ..parallel import COMFY_SAMPLERS, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, Cancelled, SampleRequest, latent_shape
 from ..parallel.driver.timings import RunTimings
+from ..parallel.config import DEFAULT_SCHEDULER
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
 from ..parallel.validation import prompt_length_warning
 from .convert import (
@@ -126,7 +127,7 @@ class WanMeshSampler:
 
     def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise,
                model_low_noise=None, boundary=T2V_EXPERT_BOUNDARY, cfg_low_noise=-1.0, start_step=0,
-               end_step=END_STEP_TO_THE_END, add_noise=True, scheduler=SCHEDULERS[0]):
+               end_step=END_STEP_TO_THE_END, add_noise=True, scheduler=DEFAULT_SCHEDULER):
         check_same_pool(model, model_low_noise)
         end = None if end_step >= steps else end_step
         if not runs_in_the_workers(sampler_name, scheduler):

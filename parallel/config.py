@@ -32,6 +32,7 @@ WAN_UNIPC, WAN_UNIPC_ALIAS = "wan_unipc", "unipc"
 COMFY_SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m", "lcm", "uni_pc")
 DISCARD_PENULTIMATE_SIGMA = ("uni_pc",)  # ComfyUI schedules these one step longer and drops the next-to-last sigma
 SAMPLERS = (WAN_UNIPC_ALIAS, *COMFY_SAMPLERS, WAN_UNIPC)
+DEFAULT_SAMPLER, DEFAULT_SCHEDULER = "uni_pc", "simple"  # what ComfyUI's native Wan workflows sample with
 SCHEDULERS = ("simple", "normal", "beta", "sgm_uniform", "karras")
 DTYPE_NAMES = ("auto", "fp32", "bf16", "fp16")
 TEXT_TOKENS = 512  # Wan's text length: prompt embeddings are padded (or cut) to it; tokens past it are dropped
@@ -73,6 +74,7 @@ WAN22_LATENTS_STD = (
     0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
     0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
 )
+NATIVE_DECODE_OVERLAP_SHARE = 4  # VAEDecodeTiled lowers an overlap above tile / 4 to tile / 4
 DEFAULT_WORKER_TIMEOUT_S = 60.0
 MIN_WORKER_TIMEOUT_S = 1.0  # heartbeats come every second: a shorter timeout would flag healthy ranks
 MAX_HEARTBEAT_S = 1.0
@@ -399,12 +401,25 @@ def check_latent(latent, channels: tuple[int, ...] = LATENT_CHANNEL_COUNTS) -> N
         raise ValueError(f"latent must be {valid} raw Wan latents, got shape {list(latent.shape)}")
 
 
-def resolve_tile_options(tile_px: int, overlap_px: int | None, ratio: int = VAE_SPATIAL_FACTOR) -> tuple[int, int]:
-    """Validate the tile edge and overlap (pixels); the overlap defaults to a quarter tile, a multiple of ``ratio``."""
-    if isinstance(tile_px, bool) or not isinstance(tile_px, int) or tile_px < ratio or tile_px % ratio:
+def resolve_tile_options(tile_px: int, overlap_px: int | None, ratio: int = VAE_SPATIAL_FACTOR, *,
+                         decode: bool = False) -> tuple[int, int]:
+    """Validate the tile edge and overlap (pixels); the overlap defaults to a quarter tile, a multiple of ``ratio``.
+
+    A decode takes them as native ``VAEDecodeTiled`` does: an overlap above a quarter of the tile becomes a quarter
+    of it, and both are cut down to multiples of ``ratio`` (native divides them by the VAE's factor). An encode
+    (native ``VAEEncodeTiled`` keeps any overlap below the tile) takes an overlap of at most half the tile, the most
+    the linear blend of neighbouring tiles covers."""
+    if isinstance(tile_px, bool) or not isinstance(tile_px, int) or tile_px < ratio or (tile_px % ratio and not decode):
         raise ValueError(f"tile_px must be a positive multiple of the VAE's spatial factor {ratio}, got {tile_px!r}")
+    if decode and overlap_px is not None and (isinstance(overlap_px, bool) or not isinstance(overlap_px, int)
+                                              or overlap_px < 0):
+        raise ValueError(f"overlap_px must be a whole number of pixels >= 0, got {overlap_px!r}")
     if overlap_px is None:
-        overlap_px = (tile_px // 4) // ratio * ratio
+        overlap_px = (tile_px // NATIVE_DECODE_OVERLAP_SHARE) // ratio * ratio
+    elif decode and tile_px < overlap_px * NATIVE_DECODE_OVERLAP_SHARE:
+        overlap_px = tile_px // NATIVE_DECODE_OVERLAP_SHARE
+    if decode:
+        return tile_px // ratio * ratio, overlap_px // ratio * ratio
     if not isinstance(overlap_px, int) or overlap_px % ratio or not 0 <= overlap_px <= tile_px // 2:
         raise ValueError(
             f"overlap_px must be a multiple of {ratio} between 0 and half the tile ({tile_px // 2}), got {overlap_px!r}"
@@ -412,10 +427,10 @@ def resolve_tile_options(tile_px: int, overlap_px: int | None, ratio: int = VAE_
     return tile_px, overlap_px
 
 
-def check_tiles(tile_px: int | None, overlap_px: int | None) -> None:
+def check_tiles(tile_px: int | None, overlap_px: int | None, *, decode: bool = False) -> None:
     """The user's VAE tile options (None: no tiling), before any worker work."""
     if tile_px is not None:
-        resolve_tile_options(tile_px, overlap_px)
+        resolve_tile_options(tile_px, overlap_px, decode=decode)
     elif overlap_px is not None:
         raise ValueError("an overlap was given without a tile size; give the tile size too")
 
@@ -482,16 +497,15 @@ def check_model_input(latent) -> None:
 def check_noise_mask(noise_mask, latent_shape: tuple, sampler: str) -> None:
     """A LATENT's ``noise_mask`` (ComfyUI's: 0 where the latent is kept, 1 where it is sampled; e.g.
     Wan22ImageToVideoLatent's [B, 1, T, h, w] or SetLatentNoiseMask's [F, 1, H, W]), resized to the latent as
-    ComfyUI resizes it. Only Wan 2.2 latents (TI2V 5B: per-frame timesteps) take one, with ComfyUI's samplers."""
+    ComfyUI resizes it. Only Wan 2.2 latents (TI2V 5B: per-frame timesteps) take one, with every sampler."""
     if noise_mask is None:
         return
     if latent_shape[1] != WAN22_LATENT_CHANNELS:
         raise ValueError(f"the latent carries a noise_mask but has {latent_shape[1]} channels: native inpainting "
                          f"masks are not supported for Wan 2.1 latents; only Wan 2.2 TI2V 5B latents "
                          f"({WAN22_LATENT_CHANNELS} channels) take one (remove SetLatentNoiseMask or the mask)")
-    if sampler not in COMFY_SAMPLERS:
-        raise ValueError(f"sampler {sampler!r} does not take a noise_mask (Wan 2.2 image-to-video); use one of "
-                         f"{', '.join(COMFY_SAMPLERS)}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler {sampler!r} is unknown; valid samplers: {', '.join(SAMPLERS)}")
     if noise_mask.ndim not in (3, 4, 5) or min(noise_mask.shape) < 1:
         raise ValueError(f"the noise_mask has shape {list(noise_mask.shape)}; expected [F, H, W], [F, 1, H, W] or "
                          f"[B, C, T, h, w] (a MASK, SetLatentNoiseMask's or Wan22ImageToVideoLatent's)")

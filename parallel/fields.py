@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import (BACKENDS, CONTROL_MODES, LAYOUT_MODES, DEFAULT_WORKER_TIMEOUT_S, DTYPE_NAMES, I2V_EXPERT_BOUNDARY, LORA_STRENGTH_RANGE,
-                     MAX_SEED, MIN_WORKER_TIMEOUT_S, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, WAN_UNIPC_ALIAS,
+                     MAX_SEED, MIN_WORKER_TIMEOUT_S, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY, DEFAULT_SAMPLER, DEFAULT_SCHEDULER,
                      WEIGHT_MODES)
 
 END_STEP_TO_THE_END = 10000  # ComfyUI's advanced sampler default for "run to the last step"
@@ -154,7 +154,8 @@ FIELDS: tuple[Field, ...] = (
     Field("tile_px", "INT", 0, "VAE tile edge in pixels; 0: whole frames (or 256 with vae_patch > 1)", 0, 4096, 8,
           nodes=("WanMeshVAEDecode.tile_px", "WanMeshVAEEncode.tile_px"), flags=("generate --vae-tile",),
           flag_default=None),
-    Field("overlap_px", "INT", 64, "VAE tile overlap in pixels (a multiple of 8, at most half the tile)", 0, 2048,
+    Field("overlap_px", "INT", 64, "VAE tile overlap in pixels; decode: as VAEDecodeTiled, above a quarter of "
+          "the tile it is lowered to a quarter; encode: a multiple of 8, at most half the tile", 0, 2048,
           8, nodes=("WanMeshVAEDecode.overlap_px", "WanMeshVAEEncode.overlap_px"), flags=("generate --vae-overlap",),
           flag_default=None, note="CLI default: a quarter of the tile"),
     Field("vace_control", "CHOICE", CONTROL_MODES[0], "canny: white edges on black; scribble: thick edge strokes; "
@@ -174,12 +175,13 @@ FIELDS: tuple[Field, ...] = (
     Field("shift", "FLOAT", 5.0, "flow-matching timestep shift (5 for 720p/480p Wan 2.1)", 0.01, 100.0, 0.1,
           valid=Valid(0.0, low_open=True), nodes=("WanMeshSampler.shift",), flags=("generate --shift",),
           checked=("SampleRequest.shift",), flag_default=None, note="CLI default: 3 for the tiny models"),
-    Field("sampler", "CHOICE", WAN_UNIPC_ALIAS, "unipc / wan_unipc: Wan's reference flow UniPC; euler, "
-          "euler_ancestral, dpmpp_2m, uni_pc and lcm: ComfyUI's samplers of those names with the same numbers, run "
-          "in the workers; in the node every other ComfyUI sampler runs through ComfyUI's own code on the pool",
+    Field("sampler", "CHOICE", DEFAULT_SAMPLER, "uni_pc (as native Wan workflows), euler, euler_ancestral, dpmpp_2m "
+          "and lcm: ComfyUI's samplers of those names with the same numbers, run in the workers; wan_unipc (older "
+          "name: unipc): Wan's reference flow UniPC; in the node every other ComfyUI sampler runs through ComfyUI's "
+          "own code on the pool",
           choices=SAMPLERS, nodes=("WanMeshSampler.sampler_name",), flags=("generate --sampler",),
           checked=("SampleRequest.sampler",)),
-    Field("scheduler", "CHOICE", SCHEDULERS[0], "sigma schedule of ComfyUI's samplers, ComfyUI's names and numbers "
+    Field("scheduler", "CHOICE", DEFAULT_SCHEDULER, "sigma schedule of ComfyUI's samplers, ComfyUI's names and numbers "
           "(wan_unipc / unipc keep Wan's own schedule); in the node every other ComfyUI scheduler runs through "
           "ComfyUI's own code on the pool", choices=SCHEDULERS, nodes=("WanMeshSampler.scheduler",),
           flags=("generate --scheduler",), checked=("SampleRequest.scheduler",)),

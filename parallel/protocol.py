@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import (LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
+from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
@@ -148,9 +148,9 @@ class SampleRequest(Request):
     steps: int
     guidance_scale: float
     shift: float
-    sampler: str = "unipc"  # config.SAMPLERS
+    sampler: str = DEFAULT_SAMPLER  # config.SAMPLERS
     denoise: float = 1.0
-    scheduler: str = "simple"  # config.SCHEDULERS: the sigma schedule of ComfyUI-named samplers (not wan_unipc)
+    scheduler: str = DEFAULT_SCHEDULER  # config.SCHEDULERS: the sigma schedule of ComfyUI-named samplers (not wan_unipc)
     # VACE contexts in ComfyUI's native raw format, one entry per context (chained VACE encodes):
     vace_frames: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 32, T, h, w]
     vace_masks: list[torch.Tensor] = field(default_factory=list)  # each [1 or B, 64, T, h, w]

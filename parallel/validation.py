@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import (
+    DEFAULT_SAMPLER,
     LATENT_CHANNELS,
     TEXT_TOKENS,
     WAN22_LATENT_CHANNELS,
@@ -298,7 +299,7 @@ class GenerateInputs:
     shift: float
     guidance_scale: float
     seed: int
-    sampler: str = "unipc"
+    sampler: str = DEFAULT_SAMPLER
     denoise: float = 1.0
     prompts: tuple[str, ...] = ()
     model: str | None = None

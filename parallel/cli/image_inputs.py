@@ -11,6 +11,7 @@ CLIP vision encoder (one or two images) runs here, as ComfyUI runs it in its own
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,8 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
         raise ValueError(f"the model is {name}, which takes one image; --last-image needs a first-last-frame (FLF2V) "
                          "model")
     if kind in ("clip_vision", "first_last") and clip_vision is None:
-        raise ValueError(f"the model is {name}: give its CLIP vision file with --clip-vision "
-                         "(clip_vision_h.safetensors)")
+        print(f"wanmesh: the model is {name} and no --clip-vision was given: sampling without CLIP vision tokens, as "
+              "ComfyUI's WanImageToVideo does without a clip_vision_output", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

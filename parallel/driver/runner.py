@@ -123,7 +123,7 @@ class PoolRunner:
         return self.pool.call(request, progress=chunk_progress(on_chunk, progress), should_cancel=should_stop)
 
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
-        check_tiles(tile_px, overlap_px)
+        check_tiles(tile_px, overlap_px, decode=True)
         return self.pool.call(P.Decode(handle=handle, latents=latents, tile_px=tile_px, overlap_px=overlap_px)).images
 
     def encode(self, handle: str, frames: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):

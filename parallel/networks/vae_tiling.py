@@ -145,7 +145,7 @@ def tiled_decode(
     ranks and the pixels are returned on group rank 0; the other ranks get ``None``.
     """
     ratio = spatial_factor(vae)
-    tile_px, overlap_px = resolve_tile_options(tile_px, overlap_px, ratio)
+    tile_px, overlap_px = resolve_tile_options(tile_px, overlap_px, ratio, decode=True)
     _check_latents(vae, latents)
     latents = latents.to(device=_device(vae), dtype=_dtype(vae))
 

@@ -2,7 +2,7 @@
 
 Forward hooks on diffusers' ``WanTransformer3DModel`` (and the VACE model): latents of any size are padded to the
 patch grid and the output cropped back; image-to-video models get native text lengths and first-last-frame image
-tokens. Applied by the loaders after the weights are in.
+tokens, and without CLIP vision tokens attend to the text in their image cross-attention as native Wan does. Applied by the loaders after the weights are in.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ def with_native_inputs(model: torch.nn.Module) -> torch.nn.Module:
     pad_inputs_to_patches(model)
     if getattr(model.config, "image_dim", None):
         pad_text_for_image_tokens(model)
+        text_as_missing_image_tokens(model)
         if getattr(model.config, "pos_embed_seq_len", None):
             embed_image_tokens_natively(model.condition_embedder.image_embedder)
     return model
@@ -39,6 +40,19 @@ def pad_text_for_image_tokens(model: torch.nn.Module) -> None:
         return args, kwargs
 
     model.register_forward_pre_hook(pad_text, with_kwargs=True)
+
+
+def text_as_missing_image_tokens(model: torch.nn.Module) -> None:
+    """An image-to-video model called without CLIP vision tokens, as native Wan runs it: ComfyUI's
+    ``WanI2VCrossAttention`` then has no image token count and slices the whole (embedded) text context as its
+    image context, so the image keys and values are made from the text. diffusers' attention would find no image
+    tokens at all; the embedded text is handed over as the image tokens instead, which it splits off the same way."""
+
+    def hook(module, args, output):
+        temb, timestep_proj, text, image = output
+        return output if image is not None else (temb, timestep_proj, text, text)
+
+    model.condition_embedder.register_forward_hook(hook)
 
 
 def embed_image_tokens_natively(embedder: torch.nn.Module) -> None:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 NUM_TRAIN_TIMESTEPS = 1000
 HIGH_NOISE, LOW_NOISE = "high-noise expert", "low-noise expert"
-MULTISTEP_SAMPLERS = ("unipc",)  # samplers whose state spans steps (a chain restarts it)
+MULTISTEP_SAMPLERS = ("unipc", "wan_unipc", "uni_pc", "dpmpp_2m")  # samplers whose state spans steps (a chain restarts it)
 
 
 def runs_high_noise_expert(timestep: float, boundary: float) -> bool:

@@ -71,7 +71,7 @@ def image_inputs(model, image_concat: torch.Tensor | None, clip_fea: torch.Tenso
                  latent_shape: tuple, dtype, device) -> dict:
     """The image-to-video inputs of the given rows: the image channels concatenated to the latents (zeros when
     none are given, as native Wan fills them) and the CLIP vision tokens of models that take them. A model
-    without image inputs refuses image channels; one whose image tokens are missing is refused too."""
+    without image inputs refuses image channels."""
     return {**image_concat_input(model, image_concat, rows, latent_shape, dtype, device),
             **image_token_inputs(model, clip_fea, rows, latent_shape[0], dtype, device)}
 
@@ -93,13 +93,11 @@ def image_concat_input(model, image_concat: torch.Tensor | None, rows: range, la
 
 
 def image_token_inputs(model, clip_fea: torch.Tensor | None, rows: range, batch: int, dtype, device) -> dict:
-    """The CLIP vision tokens of the given rows for a model that takes them (Wan 2.1 I2V / FLF2V), which refuses to
-    run without them; none for other models (native ignores tokens they cannot take)."""
-    if not getattr(getattr(model, "config", None), "image_dim", None):
+    """The CLIP vision tokens of the given rows for a model that takes them (Wan 2.1 I2V / FLF2V); none for other
+    models (native ignores tokens they cannot take) and none when none are given (the model then attends to the
+    text in their place, as native: ``networks/wan_inputs.py``)."""
+    if clip_fea is None or not getattr(getattr(model, "config", None), "image_dim", None):
         return {}
-    if clip_fea is None:
-        raise ValueError("this image-to-video model (Wan 2.1 I2V / FLF2V) needs CLIP vision image tokens: connect "
-                         "a CLIP Vision Encode output to the image-to-video node (--clip-vision on the command line)")
     return {"encoder_hidden_states_image": _batch_rows(clip_fea, rows, batch).to(device=device, dtype=dtype)}
 
 

@@ -7,7 +7,8 @@ families of samplers: ComfyUI's (``solvers.py`` on a ``schedules.py`` sigma sche
 clean-latent estimate, the start noise and the leftover-noise result scaled as ComfyUI's KSampler does; a Wan 2.2
 latent's noise mask handled as ComfyUI's ``KSamplerX0Inpaint`` with the WAN22 model: the kept latent blended into
 each model input and output, per-frame timesteps), and Wan's reference flow UniPC (diffusers' scheduler configured
-as Wan's code samples; no noise mask). The model is any callable with the diffusers Wan transformer signature, so
+as Wan's code samples; a noise mask handled as Wan 2.2's own TI2V code does: the kept latent blended into the start
+latent and into every step's result, per-frame timesteps). The model is any callable with the diffusers Wan transformer signature, so
 parallel wrappers plug in unchanged.
 """
 
@@ -150,6 +151,8 @@ def sample(
         negative = _rows(text_context(request.negative, request.latent.shape[0], dtype, device), rows)
     extra = conditioning_inputs(model, request, rows, dtype, device)
     latents = initial_latents(request, schedule.start_sigma, rows).to(device)
+    kept = KeptLatent.of(request, normalize_latents(request.latent[rows.start : rows.stop]).to(device), rows, device)
+    latents = kept.output(latents)  # Wan 2.2 TI2V: the start image's latent frames are never noised
     run_steps = len(schedule.timesteps)
     for index, t in enumerate(schedule.timesteps):
         step = schedule.first_step + index + 1  # 1-based over the whole schedule, for messages
@@ -158,12 +161,13 @@ def sample(
         if len(rows):
             expert = experts.at(t)
             step_negative = negative if expert.guidance_scale != 1.0 else None
+            model_t = t if kept.mask is None else kept.model_input(latents, t.reshape(1))[1]
             prediction = (guidance or guided_prediction)(
-                expert.model, latents.to(dtype), t, positive, step_negative, expert.guidance_scale, extra
+                expert.model, latents.to(dtype), model_t, positive, step_negative, expert.guidance_scale, extra
             )
             if preview is not None:
                 preview(preview_image(denoised_estimate(latents, prediction, t)))
-            latents = schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0]
+            latents = kept.output(schedule.scheduler.step(prediction.float(), t, latents, return_dict=False)[0])
             check_finite(latents, step, request.steps)
         if progress is not None:
             progress(index + 1, run_steps)

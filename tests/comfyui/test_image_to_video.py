@@ -1,8 +1,8 @@
 """Image-to-video in a real ComfyUI (recent, with native Wan nodes): native conditioning and sampling against
 WanMesh's on the same tiny files, as API prompts.
 
-For each model kind (Wan 2.1 I2V with CLIP vision tokens, FLF2V with a start and an end image, a Wan 2.2 I2V A14B
-expert without CLIP vision) one prompt holds: native ``WanImageToVideo`` / ``WanFirstLastFrameToVideo`` conditioning
+For each model kind (Wan 2.1 I2V with CLIP vision tokens, FLF2V with a start and an end image, both also without
+CLIP vision tokens as native runs them, a Wan 2.2 I2V A14B expert without CLIP vision) one prompt holds: native ``WanImageToVideo`` / ``WanFirstLastFrameToVideo`` conditioning
 (native VAE; CLIP vision tokens from WanMesh CLIP Vision Encode, as a tiny CLIP vision cannot be loaded by native
 ``CLIPVisionLoader``, which knows only released sizes) sampled by native KSampler on ``UNETLoader``'s model, by
 KSampler on the WanMesh MODEL and by the WanMesh Sampler; and WanMesh Image To Video's conditioning (WanMesh VAE on
@@ -33,6 +33,8 @@ KINDS = {  # kind: (model file, native conditioning node, takes CLIP vision)
     "i2v": ("wan_tiny_i2v.safetensors", "WanImageToVideo", True),
     "flf2v": ("wan_tiny_flf2v.safetensors", "WanFirstLastFrameToVideo", True),
     "wan22_i2v": ("wan22_tiny_i2v_high.safetensors", "WanImageToVideo", False),
+    "i2v_no_clip": ("wan_tiny_i2v.safetensors", "WanImageToVideo", False),
+    "flf2v_no_clip": ("wan_tiny_flf2v.safetensors", "WanFirstLastFrameToVideo", False),
 }
 LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "ulysses2": dict(devices="cpu:2", world=2, ulysses=2)}
 SIDES = ("native", "model", "sampler", "wanmesh_i2v")
@@ -43,8 +45,9 @@ def native_conditioning(kind: str) -> dict[str, Any]:
     inputs = {"positive": ["pos", 0], "negative": ["neg", 0], "vae": ["vae", 0], "width": WIDTH, "height": HEIGHT,
               "length": LENGTH, "batch_size": 1, "start_image": ["start", 0]}
     if node == "WanFirstLastFrameToVideo":
-        inputs.update(end_image=["end", 0], clip_vision_start_image=["clip_start", 0],
-                      clip_vision_end_image=["clip_end", 0])
+        inputs["end_image"] = ["end", 0]
+        if clip:
+            inputs.update(clip_vision_start_image=["clip_start", 0], clip_vision_end_image=["clip_end", 0])
     elif clip:
         inputs["clip_vision_output"] = ["clip_start", 0]
     return {"class_type": node, "inputs": inputs}
@@ -57,7 +60,7 @@ def wanmesh_conditioning(kind: str) -> dict[str, Any]:
     if clip:
         inputs["clip_vision_output"] = ["clip_start", 0]
     if node == "WanFirstLastFrameToVideo":
-        inputs.update(end_image=["end", 0], clip_vision_end_output=["clip_end", 0])
+        inputs.update(end_image=["end", 0], **({"clip_vision_end_output": ["clip_end", 0]} if clip else {}))
     return {"class_type": "WanMeshImageToVideo", "inputs": inputs}
 
 
@@ -142,6 +145,8 @@ def test_the_kinds_differ(layout_latents) -> None:
     """The image conditioning reaches the models: the three kinds' latents differ far beyond the tolerance."""
     world1 = layout_latents["world1"]
     assert largest_difference(world1["i2v_native"], world1["flf2v_native"]) > 100 * TOLERANCE
+    for kind in ("i2v", "flf2v"):  # and so do the CLIP vision tokens
+        assert largest_difference(world1[f"{kind}_native"], world1[f"{kind}_no_clip_native"]) > 100 * TOLERANCE
 
 
 # ---- streaming from a start image ---------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ SIZE = ["--width", str(WIDTH), "--height", str(HEIGHT), "--frames", str(FRAMES),
 
 def _generate(tree: Path, out: Path, model: Path, *extra: str) -> list[str]:
     return ["generate", "--prompt", PROMPT, "--negative", NEGATIVE, "--model", str(model), *_files(tree), *SIZE,
-            "--shift", str(SHIFT), "--cfg", str(CFG), "--out", str(out / "video.mp4"),
+            "--shift", str(SHIFT), "--cfg", str(CFG), "--sampler", "wan_unipc", "--out", str(out / "video.mp4"),
             "--save-latents", str(out / "latents.safetensors"), *extra]
 
 

@@ -8,6 +8,8 @@ rank's executor in this process. Both get the same latents and frames:
 * whole-frame decode equals native ``VAEDecode`` (1e-4 in 0..1 pixels), also at an odd latent height;
 * tiled decode is no further from the whole-frame decode than native ``VAEDecodeTiled`` is from native ``VAEDecode``
   at the same tile and overlap (tiles are blended raw and clamped once, as native does);
+* an overlap above a quarter of the tile is lowered to a quarter, as ``VAEDecodeTiled`` lowers it: both sides decode
+  such overlaps exactly as they decode a quarter-tile overlap;
 * encoding a 10-frame video (not 4k+1) at a size that is not a multiple of 8 gives native ``VAEEncode``'s latent;
 * the transformer on a latent of odd height and width (not a multiple of its 2x2 patches) gives native ``WanModel``'s
   prediction: both pad the latent to the patch grid the same way and crop the output back.
@@ -24,7 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-TILE_PX, OVERLAP_PX = 64, 16  # native VAEDecodeTiled's smallest tile; its overlap is cut to a quarter tile anyway
+TILE_PX, OVERLAP_PX = 64, 16  # native VAEDecodeTiled's smallest tile and a quarter-tile overlap
+WIDE_OVERLAPS_PX = (32, 48)  # above a quarter of the tile (up to half was once taken as given), and above half
 LATENT_SHAPE = (1, 16, 3, 13, 14)  # 104x112 px: 2x2 tiles of 64 px; odd latent height
 ENCODE_FRAMES_SHAPE = (10, 44, 53, 3)  # 10 frames (native encodes 1 + 9 // 4 = 3 latent frames), 53x44 px
 LATENT_TOLERANCE = 1e-4
@@ -33,6 +36,7 @@ PIXEL_TOLERANCE = 1e-4
 NATIVE = r"""
 import sys
 vae_file, io_file, tile, overlap = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+wide_overlaps = [int(value) for value in sys.argv[5].split(",")]
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
 comfy.options.enable_args_parsing()
@@ -44,6 +48,8 @@ latent = {"samples": inputs["latents"]}
 save_file({
     "decoded": nodes.VAEDecode().decode(vae, latent)[0].contiguous(),
     "tiled": nodes.VAEDecodeTiled().decode(vae, latent, tile, overlap, 4096, 8)[0].contiguous(),
+    **{f"tiled_{wide}": nodes.VAEDecodeTiled().decode(vae, latent, tile, wide, 4096, 8)[0].contiguous()
+       for wide in wide_overlaps},
     "encoded": nodes.VAEEncode().encode(vae, inputs["frames"])[0]["samples"].contiguous(),
 }, io_file)
 """
@@ -93,7 +99,8 @@ def vae_file(tiny_models_dir: Path) -> Path:
 def native(recent_comfyui_dir: Path, vae_file: Path, inputs, tmp_path_factory) -> dict[str, torch.Tensor]:
     io_file = tmp_path_factory.mktemp("native_vae") / "io.safetensors"
     save_file(inputs, str(io_file))
-    _run_native(NATIVE, recent_comfyui_dir, vae_file, io_file, TILE_PX, OVERLAP_PX)
+    _run_native(NATIVE, recent_comfyui_dir, vae_file, io_file, TILE_PX, OVERLAP_PX,
+                ",".join(map(str, WIDE_OVERLAPS_PX)))
     return load_file(str(io_file))
 
 
@@ -105,6 +112,8 @@ def wanmesh(vae_file: Path, inputs) -> dict[str, torch.Tensor]:
     handle = executor.load_vae(str(vae_file), dtype="fp32")
     return {"decoded": executor.decode(handle, inputs["latents"]),
             "tiled": executor.decode(handle, inputs["latents"], tile_px=TILE_PX, overlap_px=OVERLAP_PX),
+            **{f"tiled_{wide}": executor.decode(handle, inputs["latents"], tile_px=TILE_PX, overlap_px=wide)
+               for wide in WIDE_OVERLAPS_PX},
             "encoded": executor.encode(handle, inputs["frames"])}
 
 
@@ -123,6 +132,15 @@ def test_tiled_decode_is_no_further_from_whole_frames_than_native_tiling(native,
     ours = _largest(wanmesh["tiled"], wanmesh["decoded"])
     assert native_drift > 0, "native tiling changed nothing: the latents are too small to be tiled"
     assert ours <= native_drift + PIXEL_TOLERANCE, f"WanMesh tiles drift {ours:.4f}, native tiles {native_drift:.4f}"
+
+
+@pytest.mark.parametrize("wide", WIDE_OVERLAPS_PX)
+def test_an_overlap_above_a_quarter_tile_is_lowered_as_native_vae_decode_tiled_lowers_it(native, wanmesh, wide):
+    assert wide * 4 > TILE_PX == OVERLAP_PX * 4
+    assert _largest(native[f"tiled_{wide}"], native["tiled"]) == 0.0  # native decodes it as a quarter-tile overlap
+    assert _largest(wanmesh[f"tiled_{wide}"], wanmesh["tiled"]) == 0.0  # and so does WanMesh
+    native_drift = _largest(native[f"tiled_{wide}"], native["decoded"])
+    assert _largest(wanmesh[f"tiled_{wide}"], wanmesh["decoded"]) <= native_drift + PIXEL_TOLERANCE
 
 
 def test_encoding_ten_frames_of_an_odd_size_equals_native_vae_encode(native, wanmesh) -> None:

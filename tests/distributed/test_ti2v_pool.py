@@ -1,7 +1,7 @@
 """Wan 2.2 TI2V 5B on the pool: the tiny 48-channel TI2V transformer sampled with tp 2, ulysses 2, ring 2 and
 cfg_parallel 2 equals one device on the same seed, text-to-video and with a start image's noise mask (per-frame
 timesteps, each rank's tokens with their own timesteps: the latent's odd height is padded and a frame's tokens are
-split between the sequence ranks), and so does a native-MODEL call with per-frame timesteps; the mask changes the
+split between the sequence ranks; with ComfyUI's euler and with Wan's own wan_unipc), and so does a native-MODEL call with per-frame timesteps; the mask changes the
 result (the comparison could fail) and keeps the start frame."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ DEADLINE_S = 600
 WIDTH, HEIGHT, LENGTH = 64, 48, 9  # latents [B, 48, 3, 3, 4]: 3 frames of 2 x 2 patches once padded
 TEXT_WIDTH = 4096  # the tiny TI2V is a native twin: umT5-XXL's text width
 LAYOUTS = {"tp2": dict(tp=2), "ulysses2": dict(ulysses=2), "ring2": dict(ring=2), "cfg_parallel2": dict(cfg_parallel=True)}
-CASES = ("t2v", "i2v", "i2v_batch2")
+CASES = ("t2v", "i2v", "i2v_batch2", "i2v_wan_unipc")
 TOLERANCE = 1e-4
 
 
@@ -36,7 +36,8 @@ def _request(case: str, handle: str, seed: int = 11) -> P.SampleRequest:
     batch = 2 if case == "i2v_batch2" else 1
     latent = wan22_image_latent(None if case == "t2v" else _encoded_start(), WIDTH, HEIGHT, LENGTH, batch)
     return P.SampleRequest(handle=handle, latent=latent["samples"], positive=[positive], negative=[negative],
-                           seed=seed, steps=3, guidance_scale=4.0, shift=5.0, sampler="euler",
+                           seed=seed, steps=3, guidance_scale=4.0, shift=5.0,
+                           sampler="wan_unipc" if case == "i2v_wan_unipc" else "euler",
                            noise_mask=latent.get("noise_mask"))
 
 
@@ -84,6 +85,7 @@ def test_the_mask_keeps_the_start_frame_and_changes_the_video(one_device) -> Non
     start = _encoded_start()
     masked, unmasked = one_device["i2v"], one_device["i2v_unmasked"]
     assert (masked[:, :, :1] - start).abs().max() <= 1e-5
+    assert (one_device["i2v_wan_unipc"][:, :, :1] - start).abs().max() <= 1e-5
     assert (unmasked[:, :, :1] - start).abs().max() > 100 * TOLERANCE
     assert (masked[:, :, 1:] - unmasked[:, :, 1:]).abs().max() > 100 * TOLERANCE
     assert not torch.equal(one_device["i2v_batch2"][0], one_device["i2v_batch2"][1])  # each row its own noise

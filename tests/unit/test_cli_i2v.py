@@ -113,7 +113,6 @@ class _NoPool:
 
 @pytest.mark.parametrize("model, flags, message", [
     ("t2v", ["--image", "{images}/start.png"], "--image/--last-image were given but the model is text-to-video"),
-    ("i2v", ["--image", "{images}/start.png"], "the model is Wan 2.1 I2V: give its CLIP vision file with --clip-vision"),
     ("i2v_high", ["--image", "{images}/start.png", "--last-image", "{images}/end.png"],
      "the model is Wan 2.2 I2V A14B, which takes one image; --last-image needs a first-last-frame (FLF2V) model"),
     ("i2v_high", [], "the model is Wan 2.2 I2V A14B: give the start image with --image"),

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from diffusers import UniPCMultistepScheduler
 
 from wanmesh.nodes.pool_model import call_timesteps
 from wanmesh.parallel.config import (WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, check_latent, check_model_forward,
@@ -69,15 +70,13 @@ def test_model_forward_takes_per_frame_timesteps():
         check_model_forward(latent, torch.zeros(2, 4), context, None, [])
 
 
-def test_a_noise_mask_is_refused_on_wan21_latents_and_with_wan_unipc():
+def test_a_noise_mask_is_refused_on_wan21_latents_and_taken_by_every_sampler():
     mask = torch.ones(1, 1, 3, 3, 4)
-    check_noise_mask(mask, SHAPE, "euler")
+    for sampler in ("euler", "uni_pc", "unipc", "wan_unipc"):
+        check_noise_mask(mask, SHAPE, sampler)
     with pytest.raises(ValueError, match="native inpainting masks are not supported for Wan 2.1") as error:
         check_noise_mask(mask, (1, 16, 3, 6, 8), "euler")
     assert "\n" not in str(error.value)
-    for sampler in ("unipc", "wan_unipc"):
-        with pytest.raises(ValueError, match=f"sampler '{sampler}' does not take a noise_mask.*euler, euler_ancestral"):
-            check_noise_mask(mask, SHAPE, sampler)
     request = SampleRequest(handle="h", latent=torch.zeros(1, 16, 3, 6, 8), positive=[torch.zeros(4, 8)],
                             negative=[torch.zeros(4, 8)], seed=1, steps=2, guidance_scale=1.0, shift=5.0,
                             sampler="euler", noise_mask=mask)
@@ -193,6 +192,32 @@ def test_one_euler_step_keeps_the_start_frame_as_comfyui_by_hand():
     torch.testing.assert_close(out, denormalize_latents(expected), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("sampler", ["wan_unipc", "unipc"])
+def test_wan_unipc_keeps_the_start_frame_as_wan22s_own_ti2v_code_by_hand(sampler):
+    """Wan 2.2's own TI2V image-to-video loop by hand (its flow UniPC is diffusers' UniPC on flow sigmas): the start
+    noise with the kept frame replaced by the start latent, each call's timesteps the mask times t (0 on the kept
+    frame's tokens), each step's result with the kept frame replaced again."""
+    model = HalfFlow()
+    request = _masked_request(sampler=sampler, steps=3)
+    out = sample(model, request)
+    start = normalize_latents(request.latent)
+    mask = torch.ones_like(start)
+    mask[:, :, 0] = 0.0
+    noise = torch.randn(request.latent.shape, generator=torch.Generator().manual_seed(request.seed))
+    latent = (1.0 - mask) * start + mask * noise
+    scheduler = UniPCMultistepScheduler(num_train_timesteps=1000, prediction_type="flow_prediction",
+                                        use_flow_sigmas=True, flow_shift=request.shift)
+    scheduler.set_timesteps(request.steps)
+    assert len(model.calls) == len(scheduler.timesteps) == 3
+    for (given, timestep), t in zip(model.calls, scheduler.timesteps):
+        torch.testing.assert_close(given, latent, rtol=0, atol=1e-5)
+        assert torch.equal(timestep, torch.tensor([[0.0] * 4 + [float(t)] * 8]))
+        latent = scheduler.step(0.5 * latent, t, latent, return_dict=False)[0]
+        latent = (1.0 - mask) * start + mask * latent
+    torch.testing.assert_close(out, denormalize_latents(latent), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[:, :, 0], request.latent[:, :, 0], rtol=0, atol=1e-5)  # the start image's latent frame comes back as given
+
+
 def test_without_the_mask_every_frame_is_sampled_at_one_timestep():
     model = HalfFlow()
     sample(model, _masked_request(noise_mask=None))
@@ -206,8 +231,6 @@ def test_mismatched_latents_and_models_are_refused(tiny_models):
     request = _masked_request(latent=torch.zeros(1, 16, 3, 6, 8), noise_mask=None)
     with pytest.raises(ValueError, match="the latent has 16 channels but this model samples 48-channel latents"):
         sample(ti2v, request)
-    with pytest.raises(ValueError, match="does not take a noise_mask"):
-        sample(ti2v, dataclasses.replace(_masked_request(), sampler="wan_unipc"))
 
 
 def test_per_frame_timesteps_of_one_value_equal_one_timestep_per_row(tiny_models):

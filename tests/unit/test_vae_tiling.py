@@ -144,6 +144,19 @@ def test_tile_options_default_overlap_and_errors():
             resolve_tile_options(tile_px, overlap_px, 8)
 
 
+def test_decode_tile_options_follow_native_vae_decode_tiled():
+    """Native lowers an overlap above a quarter of the tile to a quarter and divides both by the VAE's factor."""
+    assert resolve_tile_options(64, 40, 8, decode=True) == (64, 16)  # an encode refuses 40 (more than half)
+    assert resolve_tile_options(64, 24, 8, decode=True) == (64, 16)  # an encode keeps 24
+    assert resolve_tile_options(64, 24, 8) == (64, 24)
+    assert resolve_tile_options(100, 20, 8, decode=True) == (96, 16)
+    assert resolve_tile_options(256, 48, 16, decode=True) == (256, 48)
+    assert resolve_tile_options(256, None, 16, decode=True) == (256, 64)
+    for tile_px, overlap_px in ((4, None), (64, -8), (64, 1.5)):
+        with pytest.raises(ValueError, match="tile_px|overlap_px"):
+            resolve_tile_options(tile_px, overlap_px, 8, decode=True)
+
+
 # ---- the tiny Wan VAE ------------------------------------------------------------------------------------------------
 
 
