@@ -2,7 +2,8 @@
 
 Forward hooks on diffusers' ``WanTransformer3DModel`` (and the VACE model): latents of any size are padded to the
 patch grid and the output cropped back; image-to-video models get native text lengths and first-last-frame image
-tokens, and without CLIP vision tokens attend to the text in their image cross-attention as native Wan does. Applied by the loaders after the weights are in.
+tokens, and without CLIP vision tokens attend to the text in their image cross-attention as native Wan does.
+Applied by the loaders after the weights are in.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ clean-latent estimate, the start noise and the leftover-noise result scaled as C
 latent's noise mask handled as ComfyUI's ``KSamplerX0Inpaint`` with the WAN22 model: the kept latent blended into
 each model input and output, per-frame timesteps), and Wan's reference flow UniPC (diffusers' scheduler configured
 as Wan's code samples; a noise mask handled as Wan 2.2's own TI2V code does: the kept latent blended into the start
-latent and into every step's result, per-frame timesteps). The model is any callable with the diffusers Wan transformer signature, so
-parallel wrappers plug in unchanged.
+latent and into every step's result, per-frame timesteps). The model is any callable with the diffusers Wan
+transformer signature, so parallel wrappers plug in unchanged.
 """
 
 from __future__ import annotations
