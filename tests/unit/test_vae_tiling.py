@@ -211,5 +211,7 @@ def test_bad_inputs_get_clear_errors_before_work(tiny_vae):
         tiled_encode(tiny_vae, torch.zeros(1, 3, 0, 16, 16))
     with pytest.raises(ValueError, match="height 20 is not a positive multiple of 8"):
         tiled_encode(tiny_vae, torch.zeros(1, 3, 5, 20, 16))
+    with pytest.raises(ValueError, match="tile_px"):  # a decode cuts 12 to 8 as native; an encode refuses it
+        tiled_encode(tiny_vae, torch.zeros(1, 3, 5, 16, 16), tile_px=12)
     with pytest.raises(ValueError, match="tile_px"):
-        tiled_decode(tiny_vae, torch.zeros(1, 16, 2, 4, 4), tile_px=12)
+        tiled_decode(tiny_vae, torch.zeros(1, 16, 2, 4, 4), tile_px=4)
