@@ -9,7 +9,7 @@ rank's executor in this process. Both get the same latents and frames:
 * tiled decode is no further from the whole-frame decode than native ``VAEDecodeTiled`` is from native ``VAEDecode``
   at the same tile and overlap (tiles are blended raw and clamped once, as native does);
 * an overlap above a quarter of the tile is lowered to a quarter, as ``VAEDecodeTiled`` lowers it: both sides decode
-  such overlaps exactly as they decode a quarter-tile overlap;
+  such overlaps exactly as they decode a quarter-tile overlap, and WanMesh's tiles equal native's (1e-4);
 * encoding a 10-frame video (not 4k+1) at a size that is not a multiple of 8 gives native ``VAEEncode``'s latent;
 * the transformer on a latent of odd height and width (not a multiple of its 2x2 patches) gives native ``WanModel``'s
   prediction: both pad the latent to the patch grid the same way and crop the output back.
@@ -79,7 +79,7 @@ PREDICTION_TOLERANCE = 1e-4
 
 def _run_native(script: str, comfy_dir: Path, *args) -> None:
     done = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=comfy_dir, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -139,8 +139,8 @@ def test_an_overlap_above_a_quarter_tile_is_lowered_as_native_vae_decode_tiled_l
     assert wide * 4 > TILE_PX == OVERLAP_PX * 4
     assert _largest(native[f"tiled_{wide}"], native["tiled"]) == 0.0  # native decodes it as a quarter-tile overlap
     assert _largest(wanmesh[f"tiled_{wide}"], wanmesh["tiled"]) == 0.0  # and so does WanMesh
-    native_drift = _largest(native[f"tiled_{wide}"], native["decoded"])
-    assert _largest(wanmesh[f"tiled_{wide}"], wanmesh["decoded"]) <= native_drift + PIXEL_TOLERANCE
+    assert _largest(native[f"tiled_{wide}"], native["decoded"]) > 0.1  # the tiles show: another overlap would too
+    assert _largest(wanmesh[f"tiled_{wide}"], native[f"tiled_{wide}"]) <= PIXEL_TOLERANCE
 
 
 def test_encoding_ten_frames_of_an_odd_size_equals_native_vae_encode(native, wanmesh) -> None:
