@@ -135,3 +135,18 @@ def test_bad_image_input_exits_2_with_one_line_before_any_pool(tiny_models, imag
     assert code == 2
     assert error.startswith("wanmesh: error: ") and error.count("\n") == 1 and "Traceback" not in error
     assert message.format(**names) in error
+
+
+@pytest.mark.parametrize("kind, name, last_image", [("clip_vision", "Wan 2.1 I2V", None),
+                                                    ("first_last", "Wan 2.1 FLF2V", "end.png")])
+def test_no_clip_vision_file_samples_as_native_without_its_tokens_and_says_so_once(capsys, kind, name, last_image):
+    from types import SimpleNamespace
+
+    from wanmesh.parallel.cli.image_inputs import check_image_arguments
+
+    check_image_arguments(kind, SimpleNamespace(image="start.png", last_image=last_image), None)
+    assert capsys.readouterr().err.splitlines() == [
+        f"wanmesh: the model is {name} and no --clip-vision was given: sampling without CLIP vision tokens, as "
+        "ComfyUI's WanImageToVideo / WanFirstLastFrameToVideo do without a CLIP vision output"]
+    check_image_arguments(kind, SimpleNamespace(image="start.png", last_image=last_image), "clip_vision_h.safetensors")
+    assert capsys.readouterr().err == ""
