@@ -53,7 +53,8 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
                          "model")
     if kind in ("clip_vision", "first_last") and clip_vision is None:
         print(f"wanmesh: the model is {name} and no --clip-vision was given: sampling without CLIP vision tokens, as "
-              "ComfyUI's WanImageToVideo / WanFirstLastFrameToVideo do without a CLIP vision output", file=sys.stderr, flush=True)
+              "ComfyUI's WanImageToVideo / WanFirstLastFrameToVideo do without a CLIP vision output", file=sys.stderr,
+              flush=True)
 
 
 @dataclass(frozen=True)
