@@ -22,7 +22,8 @@ from wanmesh.parallel.protocol import Diagnostic
 MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "cv2", "av", "ray", "matplotlib")
 COMFYUI_SIDE = {
     "nodes", "nodes.clip_vision", "nodes.convert", "nodes.errors", "nodes.files", "nodes.image_to_video",
-    "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model", "nodes.ti2v",
+    "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model", "nodes.pool_patches",
+    "nodes.ti2v",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video",
     "parallel", "parallel.auto_layout", "parallel.config", "parallel.errors", "parallel.fields",
