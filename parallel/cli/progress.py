@@ -92,7 +92,7 @@ class Progress:
             self.step_started, self.last_line = now, 0.0
         if step in (1, total) or now - self.last_line >= PLAIN_LINE_EVERY_S:
             self.last_line = now
-            print(f"  {label} step {step}/{total}{_rate(now - self.step_started, step - 1, total - step)}",
+            print(f"  {label} {unit} {step}/{total}{_rate(now - self.step_started, step - 1, total - step, unit)}",
                   file=self.stream, flush=True)
 
     def _bar_step(self, label: str, unit: str, step: int, total: int) -> None:
@@ -119,12 +119,12 @@ class Progress:
         cls._open.clear()
 
 
-def _rate(seconds: float, done: int, left: int) -> str:
+def _rate(seconds: float, done: int, left: int, unit: str = "step") -> str:
     """`, 1.52 s/step, 12 s left` (or steps/s when faster than one a second): ``done`` steps took ``seconds``."""
     if done < 1 or seconds <= 0:
         return ""
     per_step = seconds / done
-    speed = f"{per_step:.2f} s/step" if per_step >= 1 else f"{1 / per_step:.2f} steps/s"
+    speed = f"{per_step:.2f} s/{unit}" if per_step >= 1 else f"{1 / per_step:.2f} {unit}s/s"
     return f", {speed}, {per_step * left:.0f} s left"
 
 
