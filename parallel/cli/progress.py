@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import time
 
@@ -58,7 +59,8 @@ class Progress:
         self.terminal = _stream_is_terminal(self.stream)
         self.bar = None
         self.last_line = 0.0
-        self.step_started = None
+        self.step_started = self.last_time = time.perf_counter()
+        self.last_step = 0
 
     def say(self, text: str) -> None:
         """A line of its own (the plan, a note), unless quiet."""
@@ -77,31 +79,37 @@ class Progress:
             yield
 
     def steps(self, label: str = "sample", unit: str = "step"):
-        """A ``progress(step, total)`` callback: a tqdm bar on a terminal, else plain lines."""
+        """A ``progress(step, total)`` callback (called after each step; its clock starts now): a tqdm bar on a
+        terminal, else plain lines. A count that starts again (the next chunk) starts a new bar from the last."""
         if self.quiet:
             return lambda step, total: None
+        self.step_started, self.last_step = time.perf_counter(), 0
         return lambda step, total: self._step(label, unit, step, total)
 
     def _step(self, label: str, unit: str, step: int, total: int) -> None:
         Progress._open.append(self) if self not in Progress._open else None
+        now = time.perf_counter()
+        if step < self.last_step:  # a new count (the next chunk): its clock starts at the last step's end
+            self.close_bar()
+            self.step_started = self.last_time
+        self.last_step, self.last_time = step, now
         if self.terminal:
             self._bar_step(label, unit, step, total)
-            return
-        now = time.perf_counter()
-        if self.step_started is None or step <= 1:
-            self.step_started, self.last_line = now, 0.0
-        if step in (1, total) or now - self.last_line >= PLAIN_LINE_EVERY_S:
+        elif step in (1, total) or now - self.last_line >= PLAIN_LINE_EVERY_S:
             self.last_line = now
-            print(f"  {label} {unit} {step}/{total}{_rate(now - self.step_started, step - 1, total - step, unit)}",
+            print(f"  {label} {unit} {step}/{total}{_rate(now - self.step_started, step, total - step, unit)}",
                   file=self.stream, flush=True)
 
     def _bar_step(self, label: str, unit: str, step: int, total: int) -> None:
         from tqdm import tqdm
 
-        if self.bar is None or self.bar.total != total or step < self.bar.n:
+        if self.bar is None or self.bar.total != total:
             self.close_bar()
-            self.bar = tqdm(total=total, desc=f"  {label}", unit=unit, file=self.stream, dynamic_ncols=True,
-                            ascii=not _speaks_utf8(self.stream), leave=True, smoothing=0.3)
+            size = shutil.get_terminal_size((100, 24))  # (a terminal that reports no size: 100 x 24, else tqdm hides)
+            self.bar = tqdm(total=total, desc=f"  {label}", unit=unit, file=self.stream, ncols=min(size.columns, 120),
+                            nrows=size.lines, ascii=not _speaks_utf8(self.stream), leave=True, smoothing=0.3)
+            # the first step's time counts too (tqdm's clock is its own)
+            self.bar.start_t = self.bar.last_print_t = self.bar._time() - (time.perf_counter() - self.step_started)
         self.bar.update(step - self.bar.n)
         if step >= total:
             self.close_bar()
