@@ -121,7 +121,10 @@ def _run(args) -> int:
         stream.stream(args, files, defaults)
         return 0
     if args.command == "bench":
-        status = _bench_module(BENCHMARKS[args.bench][0]).run(args)
+        with Progress(getattr(args, "quiet", False)).phase(f"bench {args.bench}: {BENCHMARKS[args.bench][1]}"):
+            status = _bench_module(BENCHMARKS[args.bench][0]).run(args)
+        if not getattr(args, "quiet", False):
+            finished(f"bench {args.bench} done")
         return status if isinstance(status, int) else 0  # some benchmarks return their rows
     return 2
 
