@@ -66,7 +66,13 @@ class Progress:
         """A line of its own (the plan, a note), unless quiet."""
         if not self.quiet:
             self.close_bar()
-            print(text, file=self.stream, flush=True)
+            self._line(text)
+
+    def _line(self, text: str) -> None:
+        """One write with its newline (print writes the newline apart: a Ctrl-C between the two would leave the
+        line open and "interrupted" glued to it)."""
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     @contextlib.contextmanager
     def phase(self, name: str, timings=None, key: str | None = None):
@@ -97,8 +103,7 @@ class Progress:
             self._bar_step(label, unit, step, total)
         elif step in (1, total) or now - self.last_line >= PLAIN_LINE_EVERY_S:
             self.last_line = now
-            print(f"  {label} {unit} {step}/{total}{_rate(now - self.step_started, step, total - step, unit)}",
-                  file=self.stream, flush=True)
+            self._line(f"  {label} {unit} {step}/{total}{_rate(now - self.step_started, step, total - step, unit)}")
 
     def _bar_step(self, label: str, unit: str, step: int, total: int) -> None:
         from tqdm import tqdm
