@@ -67,7 +67,7 @@ def _refuse_pickle(path: Path, flag: str) -> None:
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{flag} {path} is a legacy PyTorch pickle (not the zip format of torch >= 1.6); it cannot "
                          "be loaded safely: convert it to .safetensors")
-    from .models.checkpoint import _load_pickle_state_dict
+    from .weights.checkpoint import _load_pickle_state_dict
 
     try:
         _load_pickle_state_dict(path)
