@@ -1,7 +1,9 @@
 """The `wanmesh` command line: make-tiny, generate, stream and bench; runs in the CLI (driver) process.
 
-It drives the same worker pool and runner the ComfyUI nodes use. Subcommands import what they need when run,
-so `wanmesh --help` stays quick.
+It drives the same worker pool and runner the ComfyUI nodes use. Subcommands import what they need when run:
+the parser (``parser.py``) and the quick checks of the values given (``plan.py``) load no torch, so `wanmesh
+--help` and refusals of bad flags and values answer at once. Before any work ``plan.py`` says in one line what will
+be done; ``progress.py`` then shows the phases and the steps (``--quiet``: neither).
 
 Exit codes: 0 done, 2 bad input (one line on stderr, found before any worker starts where the check is static),
 1 a runtime failure (a worker error, an OS error such as a full disk: one line), 130 interrupted (Ctrl-C).
