@@ -162,3 +162,18 @@ def test_outputs_bigger_than_the_free_space_are_refused(tmp_path):
         check_output_space([("--out", tmp_path / "x.mp4", 10 ** 15), ("--save-frames", tmp_path / "f.safetensors",
                                                                         10 ** 15)])
     check_output_space([("--out", tmp_path / "x.mp4", 1000)])
+
+
+def test_a_wan_size_on_the_cpu_gets_a_time_estimate_and_a_hint(tiny_models):
+    """The estimate is the cost model's step time at this CPU's measured speed; a small test model gets none."""
+    import argparse
+
+    from wanmesh.parallel.cli.plan import QUICK_TRY, step_estimate
+    from wanmesh.parallel.config import ParallelConfig
+
+    args = argparse.Namespace(small_model=False, width=832, height=480, frames=81, steps=30, guidance_scale=5.0)
+    cpu = ParallelConfig(world=1, devices="cpu")
+    estimate = step_estimate(args, str(tiny_models["t2v"]), cpu)
+    assert "per step on this CPU" in estimate and "for 30 steps at 832x480, 81 frames" in estimate
+    assert QUICK_TRY in estimate
+    assert step_estimate(argparse.Namespace(**{**vars(args), "small_model": True}), str(tiny_models["t2v"]), cpu) is None
