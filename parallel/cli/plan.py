@@ -5,7 +5,8 @@
   is refused at once.
 * ``resolve_model_files``: the model files, composed: ``--models DIR`` (or the tiny built-in set) gives every
   file, each single-file flag replaces one; ``--model`` alone takes the VAE and text encoder of its kind (latent
-  channels, text width) from the same ComfyUI folder layout, else from the tiny built-in set. Each file's source
+  channels, text width) from the same ComfyUI folder layout, else (a small test model only) from the tiny
+  built-in set. Each file's source
   is kept for the plan line.
 * ``model_defaults``: the size, frames, steps and shift not given, from the model's class (its header's width:
   a Wan release or a small test model).
@@ -115,6 +116,7 @@ def _complete_beside_model(files: ModelFiles, args) -> None:
     from ..validation import model_image_inputs
 
     needs = _model_needs(files.paths["model"])
+    small = model_class(files.paths["model"])[1]
     if model_image_inputs(files.paths["model"], "--model")[1] in ("clip_vision", "first_last"):
         needs["clip_vision"] = lambda path: _kind(path) == "clip_vision"
     model = Path(files.paths["model"])
@@ -124,12 +126,13 @@ def _complete_beside_model(files: ModelFiles, args) -> None:
             continue
         found = _first_fitting(tree, FOLDERS[role], fits) if tree is not None else None
         source = f"beside --model ({tree})"
-        if found is None:
+        if found is None and small:  # (a Wan release never gets the tiny set's random weights)
             found = _first_fitting(ensure_tiny_models(tiny_cache_dir()), FOLDERS[role], fits)
             source = "the tiny built-in set"
         if found is None:
-            raise ValueError(f"--model {model}: no {role.replace('_', ' ')} that fits it was found beside it or in "
-                             f"the tiny built-in set; give it with {ROLE_FLAGS[role]}")
+            where = "beside it or in the tiny built-in set" if small else "beside it (a ComfyUI models tree)"
+            raise ValueError(f"--model {model}: no {role.replace('_', ' ')} that fits it was found {where}; give it "
+                             f"with {ROLE_FLAGS[role]}")
         files.paths[role], files.sources[role] = str(found), source
 
 
