@@ -30,7 +30,7 @@ SMALL_MODEL_DIM = 1536  # a transformer narrower than Wan 2.1 1.3B's 1536 is a s
 QUICK_TRY = "--width 256 --height 160 --frames 9 --steps 10"
 ROLE_FLAGS = {"model": "--model", "vae": "--vae", "text_encoder": "--text-encoder", "clip_vision": "--clip-vision",
               "model_low": "--model-low", "vace_module": "--vace-module"}
-FOLDERS = {"vae": ("vae",), "text_encoder": ("text_encoders", "clip"), "clip_vision": ("clip_vision",)}
+FOLDERS = {"vae": ("vae",), "text_encoder": ("text_encoders", "clip")}
 
 
 def quick_checks(args) -> None:
@@ -110,15 +110,11 @@ def resolve_model_files(args) -> ModelFiles:
 
 
 def _complete_beside_model(files: ModelFiles, args) -> None:
-    """--model without --models: the VAE, text encoder (and CLIP vision, where the model takes it) that fit the
-    model, from its ComfyUI folder layout (DIR/diffusion_models/MODEL beside DIR/vae, DIR/text_encoders, ...),
-    else from the tiny built-in set."""
-    from ..validation import model_image_inputs
-
+    """--model without --models: the VAE and text encoder that fit the model, from its ComfyUI folder layout
+    (DIR/diffusion_models/MODEL beside DIR/vae, DIR/text_encoders), else (a small test model) from the tiny built-in
+    set. A CLIP vision file is never guessed: an I2V model without --clip-vision is refused naming it."""
     needs = _model_needs(files.paths["model"])
     small = model_class(files.paths["model"])[1]
-    if model_image_inputs(files.paths["model"], "--model")[1] in ("clip_vision", "first_last"):
-        needs["clip_vision"] = lambda path: _kind(path) == "clip_vision"
     model = Path(files.paths["model"])
     tree = model.parent.parent if model.parent.name in ("diffusion_models", "unet", "checkpoints") else None
     for role, fits in needs.items():
@@ -159,14 +155,9 @@ def _info(path: Path):
     from ..validation import inspect_model_file
 
     try:
-        return inspect_model_file(path, "", ("wan_vae", "umt5", "clip_vision", "diffusers_vae"))
+        return inspect_model_file(path, "", ("wan_vae", "umt5", "diffusers_vae"))
     except ValueError:
         return None
-
-
-def _kind(path: Path) -> str | None:
-    info = _info(path)
-    return None if info is None else info.kind
 
 
 def _first_fitting(root: Path, folders: tuple[str, ...], fits) -> Path | None:
