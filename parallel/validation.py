@@ -62,10 +62,18 @@ class ModelFileInfo:
 
 def _refuse_pickle(path: Path, flag: str) -> None:
     """Legacy (pre-1.6, non-zip) PyTorch pickles cannot be loaded weights-only or memory-mapped: refuse them
-    here with the fix, instead of the loader's mmap error. Zip-format checkpoints pass (loaded weights-only)."""
+    here with the fix, instead of the loader's mmap error. Zip-format checkpoints are read weights-only here
+    (memory-mapped: the pickle, not the weights), so one holding anything but tensors is refused before any worker
+    starts."""
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{flag} {path} is a legacy PyTorch pickle (not the zip format of torch >= 1.6); it cannot "
                          "be loaded safely: convert it to .safetensors")
+    from .weights.checkpoint import _load_pickle_state_dict
+
+    try:
+        _load_pickle_state_dict(path)
+    except ModelFileError as error:
+        raise ValueError(f"{flag} {error}") from None
 
 
 def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -> ModelFileInfo:

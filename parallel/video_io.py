@@ -4,7 +4,7 @@
 the same folder (same suffix, so FFmpeg picks the same container), flushes and fsyncs it, reopens it to check
 the frame count and size, and only then renames it into place. Any failure removes the temporary file and the
 error propagates unchanged (an OSError such as ENOSPC or EFBIG stays an OSError). PyAV (`av`) is imported
-inside the functions so that importing this module stays light.
+inside the functions (and torch with the first frames) so that importing this module stays light.
 
 Frames follow ComfyUI's IMAGE convention: float [F, H, W, 3] in 0..1.
 """
@@ -20,10 +20,12 @@ import os
 import secrets
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch loads with the first video read or written: the command line's checks run without it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ def read_video(path: str | Path) -> torch.Tensor:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
     if not frames:
         raise ValueError(f"{path}: no frame could be decoded from its video stream")
+    import torch
+
     return torch.from_numpy(np.stack(frames)).float().div_(255.0)
 
 
@@ -109,6 +113,8 @@ def _even(size: int) -> int:
 
 def _to_rgb24(frames: torch.Tensor) -> np.ndarray:
     """[F, H, W, 3] float 0..1 (any device or dtype) -> uint8 [F, H, W, 3], checked before any encoding."""
+    import torch
+
     if not isinstance(frames, torch.Tensor) or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
         shape = list(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
         raise ValueError(f"frames must be a tensor [frames, height, width, 3] with at least one frame, got {shape}")
@@ -124,8 +130,10 @@ def written_atomically(path: Path) -> Iterator[Path]:
     ``path``. Missing parent folders are created."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = _create_temporary(path)
+    mode = temporary.stat().st_mode & 0o777  # 0666 less the umask; a writer that replaces the file may narrow it
     try:
         yield temporary
+        os.chmod(temporary, mode)  # (safetensors writes its files 0600): every output gets the user's umask
         fsync_file(temporary)
         os.replace(temporary, path)
     except BaseException:

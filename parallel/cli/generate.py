@@ -9,9 +9,11 @@ headers, head split, output folders) before the pool starts; the VAE is loaded b
 
 from __future__ import annotations
 
+import math
 import sys
-import time
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -26,6 +28,8 @@ from ..video_io import CONTAINERS, check_fps
 from .layout import auto_layout_config
 from .image_inputs import ImageInputs
 from .vace_inputs import VaceInputs, VaceSources
+from .plan import ModelFiles, check_output_space, generate_output_sizes, plan_line, step_estimate
+from .progress import Progress, finished
 from .video_file import write_mp4
 
 SAFETENSORS = (".safetensors",)
@@ -69,70 +73,86 @@ def check_generate(args, files: dict[str, str | None]) -> ParallelConfig:
     return config
 
 
-_progress_line = {"open": False}  # a "step k/n" line without its newline yet
-
-
-def _progress(step: int, total: int) -> None:
-    _progress_line["open"] = step != total  # first: a Ctrl-C right after the print must still end the line
-    print(f"\r  step {step}/{total}", end="\n" if step == total else "", file=sys.stderr, flush=True)
-
-
-def end_progress_line() -> None:
-    """Finish an open progress line, so that an error or "interrupted" starts on its own line."""
-    if _progress_line["open"]:
-        print(file=sys.stderr, flush=True)
-        _progress_line["open"] = False
-
-
-def generate(args, files: dict[str, str | None], vace: VaceSources | None = None,
-             image: ImageInputs | None = None) -> None:
-    """Validate, sample, save the latents, decode and write; every input is checked before the pool starts."""
+def generate(args, files: ModelFiles, vace: VaceSources | None = None, image: ImageInputs | None = None,
+             defaults: str = "") -> None:
+    """Validate, say the plan, sample, save the latents, decode and write; every input is checked (and the
+    outputs' free space) before the pool starts."""
+    progress = Progress(args.quiet)
+    paths = files.paths
     inputs = vace.build(args.width, args.height, args.frames) if vace is not None else None
-    config = auto_layout_config(args, files["model"], check_generate(args, files), streaming=False)
+    config = auto_layout_config(args, paths["model"], check_generate(args, paths), streaming=False)
     shape = latent_shape(args.width, args.height, args.frames)
-    started = time.perf_counter()
+    progress.say(plan_line(args, files, config, defaults))
+    estimate = step_estimate(args, paths["model"], config) if not args.quiet else None
+    if estimate:
+        progress.say(estimate)
+    check_output_space(generate_output_sizes(args, math.prod(shape)))
     timings = RunTimings()
-    with timings.phase("pool_start"):
+    with progress.phase(f"start pool ({config.world} rank{'s' * (config.world > 1)})", timings, "pool_start"):
         workers = WorkerPool(config)
     with workers as pool:
-        frames = _run(PoolRunner(pool), args, files, shape, inputs, timings, image)
-    with timings.phase("write"):
-        write_mp4(frames, args.out, fps=args.fps)
-        if args.save_frames:
-            save_tensors_atomic({"frames": frames.float()}, args.save_frames)
+        latents, frames = _run(PoolRunner(pool), args, paths, shape, inputs, timings, image, progress)
+    with progress.phase(f"write {args.out}", timings, "write"):
+        write_outputs(args, latents, frames)
     if args.timings:
         timings.write(args.timings)
         print(f"  timings: {timings.summary()}", file=sys.stderr)
-    seconds = time.perf_counter() - started
-    print(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()}) in {seconds:.1f} s")
+    finished(f"wrote {args.out} ({frames.shape[0]} frames, {args.width}x{args.height}, {config.describe()})")
+
+
+def write_outputs(args, latents: torch.Tensor, frames: torch.Tensor) -> None:
+    """The MP4 (and --save-frames); a failure names the path the user gave and where the latents are kept (the
+    --save-latents file, or one written beside --out or in the temporary folder for the purpose)."""
+    writes = [(args.out, lambda: write_mp4(frames, args.out, fps=args.fps))]
+    if args.save_frames:
+        writes.append((args.save_frames, lambda: save_tensors_atomic({"frames": frames.float()}, args.save_frames)))
+    for path, write in writes:
+        try:
+            write()
+        except OSError as error:
+            raise OSError(error.errno, f"{error.strerror or error}: {path}{_kept_latents(args, latents)}") from None
+
+
+def _kept_latents(args, latents: torch.Tensor) -> str:
+    if args.save_latents and Path(args.save_latents).is_file():
+        return f"; the latents are kept in {args.save_latents}"
+    for folder in (Path(args.out).parent, Path(tempfile.gettempdir())):
+        path = folder / f"{Path(args.out).stem}.latents.safetensors"
+        try:
+            save_tensors_atomic({"latents": latents.float()}, path)
+            return f"; the latents are kept in {path}"
+        except OSError:
+            continue
+    return "; the latents could not be kept either"
 
 
 def _run(runner: PoolRunner, args, files, shape, vace: VaceInputs | None, timings: RunTimings,
-         image: ImageInputs | None = None) -> torch.Tensor:
+         image: ImageInputs | None, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
     """Text encoding, VAE load (before sampling, so a bad VAE fails first), (VACE or image encoding,) sampling,
     saving the latents (before decoding, so a failed decode never loses them) and decoding."""
-    with timings.phase("text_encode"):
+    with progress.phase("encode text", timings, "text_encode"):
         prompts = encode_prompts(runner, args, files)
-    with timings.phase("vae_load"):
+    with progress.phase("load VAE", timings, "vae_load"):
         vae = runner.load_vae(files["vae"], dtype=args.dtype)
     encoded = None
     if vace is not None:
-        with timings.phase("vae_encode"):
+        with progress.phase("encode VACE context", timings, "vae_encode"):
             encoded = vace.encode(runner, vae, args)
     image_fields = {}
     if image is not None:
-        with timings.phase("vae_encode"):
+        with progress.phase("encode image", timings, "vae_encode"):
             image_fields = image.sample_fields(runner, vae, args)
-    latents = _sample(runner, args, files, shape, prompts, vace, encoded, timings, image_fields)
+    latents = _sample(runner, args, files, shape, prompts, vace, encoded, timings, image_fields, progress)
     if args.save_latents:
         save_tensors_atomic({"latents": latents.float()}, args.save_latents)
-    with timings.phase("vae_decode"):
-        return runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
+    with progress.phase("decode", timings, "vae_decode"):
+        return latents, runner.decode(vae, latents, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
 
 
 def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | None, encoded,
-            timings: RunTimings, image_fields: dict | None = None) -> torch.Tensor:
+            timings: RunTimings, image_fields: dict | None = None, progress: Progress | None = None) -> torch.Tensor:
     """The sampled latents; with VACE the latent starts with the reference frames, which are trimmed off after."""
+    progress = progress or Progress(quiet=True)
     fields, trim = dict(image_fields or {}), 0
     if encoded is not None:
         fields, trim = vace.sample_fields(encoded), encoded.trim_latent
@@ -144,7 +164,7 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
         scheduler=args.scheduler, timings=args.timings is not None, **fields,
         **_expert_fields(args),
     )
-    with timings.phase("weight_load"):
+    with progress.phase("load model", timings, "weight_load"):
         model = runner.load_model(files["model"], vace_module=files["vace_module"], dtype=args.dtype,
                                   weights=args.weights)
         low = None
@@ -152,11 +172,12 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
             low = runner.load_model(files["model_low"], vace_module=files["vace_module"], dtype=args.dtype,
                                     weights=args.weights)
     loras = {model: list(files.get("loras") or [])}  # --lora applies to --model (the high-noise expert)
-    with timings.phase("sampling"):
+    with progress.phase(f"sample ({args.steps} steps)", timings, "sampling"):
         reply = runner.sample_reply(replace(request, handle=model, handle_low=low, model_loras=loras),
-                                    progress=_progress)
+                                    progress=progress.steps("sample"))
     timings.add_sampling(reply.rank_timings)
-    print(f"  {reply.expert_steps}", file=sys.stderr)
+    if reply.expert_steps:
+        progress.say(f"  {reply.expert_steps}")
     for handle in (model, low):
         if handle is not None:
             runner.unload(handle)

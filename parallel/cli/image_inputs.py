@@ -19,21 +19,10 @@ import torch
 from ..config import WAN22_VAE_SPATIAL_FACTOR, check_video_size
 from ..image_to_video import first_last_video, start_image_video, wan22_image_latent, wan22_start_frames
 from ..validation import model_image_inputs
+from .parser import IMAGE_FLAGS, add_image_arguments, wants_image  # noqa: F401 - the parser's
 
-IMAGE_FLAGS = {"image": "--image", "last_image": "--last-image", "clip_vision": "--clip-vision"}
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
               "first_frame": "Wan 2.2 TI2V 5B"}
-
-
-def add_image_arguments(parser) -> None:
-    group = parser.add_argument_group("image to video (the model's kind decides what it needs)")
-    group.add_argument("--image", help="the start image (image-to-video and first-last-frame models)")
-    group.add_argument("--last-image", help="the end image (first-last-frame models)")
-    group.add_argument("--clip-vision", help="CLIP vision file, e.g. clip_vision_h.safetensors (Wan 2.1 I2V / FLF2V)")
-
-
-def wants_image(args) -> bool:
-    return getattr(args, "image", None) is not None or getattr(args, "last_image", None) is not None
 
 
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:

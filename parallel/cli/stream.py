@@ -8,7 +8,6 @@ whole video goes to ``--out``. Every option is checked before the pool starts.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,38 +24,13 @@ from ..protocol import StreamSample
 from ..tensor_files import save_tensors_atomic
 from ..validation import check_model_file, check_output_path
 from ..video_io import CONTAINERS, check_fps
-from ..fields import add_flag
-from . import add_model_file_arguments, add_pool_arguments
+from .parser import add_stream_arguments as add_arguments  # noqa: F401 - the parser's
 from .generate import encode_prompts, pool_config
 from .layout import auto_layout_config
 from .media import read_image
+from .plan import ModelFiles, plan_line, step_estimate
+from .progress import Progress, finished
 from .video_file import write_mp4
-
-def add_arguments(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("stream", help="causal streaming text to video: chunks written as they are made")
-    add_model_file_arguments(p, "causal Wan 2.1 transformer (Self-Forcing, CausVid, ...): file or folder", "stream")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--negative", default="", help="negative prompt (used only with --cfg above 1)")
-    for key in ("width", "height", "length", "chunk", "stream_steps", "stream_shift", "timesteps"):
-        add_flag(p, key, "stream")
-    add_flag(p, "stream_cfg", "stream", "--cfg", dest="guidance_scale")
-    add_flag(p, "kv_window", "stream")
-    add_flag(p, "sink", "stream")
-    p.add_argument("--no-kv-cache", action="store_true",
-                   help="recompute all earlier chunks every time (the reference the cache must equal)")
-    p.add_argument("--image", help="start image: the stream starts from it (as ComfyUI's ARVideoI2V): resized and "
-                   "center-cropped to the video, its latent frame written to the KV cache first")
-    add_flag(p, "seed", "stream")
-    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    add_flag(p, "dtype", "stream")
-    add_pool_arguments(p, "stream")
-    p.set_defaults(vace_module=None)
-    add_flag(p, "fps", "stream")
-    p.add_argument("--out", type=Path, required=True, help="the MP4 file of the whole video")
-    p.add_argument("--chunk-dir", type=Path, required=True, help="folder for chunk_000.mp4, chunk_001.mp4, ...")
-    p.add_argument("--save-latents", type=Path, help="write the raw latents [B,16,T,h,w] as tensor 'latents'")
-    return p
-
 
 def check_stream_arguments(args) -> tuple[int, ...]:
     """Every option that can be checked without a model; the latent shape when all are good."""
@@ -80,8 +54,9 @@ class ChunkWriter:
     cannot be written there (DIR deleted or unwritable meanwhile) is a warning at once and is kept
     (``driver/stream_chunks.ChunkFolder``); ``finish`` fails naming the chunk files DIR still lacks."""
 
-    def __init__(self, folder: Path, fps: int, started: float):
+    def __init__(self, folder: Path, fps: int, started: float, progress: Progress | None = None):
         self.folder, self.fps, self.started = folder, fps, started
+        self.progress = progress or Progress(quiet=False)
         self.last = started
         self.written: list[Path] = []
         self.files = ChunkFolder(folder, lambda frames, path: write_mp4(frames, path, fps=fps),
@@ -97,9 +72,11 @@ class ChunkWriter:
             self.files.add(path.name, chunk.frames)
             self.written.append(path)
         where = path if path.is_file() else "kept in memory"
-        print(f"chunk {chunk.index}: latent frames {chunk.start_frame}..{chunk.start_frame + chunk.latents.shape[2] - 1}"
-              f", {0 if chunk.frames is None else chunk.frames.shape[0]} frames, {now - self.last:.2f} s "
-              f"(since start {now - self.started:.2f} s) -> {where}", flush=True)
+        self.progress.close_bar()
+        if not self.progress.quiet:
+            print(f"chunk {chunk.index}: latent frames {chunk.start_frame}..{chunk.start_frame + chunk.latents.shape[2] - 1}"
+                  f", {0 if chunk.frames is None else chunk.frames.shape[0]} frames, {now - self.last:.2f} s "
+                  f"(since start {now - self.started:.2f} s) -> {where}", flush=True)
         self.last = now
 
 
@@ -112,21 +89,33 @@ def check_stream_files(args, files: dict[str, str | None], config) -> None:
         check_output_path(args.save_latents, "--save-latents", (".safetensors",))
 
 
-def stream(args, files: dict[str, str | None]) -> None:
-    """Check, start the pool, stream the chunks into --chunk-dir, write --out (and --save-latents)."""
+def stream(args, files: ModelFiles, defaults: str = "") -> None:
+    """Check, say the plan, start the pool, stream the chunks into --chunk-dir, write --out (and
+    --save-latents)."""
+    progress = Progress(args.quiet)
     shape = check_stream_arguments(args)
     config = pool_config(args)
-    check_stream_files(args, files, config)
-    config = auto_layout_config(args, files["model"], config, streaming=True)
+    paths = files.paths
+    check_stream_files(args, paths, config)
+    config = auto_layout_config(args, paths["model"], config, streaming=True)
+    progress.say(plan_line(args, files, config, defaults, command="stream"))
+    estimate = step_estimate(args, paths["model"], config) if not args.quiet else None
+    if estimate:
+        progress.say(estimate)
     args.chunk_dir.mkdir(parents=True, exist_ok=True)
-    with WorkerPool(config) as pool:
+    with progress.phase(f"start pool ({config.world} rank{'s' * (config.world > 1)})"):
+        workers = WorkerPool(config)
+    with workers as pool:
         runner = PoolRunner(pool)
-        prompts = encode_prompts(runner, args, files)
-        model = runner.load_model(files["model"], dtype=args.dtype, weights=args.weights)
-        vae = runner.load_vae(files["vae"], dtype=args.dtype)
+        with progress.phase("encode text"):
+            prompts = encode_prompts(runner, args, paths)
+        with progress.phase("load model and VAE"):
+            model = runner.load_model(paths["model"], dtype=args.dtype, weights=args.weights)
+            vae = runner.load_vae(paths["vae"], dtype=args.dtype)
         start_latent = None
         if args.start_image is not None:
-            start_latent = runner.encode(vae, stream_start_frame(args.start_image, args.width, args.height))
+            with progress.phase("encode start image"):
+                start_latent = runner.encode(vae, stream_start_frame(args.start_image, args.width, args.height))
         request = StreamSample(
             handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
             steps=args.steps, shift=args.shift, timesteps=args.timesteps, guidance_scale=args.guidance_scale,
@@ -134,12 +123,13 @@ def stream(args, files: dict[str, str | None]) -> None:
             vae_handle=vae, preview=True, start_latent=start_latent,
         )
         started = time.perf_counter()
-        writer = ChunkWriter(args.chunk_dir, args.fps, started)
-        result = runner.stream(request, on_chunk=writer)
-    if args.save_latents:  # latents before the video, so a failed write still leaves them
-        save_tensors_atomic({"latents": result.latents.float()}, args.save_latents)
-    write_mp4(result.frames, args.out, fps=args.fps)
-    writer.finish(args.out)
-    seconds = time.perf_counter() - started
-    print(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "
-          f"{config.describe()}) in {seconds:.1f} s", file=sys.stdout)
+        writer = ChunkWriter(args.chunk_dir, args.fps, started, progress)
+        with progress.phase(f"stream ({shape[2]} latent frames, chunks of {args.chunk})"):
+            result = runner.stream(request, on_chunk=writer, progress=progress.steps("chunk"))
+    with progress.phase(f"write {args.out}"):
+        if args.save_latents:  # latents before the video, so a failed write still leaves them
+            save_tensors_atomic({"latents": result.latents.float()}, args.save_latents)
+        write_mp4(result.frames, args.out, fps=args.fps)
+        writer.finish(args.out)
+    finished(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "
+             f"{config.describe()}; streaming {time.perf_counter() - started:.1f} s)")

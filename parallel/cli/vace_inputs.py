@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from ..config import check_vace_contexts, latent_shape
-from ..fields import add_flag
 from ..weights.checkpoint import resolve_model_location
 from ..weights.detect import KIND_DESCRIPTIONS, safetensors_kind
 from ..protocol import EncodeVace, VaceEncoded
@@ -38,34 +37,7 @@ from ..vace import builders
 from ..vace.encode import check_encode_inputs, frame_count_changes
 from .media import read_frames, read_image, read_mask
 
-# The flags that ask for a VACE context (dest name -> flag), in the order errors name them.
-VACE_FLAGS = {"vace_video": "--vace-video", "vace_mask": "--vace-mask", "vace_ref": "--vace-ref",
-              "vace_control": "--vace-control", "vace_strength": "--vace-strength", "outpaint": "--outpaint",
-              "extend_keep": "--extend-keep", "save_vace": "--save-vace"}
-NEEDS_VIDEO = ("vace_control", "outpaint", "extend_keep")
-SETS_MASK = ("vace_mask", "outpaint", "extend_keep")
-
-
-def add_vace_arguments(parser) -> None:
-    """The VACE flags of `wanmesh generate`."""
-    vace = parser.add_argument_group("VACE (any of these uses the tiny VACE model when --model is not given)")
-    vace.add_argument("--vace-video", type=Path, help="video to edit or follow: an MP4, an image or a folder of "
-                      "frames (0..1 colours); --width/--height/--frames default to its size and frame count")
-    vace.add_argument("--vace-mask", type=Path, help="what to generate (white) and keep (black): an MP4, an image "
-                      "(one mask for every frame) or a folder; luminance 0..1")
-    vace.add_argument("--vace-ref", type=Path, action="append", help="reference image (repeatable)")
-    add_flag(vace, "vace_control", "generate")
-    add_flag(vace, "vace_strength", "generate")
-    vace.add_argument("--outpaint", metavar="L,T,R,B", help="pixels added on each side of --vace-video "
-                      "(the padded size must be multiples of 16 and becomes the default --width/--height)")
-    vace.add_argument("--extend-keep", metavar="FIRST,LAST", help="keep the first FIRST and last LAST frames "
-                      "of --vace-video and generate the frames between (--frames in all)")
-    vace.add_argument("--save-vace", type=Path, help="write the VACE context as tensors 'vace_frames' "
-                      "[1,32,R+T,h,w] and 'vace_mask' [1,64,R+T,h,w] (ComfyUI's raw format)")
-
-
-def wants_vace(args) -> bool:
-    return any(getattr(args, name, None) is not None for name in VACE_FLAGS)
+from .parser import NEEDS_VIDEO, SETS_MASK, VACE_FLAGS, add_vace_arguments, wants_vace  # noqa: F401 - the parser's
 
 
 def _given(args, names) -> list[str]:

@@ -52,16 +52,69 @@ def normal(table: torch.Tensor, steps: int, shift: float, sgm: bool = False) -> 
 
 
 def beta(table: torch.Tensor, steps: int, shift: float) -> list[float]:
-    import scipy.stats  # the beta distribution's quantiles, as ComfyUI takes them
-
-    picks = numpy.rint(scipy.stats.beta.ppf(1 - numpy.linspace(0, 1, steps, endpoint=False), BETA_ALPHA, BETA_BETA)
-                       * (len(table) - 1))
+    picks = numpy.rint(beta_quantiles(1 - numpy.linspace(0, 1, steps, endpoint=False)) * (len(table) - 1))
     sigmas, last = [], -1
     for pick in picks:
         if pick != last:
             sigmas.append(float(table[int(pick)]))
         last = pick
     return sigmas + [0.0]
+
+
+def beta_quantiles(probabilities: numpy.ndarray) -> numpy.ndarray:
+    """The Beta(0.6, 0.6) distribution's quantiles, as ComfyUI takes them (scipy.stats.beta.ppf): from scipy when
+    it is installed, else from ``beta_ppf`` (scipy is not a dependency; the picks, rounded to the table, agree)."""
+    try:
+        import scipy.stats
+    except ImportError:
+        return numpy.array([beta_ppf(float(p), BETA_ALPHA, BETA_BETA) for p in probabilities])
+    return scipy.stats.beta.ppf(probabilities, BETA_ALPHA, BETA_BETA)
+
+
+def beta_ppf(probability: float, a: float, b: float) -> float:
+    """The quantile of Beta(a, b): the x in [0, 1] where the regularized incomplete beta function reaches
+    ``probability``, by bisection to float precision (monotone, so it always converges). Hand-written because
+    neither torch nor numpy has the incomplete beta function."""
+    if probability <= 0.0:
+        return 0.0
+    if probability >= 1.0:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        if middle in (low, high):
+            break
+        if regularized_beta(middle, a, b) < probability:
+            low = middle
+        else:
+            high = middle
+    return 0.5 * (low + high)
+
+
+def regularized_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b) by its continued fraction (modified Lentz), on the side where it converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - regularized_beta(1.0 - x, b, a)
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < 1e-16:
+            break
+    return math.exp(log_front) * fraction / a
 
 
 def karras(table: torch.Tensor, steps: int, shift: float) -> list[float]:

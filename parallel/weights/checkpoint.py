@@ -169,7 +169,7 @@ def _load_pickle_state_dict(path: Path) -> dict[str, torch.Tensor]:
     except Exception as error:  # weights_only refuses arbitrary pickled objects: say so plainly
         raise ModelFileError(
             f"{path}: cannot load as a weights-only PyTorch checkpoint ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). Only plain tensor state dicts are accepted; "
+            f"{pickle_refusal_reason(error)}). Only plain tensor state dicts are accepted; "
             f"convert the file to .safetensors."
         ) from None
     for wrapper_key in ("state_dict", "model", "module"):
@@ -178,6 +178,15 @@ def _load_pickle_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise ModelFileError(f"{path}: expected a dict of tensors (a state dict), found {type(loaded).__name__}.")
     return loaded
+
+
+def pickle_refusal_reason(error: BaseException) -> str:
+    """What torch's weights-only unpickler found, without its advice to load with ``weights_only=False`` (which
+    would run the pickle's code): the first line that is neither that advice nor a pointer to the docs."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    advice = ("weights_only", "weights only load failed", "documentation", "trusted source", "unsafe_globals")
+    reasons = [line for line in lines if not any(word in line.lower() for word in advice)]
+    return reasons[0][:200] if reasons else "the file holds objects other than tensors"
 
 
 def is_quantisation_key(key: str) -> bool:

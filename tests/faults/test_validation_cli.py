@@ -79,7 +79,8 @@ BAD_INPUTS = [
     ("fps-zero", lambda f: ["--fps", "0"], "fps 0 is not a usable frame rate"),
     ("memory-budget-negative", lambda f: ["--memory-budget-gb", "-1"], "memory_budget_gb must be a finite number of GB >= 0"),
     ("models-missing-folder", lambda f: ["--models", str(f["a_file"].parent / "no-such-tree")], "does not exist"),
-    ("model-without-vae", lambda f: ["--models", "", "--model", str(f["t2v"])], "--model, --vae and --text-encoder go together"),
+    ("tree-without-vae", lambda f: ["--models", str(f["a_file"].parent), "--model", str(f["t2v"])],
+     "or give the file with --vae"),
     ("device-cuda-absent", lambda f: ["--device", "cuda"], "--device cuda was asked for but this machine has no CUDA"),
 ]
 

@@ -59,7 +59,7 @@ def test_generate_writes_video_latents_and_frames_deterministically(tiny_models,
         (["--world", "3", "--device", "cpu", "--tp", "2"], "world=3 is not a multiple of cfg x ulysses x ring x tp"),
         (["--vae-tile", "60"], "tile_px must be a positive multiple of the VAE's spatial factor 8, got 60"),
         (["--world", "0"], "world must be a positive integer, got 0"),
-        (["--model", "x.safetensors"], "give either --models DIR or --model/--vae/--text-encoder, not both"),
+        (["--model", "x.safetensors"], "--model x.safetensors does not exist"),  # --model replaces the tree's model
         (["--world", "2", "--layout", "auto", "--tp", "2"], "--layout auto chooses the degrees itself; leave out --tp"),
     ],
 )
