@@ -166,11 +166,11 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 def _load_pickle_state_dict(path: Path) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # weights_only refuses arbitrary pickled objects: say so plainly
+    except Exception as error:  # weights_only refuses arbitrary pickled objects: say so plainly, in one short line
+        logging.getLogger("wanmesh").info("%s: weights-only load refused: %s: %s", path, type(error).__name__, error)
         raise ModelFileError(
-            f"{path}: cannot load as a weights-only PyTorch checkpoint ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). Only plain tensor state dicts are accepted; "
-            f"convert the file to .safetensors."
+            f"{path.name}: the weights-only loader refused it ({type(error).__name__}: it holds more than tensors and "
+            "may run code when loaded; details in the log); convert it to .safetensors"
         ) from None
     for wrapper_key in ("state_dict", "model", "module"):
         if isinstance(loaded, dict) and isinstance(loaded.get(wrapper_key), dict) and len(loaded) <= 3:
