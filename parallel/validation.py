@@ -297,8 +297,8 @@ def check_lora_values(path: str | Path, flag: str) -> None:
     bad = _first_non_finite(str(location), stat.st_mtime_ns, stat.st_size)
     if bad is not None:
         key, what = bad
-        raise ValueError(f"{flag} {location.name} holds {what} values (tensor {key}): the file is damaged; use "
-                         "another copy of the LoRA")
+        raise ValueError(_named(flag, location, f"holds {what} values (tensor {key}): the file is damaged; use "
+                                "another copy of the LoRA"))
 
 
 @functools.lru_cache(maxsize=64)

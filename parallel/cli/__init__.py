@@ -130,6 +130,7 @@ BENCHMARKS = {
     "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice"),
     "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
     "gpu": ("gpu_check", "the CUDA path proven and measured on one GPU (tests/gpu/run.sh); --dry-run on the CPU"),
+    "soak": ("soak", "many prompts against a running ComfyUI server: server and worker memory, fds, shared memory"),
 }
 
 

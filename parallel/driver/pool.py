@@ -200,6 +200,17 @@ class WorkerPool:
     def _stopped_error(self) -> WorkerError:
         return WorkerError(None, "PoolStopped", f"the worker pool was stopped because {self._stop_reason}")
 
+    def unload_models(self) -> bool:
+        """Every rank frees its resident models (weights, allocator caches; on GPUs the reserved memory) and stays
+        up; the pool remembers how each model was loaded, so the next request naming one loads it again (a weight
+        load, not a pool start). False when no workers run."""
+        with self._lock:
+            if self._closed or self._backend is None:
+                return False
+            self._call_started(P.Unload(handle=None), None, None, self.timeout_s)
+            self._resident = set()  # the next request that names a model sends its load again
+            return True
+
     def kill_now(self) -> None:
         """End the workers at once without waiting for a running call (interpreter exit, signals)."""
         self._closed = True

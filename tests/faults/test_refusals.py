@@ -86,7 +86,7 @@ def test_a_lora_with_nan_or_inf_is_refused_naming_the_tensor(files, kind, what):
     check_lora_values(files["lora_comfy"], "--lora")
     with pytest.raises(ValueError) as refused:
         check_lora_values(files[kind], "--lora")
-    _one_line(str(refused.value), f"--lora {files[kind].name} holds {what} values (tensor ")
+    _one_line(str(refused.value), f"--lora {files[kind].name}: holds {what} values (tensor ")
 
 
 def test_wrong_kinds_and_refused_pickles_are_short(files, tmp_path):
@@ -118,7 +118,7 @@ CLI_CASES = [
     ("text-encoder-width", lambda f: ["generate", *_explicit(f, model=f["narrow"])],
      "gives 64-wide text embeddings, but --model"),
     ("lora-nan", lambda f: ["generate", "--models", str(f["models"]), "--lora", str(f["lora_nan"])],
-     "lora_nan.safetensors holds NaN values"),
+     "lora_nan.safetensors: holds NaN values"),
     ("stream-tp-vs-heads", lambda f: ["stream", "--models", str(f["models"]), "--world", "3", "--tp", "3",
                                       "--chunk-dir", str(f["folder"] / "chunks")],
      "tp=3 does not divide the model's 4 attention heads"),
