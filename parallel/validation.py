@@ -208,8 +208,9 @@ def transformer_shape(info: ModelFileInfo) -> tuple[int, int] | None:
 
 
 def _named(flag: str, path: Path, message: str) -> str:
-    """``message`` after the input that gave the file: a node's ``name file:`` as it is, a flag with the file name."""
-    return f"{flag} {message}" if flag.endswith(":") else f"{flag} {path.name}: {message}"
+    """``message`` naming the input that gave the file: after a node's ``input file:``, or ending in ``(--flag
+    file)`` on the command line (its message starts with the value, as the other flag checks' do)."""
+    return f"{flag} {message}" if flag.endswith(":") else f"{message} ({flag} {path.name})"
 
 
 def check_model_split(info: ModelFileInfo, config: ParallelConfig, flag: str | None = None) -> None:
@@ -297,8 +298,9 @@ def check_lora_values(path: str | Path, flag: str) -> None:
     bad = _first_non_finite(str(location), stat.st_mtime_ns, stat.st_size)
     if bad is not None:
         key, what = bad
-        raise ValueError(_named(flag, location, f"holds {what} values (tensor {key}): the file is damaged; use "
-                                "another copy of the LoRA"))
+        subject = flag if flag.endswith(":") else f"{flag} {location.name}:"
+        raise ValueError(f"{subject} holds {what} values (tensor {key}): the file is damaged; use another copy of "
+                         "the LoRA")
 
 
 @functools.lru_cache(maxsize=64)
