@@ -9,7 +9,7 @@ fresh seed, one at a time (``POST /prompt``, then ``/history`` until it is done)
 * the server's and each worker's resident memory (RSS; the workers are the server's descendants whose command
   line has ``--rank``), their growth in percent;
 * the open file descriptors of the server and of the workers;
-* the shared-memory segments in ``/dev/shm`` whose names start with ``wanmesh_`` (count and bytes).
+* the server's shared-memory segments in ``/dev/shm`` (names ``wanmesh_<server pid>_...``; count and bytes).
 
 The server must run on this machine (its process is found by the port it listens on, or ``--server-pid``).
 A table is printed and ``--json`` writes the same figures. Nothing here judges the numbers.
@@ -126,7 +126,8 @@ def worker_processes(server) -> list:
 def sample(server) -> dict:
     """RSS (bytes), file descriptors and shared-memory segments now."""
     workers = worker_processes(server)
-    segments = [entry for entry in SHM.iterdir() if entry.name.startswith(SEGMENT_PREFIX)] if SHM.is_dir() else []
+    prefix = f"{SEGMENT_PREFIX}{server.pid}_"  # the server's pool's segments (named by the driver's process id)
+    segments = [entry for entry in SHM.iterdir() if entry.name.startswith(prefix)] if SHM.is_dir() else []
     return {
         "server_rss": server.memory_info().rss,
         "worker_rss": [proc.memory_info().rss for proc in workers],
@@ -185,8 +186,8 @@ def report(baseline: dict, final: dict, prompts: int, warm_up: int, seconds: lis
         "server fds": (baseline["server_fds"], final["server_fds"]),
         "worker fds, sum": (baseline["worker_fds"], final["worker_fds"]),
         "workers": (baseline["workers"], final["workers"]),
-        "/dev/shm wanmesh_ segments": (baseline["shm_segments"], final["shm_segments"]),
-        "/dev/shm wanmesh_ bytes": (baseline["shm_bytes"], final["shm_bytes"]),
+        "/dev/shm segments": (baseline["shm_segments"], final["shm_segments"]),
+        "/dev/shm bytes": (baseline["shm_bytes"], final["shm_bytes"]),
     }
     return {"prompts": prompts, "warm_up": warm_up, "median_prompt_s": sorted(seconds)[len(seconds) // 2],
             "baseline": baseline, "final": final,
