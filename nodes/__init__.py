@@ -1,6 +1,6 @@
 """ComfyUI nodes of WanMesh: thin wrappers that convert ComfyUI types and call the engine."""
 
-from . import errors, memory
+from . import errors, input_checks, memory, shutdown
 from .pool import WanMeshPool
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .lora import WanMeshLoraLoader
@@ -44,4 +44,6 @@ NODE_CLASS_MAPPINGS = {node_id: cls for node_id, (cls, _) in _NODES.items()}
 NODE_DISPLAY_NAME_MAPPINGS = {node_id: name for node_id, (_, name) in _NODES.items()}
 
 errors.install(NODE_CLASS_MAPPINGS)  # worker failures show as one line with a short exception name
+input_checks.install(NODE_CLASS_MAPPINGS)  # bad widget values: /prompt answers 400 naming the field
 memory.install()  # ComfyUI's "unload models" / "free memory" reach the worker pool
+shutdown.install()  # Ctrl-C during a prompt: the pool call stops first, then the interpreter ends

@@ -29,10 +29,14 @@ WanMeshWorkerError.__module__ = "builtins"
 
 def advice(error: WorkerError) -> str:
     """What the user can do about a worker failure."""
+    if error.error_type == "PoolStopped":
+        return "queue the prompt again when the server is back"
     if error.error_type in POOL_STOPPED:
         return "the pool was stopped; queue the prompt again to start a fresh one (details in the ComfyUI log)"
     if "OutOfMemory" in error.error_type:
         return "lower the size or frame count, set a VAE tile size, or split the model over more ranks (tp)"
+    if not error.traceback.strip():  # nothing more was sent (a killed rank, a refusal): point to no traceback
+        return "details in the ComfyUI log"
     where = f"rank {error.rank}'s" if error.rank is not None else "the worker's"
     return f"{where} traceback is in the ComfyUI log"
 

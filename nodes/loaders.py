@@ -79,6 +79,7 @@ class WanMeshTextEncoderLoader:
 
     def load(self, text_encoder_name, dtype, pool=None):
         path = model_path("text_encoders", text_encoder_name)
-        check_model_file(path, "text_encoder", f"text_encoder_name {text_encoder_name}:")
+        check_model_file(path, "text_encoder", f"text_encoder_name {text_encoder_name}:",
+                         pool.config if pool is not None else None)
         runner = _runner(pool)
         return (ResidentModel(runner, runner.load_text_encoder(path, dtype=dtype), path=path, kind="text_encoder"),)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..parallel import check_lora_for_model
+from ..parallel.validation import check_lora_values
 from ..parallel.fields import node_input
 from .files import model_path
 
@@ -39,4 +40,5 @@ class WanMeshLoraLoader:
     def load(self, model, lora_name, strength):
         path = model_path("loras", lora_name)
         check_lora_for_model(path, model.model_files())
+        check_lora_values(path, f"lora_name {lora_name}:")
         return (dataclasses.replace(model, loras=(*model.loras, (path, float(strength)))),)

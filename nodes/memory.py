@@ -2,9 +2,10 @@
 
 ComfyUI handles /free between prompts: "unload_models" (and "free_memory") call
 ``comfy.model_management.unload_all_models()``, and "free_memory" then calls ``PromptExecutor.reset()``
-(dropping its caches). WanMesh wraps both once at import: the first unloads the pool's resident models by letting
-its workers exit (so the memory their model code held goes back too), the second closes the pool; either way
-the next prompt starts fresh workers. Without ComfyUI, or without a live pool,
+(dropping its caches). WanMesh wraps both once at import: the first unloads the pool's resident models while its
+workers stay up (each rank frees its weights and hands the memory back; the next prompt pays the weight load, not
+a pool start), the second closes the pool (the workers exit; the next prompt starts fresh ones). Without ComfyUI,
+or without a live pool,
 the hooks do nothing, and a failure in them is logged, never raised into ComfyUI.
 """
 
@@ -47,7 +48,7 @@ def install() -> bool:
     # so wrapping them (once: MARK) stands in for that hook. Each wrapper runs ComfyUI's own code first.
     if not getattr(management.unload_all_models, MARK, False):
         management.unload_all_models = _after(management.unload_all_models, unload_pool_models,
-                                              "unloaded the worker pool's models (its workers exited; the next prompt starts fresh ones)")
+                                              "unloaded the worker pool's models (its workers stay up; the next prompt loads its models again)")
     executor = execution.PromptExecutor
     if not getattr(executor.reset, MARK, False):
         executor.reset = _after(executor.reset, stop_pool, "stopped the worker pool")

@@ -140,6 +140,7 @@ class WanMeshSampler:
         unconditional = read_conditioning(negative, "negative")
         check_same_vace(conditional, unconditional)
         check_same_image(conditional, unconditional)
+        check_text_width(model, conditional.embeddings)
         request = SampleRequest(
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
             negative=unconditional.embeddings, seed=seed, steps=steps, guidance_scale=cfg, shift=shift,
@@ -166,6 +167,14 @@ class WanMeshSampler:
         timings.add_sampling(reply.rank_timings)
         logger.info("WanMesh sampler: %s; %s", reply.expert_steps, timings.summary())
         return (tensor_to_latent(reply.latents, latent_image.get("noise_mask")),)
+
+
+def check_text_width(model, embeddings) -> None:
+    """The prompt embeddings as wide as the model's text embedding reads (from its header), before any sampling."""
+    if model.path is not None and embeddings:
+        from ..parallel.validation import check_embedding_width
+
+        check_embedding_width(int(embeddings[0].shape[-1]), model.path, "model", "the positive prompt's embeddings")
 
 
 def check_same_pool(model, model_low_noise) -> None:

@@ -9,15 +9,14 @@ from .driver.pool import close_cached_pool, current_pool
 
 
 def unload_pool_models() -> bool:
-    """Unload every resident model of the live pool and give all its workers' memory back: the workers exit, since
-    a worker keeps what it imported for its models (about 200 MiB of model code per process) and, on GPUs, its
-    context, which no unload returns; the pool's next request starts fresh ones with the same settings and loads
-    again the models it names. True when a running pool was asked."""
+    """Unload every resident model of the live pool while its workers stay up: each rank frees its weights and
+    hands the freed heap (and on GPUs the cached blocks) back to the system; the next prompt loads the models it
+    names again in the same workers. The model code a worker imported stays (it is not freed by any unload;
+    ``stop_pool`` gives that back too). True when a running pool was asked."""
     pool = current_pool()
     if pool is None or not pool.running:
         return False
-    pool.recycle()
-    return True
+    return pool.unload_models()
 
 
 def stop_pool() -> bool:

@@ -10,7 +10,9 @@ warnings come back as strings for the caller to print or log.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import re
 import secrets
@@ -34,8 +36,10 @@ from .config import (
 )
 from .weights.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
 from .weights.vae22_keys import is_wan22_vae
-from .weights.detect import KIND_DESCRIPTIONS, detect_kind, image_inputs, infer_transformer_config, read_header
+from .weights.detect import (KIND_DESCRIPTIONS, detect_kind, image_inputs, infer_transformer_config,
+                             infer_umt5_config, read_header)
 
+log = logging.getLogger("wanmesh")
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
 
 TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "wan_i2v", "diffusers_transformer")
@@ -95,10 +99,29 @@ def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -
     except OSError as error:
         raise ValueError(f"{flag} {location} cannot be read ({error.strerror})") from None
     if info.kind not in expected:
-        wanted = " or ".join(KIND_DESCRIPTIONS[k] for k in expected)
-        raise ValueError(f"{flag} {location} looks like {KIND_DESCRIPTIONS[info.kind]}; expected {wanted}")
+        raise ValueError(kind_refusal(flag, location, info.kind, expected))
     check_fp8_scales(info, flag)
     return info
+
+
+MAX_MESSAGE = 300  # a refusal is one line of at most this many characters; the details go to the log
+
+
+def _kind_name(kind: str) -> str:
+    """A kind's description without its key list ("a Wan VAE, 2.1 or 2.2")."""
+    return KIND_DESCRIPTIONS[kind].split(" (")[0]
+
+
+def kind_refusal(flag: str, location: Path, kind: str, expected: tuple[str, ...]) -> str:
+    """One line for a file of the wrong kind (the key lists of every kind go to the log, not into the line)."""
+    log.info("%s %s: its keys look like %s; expected %s", flag, location, KIND_DESCRIPTIONS[kind],
+             " or ".join(KIND_DESCRIPTIONS[k] for k in expected))
+    wanted = " or ".join(dict.fromkeys(_kind_name(k) for k in expected))
+    hint = "; load a Wan T2V model and give this file as its VACE module" if kind == "vace_module" else ""
+    message = f"{flag} {location} looks like {_kind_name(kind)}; expected {wanted}{hint}"
+    if len(message) > MAX_MESSAGE:  # a long path: its name is enough
+        message = f"{flag} {location.name} looks like {_kind_name(kind)}; expected {wanted}{hint}"
+    return message[:MAX_MESSAGE]
 
 
 def _read_header(location: Path) -> ModelFileInfo:
@@ -193,12 +216,70 @@ def transformer_shape(info: ModelFileInfo) -> tuple[int, int] | None:
     return int(config["num_attention_heads"]), int(config["ffn_dim"])
 
 
-def check_model_split(info: ModelFileInfo, config: ParallelConfig) -> None:
-    """tp and ulysses against the model's head count (and tp against its FFN width), read from the header."""
+def _named(flag: str, path: Path, message: str) -> str:
+    """``message`` naming the input that gave the file: after a node's ``input file:``, or ending in ``(--flag
+    file)`` on the command line (its message starts with the value, as the other flag checks' do)."""
+    return f"{flag} {message}" if flag.endswith(":") else f"{message} ({flag} {path.name})"
+
+
+def check_model_split(info: ModelFileInfo, config: ParallelConfig, flag: str | None = None) -> None:
+    """tp and ulysses against the model's head count (and tp against its FFN width), read from the header; the
+    error names the file after ``flag`` when given."""
     shape = transformer_shape(info)
     if shape is not None:
         heads, ffn_dim = shape
-        check_head_split(heads, tp=config.tp, ulysses=config.ulysses, ffn_dim=ffn_dim)
+        try:
+            check_head_split(heads, tp=config.tp, ulysses=config.ulysses, ffn_dim=ffn_dim)
+        except ValueError as error:
+            if flag is None:
+                raise
+            raise ValueError(_named(flag, info.path, str(error))) from None
+
+
+def text_encoder_shape(info: ModelFileInfo) -> tuple[int, int, int] | None:
+    """(width d_model, attention heads, FFN width) of a umT5 file from its header, or a folder's config.json;
+    None when neither tells."""
+    if info.shapes:
+        try:
+            config = infer_umt5_config({key: shape for key, shape in info.shapes.items() if key != "spiece_model"})
+        except ModelFileError:
+            return None
+    else:
+        config_file = info.path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if not all(key in config for key in ("d_model", "num_heads", "d_ff")):
+        return None
+    return int(config["d_model"]), int(config["num_heads"]), int(config["d_ff"])
+
+
+def check_text_encoder_split(info: ModelFileInfo, config: ParallelConfig, flag: str) -> None:
+    """The text encoder runs tensor-parallel over the pool's tp: tp must divide its heads and FFN width."""
+    shape = text_encoder_shape(info)
+    if shape is not None and config.tp > 1:
+        _, heads, ffn_dim = shape
+        try:
+            check_head_split(heads, tp=config.tp, ffn_dim=ffn_dim)
+        except ValueError as error:
+            raise ValueError(_named(flag, info.path, str(error).replace("the model", "the text encoder"))) from None
+
+
+def check_text_encoder_for_model(text_encoder: str | Path, model: str | Path, text_flag: str, model_flag: str) -> None:
+    """The text encoder's width is the width the model's text embedding reads (4096: umT5-XXL), from both headers."""
+    shape = text_encoder_shape(inspect_model_file(text_encoder, text_flag, TEXT_ENCODER_KINDS))
+    model_config = transformer_config(inspect_model_file(model, model_flag, TRANSFORMER_KINDS)) or {}
+    text_dim = model_config.get("text_dim")
+    if shape is not None and text_dim is not None and shape[0] != int(text_dim):
+        raise ValueError(f"{text_flag} {Path(text_encoder).name} gives {shape[0]}-wide text embeddings, but {model_flag} "
+                         f"{Path(model).name} reads {text_dim}-wide ones: use the text encoder made for this model")
+
+
+def check_embedding_width(width: int, model: str | Path, model_flag: str, where: str) -> None:
+    """Prompt embeddings (``where``: what made them) as wide as the model's text embedding reads, from its header."""
+    model_config = transformer_config(inspect_model_file(model, model_flag, TRANSFORMER_KINDS)) or {}
+    text_dim = model_config.get("text_dim")
+    if text_dim is not None and int(width) != int(text_dim):
+        raise ValueError(f"{where} are {width} wide, but {model_flag} {Path(model).name} reads {text_dim}-wide text "
+                         "embeddings: use the text encoder made for this model")
 
 
 MODEL_KINDS = {"model": TRANSFORMER_KINDS, "vae": VAE_KINDS, "text_encoder": TEXT_ENCODER_KINDS,
@@ -210,7 +291,38 @@ def check_model_file(path: str | Path, role: str, name: str, config: ParallelCon
     headers only; a transformer's head split is checked against ``config`` when given."""
     info = inspect_model_file(path, name, MODEL_KINDS[role])
     if role == "model" and config is not None:
-        check_model_split(info, config)
+        check_model_split(info, config, name)
+    if role == "text_encoder" and config is not None:
+        check_text_encoder_split(info, config, name)
+
+
+# -- LoRA values ---------------------------------------------------------------------------------------------
+
+
+def check_lora_values(path: str | Path, flag: str) -> None:
+    """Every tensor of a LoRA file is finite: a NaN or an infinity would be merged into the weights and show only
+    as NaN latents after a step. LoRAs are small, so the driver reads them (once per file version)."""
+    location = Path(path)
+    stat = location.stat()
+    bad = _first_non_finite(str(location), stat.st_mtime_ns, stat.st_size)
+    if bad is not None:
+        key, what = bad
+        subject = flag if flag.endswith(":") else f"{flag} {location.name}:"
+        raise ValueError(f"{subject} holds {what} values (tensor {key}): the file is damaged; use another copy of "
+                         "the LoRA")
+
+
+@functools.lru_cache(maxsize=64)
+def _first_non_finite(path: str, mtime_ns: int, size: int) -> tuple[str, str] | None:
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        for key in handle.keys():
+            tensor = handle.get_tensor(key)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return key, "NaN" if bool(torch.isnan(tensor).any()) else "infinite"
+    return None
 
 
 # -- output paths --------------------------------------------------------------------------------------------
@@ -232,6 +344,22 @@ def check_output_path(path: str | Path, flag: str, suffixes: tuple[str, ...] | N
     except OSError as error:
         raise ValueError(f"{flag} {target} cannot be written ({error.strerror}: {error.filename or target.parent}); "
                          "give a path in a folder you can write to") from None
+    return target
+
+
+def check_chunk_folder(folder: str | Path, flag: str) -> Path:
+    """A folder the stream's chunk files can be written to (made when missing), probed before any chunk is made."""
+    target = Path(folder)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{flag} {target} is a file; give a folder for the chunk files")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".chunk.{secrets.token_hex(4)}.probe"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"{flag} {target} cannot take the chunk files ({error.strerror}); give a folder you can "
+                         "write to") from None
     return target
 
 
@@ -333,7 +461,7 @@ def validate_generate(request: GenerateInputs, config: ParallelConfig) -> list[s
             check_output_path(path, flag, suffixes)
     if request.model is not None:
         model = inspect_model_file(request.model, "--model", TRANSFORMER_KINDS)
-        check_model_split(model, config)
+        check_model_split(model, config, "--model")
     if request.vace_module is not None:
         inspect_model_file(request.vace_module, "--vace-module", VACE_MODULE_KINDS)
     if request.vae is not None:
@@ -341,7 +469,10 @@ def validate_generate(request: GenerateInputs, config: ParallelConfig) -> list[s
         if request.model is not None:
             check_vae_for_model(vae, request.model, "--vae", "--model")
     if request.text_encoder is not None:
-        inspect_model_file(request.text_encoder, "--text-encoder", TEXT_ENCODER_KINDS)
+        text_encoder = inspect_model_file(request.text_encoder, "--text-encoder", TEXT_ENCODER_KINDS)
+        check_text_encoder_split(text_encoder, config, "--text-encoder")
+        if request.model is not None:
+            check_text_encoder_for_model(request.text_encoder, request.model, "--text-encoder", "--model")
     warnings = check_ranks(config)
     for what, prompt in zip(("prompt", "negative prompt"), request.prompts):
         warning = prompt_length_warning(prompt, request.text_encoder, what)

@@ -44,12 +44,14 @@ def resolve_model_files(args):
 
 def read_loras(lora_args: list[str], files: dict) -> list[tuple[str, float]]:
     """--lora FILE[:STRENGTH] values as (file, strength), each file's header checked against the model's."""
+    from ..validation import check_lora_values
     from ..weights.lora_files import check_lora_for_model, parse_lora_arg
 
     loras = [parse_lora_arg(text) for text in lora_args]
     model_files = [path for path in (files["model"], files["vace_module"]) if path]
     for path, _ in loras:
         check_lora_for_model(path, model_files)
+        check_lora_values(path, "--lora")
     return loras
 
 

@@ -144,6 +144,7 @@ BENCHMARKS = {
     "i2v": ("i2v", "image-to-video against text-to-video: one guided step of each model kind at the same size"),
     "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice"),
     "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
+    "soak": ("soak", "many prompts against a running ComfyUI server: server and worker memory, fds, shared memory"),
     "gpu": ("gpu_check", "the CUDA path proven and measured on one GPU (tests/gpu/run.sh); --dry-run on the CPU"),
     "cli-start": ("cli_start", "command-line start-up: `wanmesh --help` and refusals of bad flags and values, median "
                   "and spread over fresh interpreters"),

@@ -37,7 +37,9 @@ ERROR_GRACE_S = 3.0  # after one rank fails, how long the others get to report b
 POLL_S = 0.05
 CANCEL_GRACE_S = 2.0  # a cancelled request that cannot stop at a step boundary (a load) gets this long, then the pool stops
 STALE_BEATS = 3  # a rank that missed this many heartbeats is the suspect when its peers fail waiting on it
-EXIT_LOCK_S = 1.0  # at interpreter exit, how long to wait for a running call before killing the workers anyway
+EXIT_LOCK_S = 1.0  # at interpreter exit, how long to wait for a running call before asking it to stop
+EXIT_STOP_S = 10.0  # then how long the call gets to stop its workers and end, before they are killed under it
+SHUTTING_DOWN = "the server is shutting down"
 IDLE_CHECK_S = 1.0  # how often the liveness monitor looks at idle workers
 log = logging.getLogger("wanmesh.pool")
 COOPERATIVE = (P.SampleRequest, P.Diagnostic)  # requests whose ranks check for a cancel at step boundaries
@@ -99,6 +101,8 @@ class WorkerPool:
     ``timeout_s``: the longest a request may go without any sign of life from the workers (a progress step
     or a reply) before it is declared hung. ``start_timeout_s``: how long starting the workers may take.
     ``diagnostics``: path of a file whose ``DIAGNOSTICS`` ops the workers also serve (tests only).
+    ``start``: start the workers now; False leaves that to the first call (the Pool node: the loaders' header
+    checks against the pool's settings then refuse a model before any worker exists).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class WorkerPool:
         start_timeout_s: float = 300.0,
         pg_timeout_s: float = 1800.0,
         diagnostics: str | None = None,
+        start: bool = True,
     ):
         if timeout_s <= 0 or start_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got timeout_s={timeout_s}, start_timeout_s={start_timeout_s}")
@@ -127,7 +132,9 @@ class WorkerPool:
         self._resident: set[str] = set()  # handles loaded in the current workers
         self._closed = False
         self._idle_death: WorkerError | None = None  # a rank the liveness monitor found dead, raised by the next call
-        self._start(_interrupt_check)
+        self._stop_reason: str | None = None  # set by stop_running_call: the running call stops its workers and ends
+        if start:
+            self._start(_interrupt_check)
         threading.Thread(target=_watch_idle, args=(weakref.ref(self),), name="wanmesh-pool-monitor", daemon=True).start()
 
     # -- life cycle -----------------------------------------------------------------------------------------
@@ -176,6 +183,33 @@ class WorkerPool:
             backend, self._backend = self._backend, None
             backend.shutdown(next(self._ids))
             self._resident = set()
+
+    def stop_running_call(self, reason: str) -> None:
+        """Make a call running in another thread stop its workers and end within one poll, raising ``PoolStopped``
+        that names ``reason`` (interpreter exit: the caller's own error report then says why); the pool is closed."""
+        self._stop_reason = reason
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is running (in any thread)."""
+        if self._lock.acquire(blocking=False):
+            self._lock.release()
+            return False
+        return True
+
+    def _stopped_error(self) -> WorkerError:
+        return WorkerError(None, "PoolStopped", f"the worker pool was stopped because {self._stop_reason}")
+
+    def unload_models(self) -> bool:
+        """Every rank frees its resident models (weights, allocator caches; on GPUs the reserved memory) and stays
+        up; the pool remembers how each model was loaded, so the next request naming one loads it again (a weight
+        load, not a pool start). False when no workers run."""
+        with self._lock:
+            if self._closed or self._backend is None:
+                return False
+            self._call_started(P.Unload(handle=None), None, None, self.timeout_s)
+            self._resident = set()  # the next request that names a model sends its load again
+            return True
 
     def kill_now(self) -> None:
         """End the workers at once without waiting for a running call (interpreter exit, signals)."""
@@ -228,6 +262,8 @@ class WorkerPool:
             raise ValueError("stop the pool with close(), not a Shutdown request")
         should_cancel = should_cancel or _interrupt_check
         with self._lock:
+            if self._stop_reason is not None:
+                raise self._stopped_error()
             if self._closed:
                 raise RuntimeError("this WorkerPool was closed; get a new one (get_pool starts one)")
             if self._idle_death is not None:
@@ -293,6 +329,8 @@ class WorkerPool:
                 self._step(backend, txn, request, progress, should_cancel, timeout_s)
         except RankDied as died:
             self._discard_workers()
+            if self._stop_reason is not None:
+                raise self._stopped_error() from None
             raise WorkerError(died.rank, "WorkerDied", f"{died.detail} during {request.kind}; the pool was stopped "
                               "and the next request starts a fresh one") from None
         except BaseException:
@@ -301,6 +339,9 @@ class WorkerPool:
         return self._conclude(backend, txn, request)
 
     def _step(self, backend, txn: _Transaction, request, progress, should_cancel, timeout_s) -> None:
+        if self._stop_reason is not None:  # _call_started stops the workers in this thread
+            self._closed = True
+            raise self._stopped_error()
         self._maybe_cancel(backend, txn, should_cancel)
         for rank, message in backend.poll(POLL_S):
             if message.get("chunk") is not None:  # taken over at once, also a late one, so no segment is left
@@ -483,20 +524,24 @@ def close_cached_pool() -> None:
 
 def close_cached_pool_at_exit() -> None:
     """Interpreter exit (Ctrl-C in ComfyUI): close the pool, but never wait long on a call that is still
-    running in another thread (it holds the pool's lock until sampling ends): kill its workers instead."""
+    running in another thread (it holds the pool's lock until sampling ends): that call is asked to stop its
+    workers in its own thread and end with ``PoolStopped`` (server shutting down), so nothing is torn down under
+    it while it runs; only a call that does not end in ``EXIT_STOP_S`` has its workers killed from here."""
     locked = _cache_lock.acquire(timeout=EXIT_LOCK_S)  # without it (a get_pool still running), read it anyway
     pool = _cached_pool
     if locked:
         _cache_lock.release()
-    if pool is None or pool._closed:
+    if pool is None or (pool._closed and pool._backend is None):
         return
-    if pool._lock.acquire(timeout=EXIT_LOCK_S):
-        try:
-            pool.close()
-        finally:
-            pool._lock.release()
-    else:
-        pool.kill_now()
+    if not pool._lock.acquire(timeout=EXIT_LOCK_S):
+        pool.stop_running_call(SHUTTING_DOWN)
+        if not pool._lock.acquire(timeout=EXIT_STOP_S):
+            pool.kill_now()
+            return
+    try:
+        pool.close()
+    finally:
+        pool._lock.release()
 
 
 atexit.register(close_cached_pool_at_exit)

@@ -32,8 +32,9 @@ class PoolRunner:
 
     @classmethod
     def for_config(cls, config: ParallelConfig, previews: bool = True, auto_layout: bool = False) -> "PoolRunner":
-        """The process-wide pool for this config (started, or restarted when the config changed)."""
-        return cls(get_pool(config), previews=previews, auto_layout=auto_layout)
+        """The process-wide pool for this config (replaced when the config changed); its workers start with the
+        first request, so what the loaders refuse from file headers (a head split, a width) starts none."""
+        return cls(get_pool(config, start=False), previews=previews, auto_layout=auto_layout)
 
     @classmethod
     def current_or_single(cls) -> "PoolRunner":

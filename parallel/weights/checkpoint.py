@@ -166,11 +166,11 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 def _load_pickle_state_dict(path: Path) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # weights_only refuses arbitrary pickled objects: say so plainly
+    except Exception as error:  # weights_only refuses arbitrary pickled objects: say so plainly, in one short line
+        logging.getLogger("wanmesh").info("%s: weights-only load refused: %s: %s", path, type(error).__name__, error)
         raise ModelFileError(
-            f"{path}: cannot load as a weights-only PyTorch checkpoint ({type(error).__name__}: "
-            f"{pickle_refusal_reason(error)}). Only plain tensor state dicts are accepted; "
-            f"convert the file to .safetensors."
+            f"{path.name}: the weights-only loader refused it ({type(error).__name__}: "
+            f"{pickle_refusal_reason(error)[:120]}; details in the log); convert it to .safetensors"
         ) from None
     for wrapper_key in ("state_dict", "model", "module"):
         if isinstance(loaded, dict) and isinstance(loaded.get(wrapper_key), dict) and len(loaded) <= 3:
@@ -197,7 +197,7 @@ def read_tensor(
     handle: CheckpointFile, original_key: str, dtype: torch.dtype, index: TensorSlice = None
 ) -> torch.Tensor:
     """Read one tensor (or a slice of it) as `dtype`, dequantising fp8 (times its scaled-fp8 factor) and GGUF."""
-    if hasattr(handle, "read_dequantised"):  # a GGUF file dequantises its own blocks (models/gguf_file.py)
+    if hasattr(handle, "read_dequantised"):  # a GGUF file dequantises its own blocks (weights/gguf_file.py)
         return handle.read_dequantised(original_key, dtype, index)
     stored = handle.read_stored(original_key, index)
     if stored is not None:

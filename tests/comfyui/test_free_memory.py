@@ -2,8 +2,8 @@
 prompts in a row do not grow the workers' memory, and switching among model files keeps the workers' memory
 within the Pool node's memory budget.
 
-unload_models: the pool's models are unloaded by letting its workers exit (logged); the next prompt starts fresh
-ones and loads what it needs again. free_memory: the worker processes exit; the next prompt starts a fresh pool.
+unload_models: the pool's models are unloaded while its workers stay up (logged); the next prompt loads what it
+needs again in the same workers. free_memory: the worker processes exit; the next prompt starts a fresh pool.
 
 Switching: three model files of 67 MiB, A, B, C, A, B, C. With the Pool node's memory budget at about 1.5 files
 per rank the workers' RSS stays within one file each of its level after A, and the workers log each unload; the
@@ -38,6 +38,9 @@ SWITCH_BUDGET_GB = 1.5 * SWITCH_MODEL_MIB * 2**20 / 1e9
 # The Pool node's budget from the fresh pool after free_memory on, so the budget test reuses that pool (a changed
 # budget restarts the pool, tens of seconds); it is far above what the tiny models take.
 BUDGET_POOL = dict(memory_budget_gb=SWITCH_BUDGET_GB)
+UNLOAD_ROUNDS = 10
+UNLOADED_WITHIN_MIB = 64
+UNLOAD_LOG = "unloaded the worker pool's models (its workers stay up"
 EVICTION_LOG = "memory budget"  # the worker's warning when the budget unloads a model (residency.py)
 
 
@@ -144,17 +147,24 @@ def test_switching_models_without_a_budget_keeps_them_resident(comfyui_server: C
 
 
 def test_free_unloads_models_then_stops_workers(comfyui_server: ComfyUIServer) -> None:
+    """UNLOAD_ROUNDS rounds of a prompt and "unload models": the workers stay up (the same processes, no pool
+    start: the log says so once per round) and their RSS after each unload comes back within UNLOADED_WITHIN_MIB
+    of the first unload's (nothing accumulates); the next prompt loads the weights again. Then "free memory"
+    stops the workers."""
     run_ok(comfyui_server, quick_prompt())
     pids = sorted(p.pid for p in workers(comfyui_server))
     assert len(pids) == 2
-
-    post_free(comfyui_server, unload_models=True)
-    wait_for_log(comfyui_server, "unloaded the worker pool's models (its workers exited", 1, EXIT_DEADLINE_S)
-    assert workers(comfyui_server) == []  # what the workers held went back with them
-    run_ok(comfyui_server, quick_prompt())  # cached loader handles: fresh workers load the models again
-    fresh = sorted(p.pid for p in workers(comfyui_server))
-    assert len(fresh) == 2 and not set(fresh) & set(pids)
-    pids = fresh
+    unloaded = []
+    for index in range(UNLOAD_ROUNDS):
+        post_free(comfyui_server, unload_models=True)
+        wait_for_log(comfyui_server, UNLOAD_LOG, index + 1, EXIT_DEADLINE_S)
+        assert sorted(p.pid for p in workers(comfyui_server)) == pids, "unload models restarted the workers"
+        unloaded.append([p.memory_info().rss for p in sorted(workers(comfyui_server), key=lambda p: p.pid)])
+        run_ok(comfyui_server, quick_prompt())  # cached loader handles: the same workers load the models again
+        assert sorted(p.pid for p in workers(comfyui_server)) == pids, "a prompt after the unload restarted the pool"
+    report = "; ".join("/".join(f"{rss / MIB:.0f}" for rss in round_) for round_ in unloaded)
+    print(f"\nworker RSS after each of {UNLOAD_ROUNDS} unloads (MiB): {report}")
+    assert all(rss - first <= UNLOADED_WITHIN_MIB * MIB for round_ in unloaded for rss, first in zip(round_, unloaded[0])), report
 
     started = time.monotonic()
     post_free(comfyui_server, free_memory=True)

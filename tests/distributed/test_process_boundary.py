@@ -25,7 +25,7 @@ COMFYUI_SIDE = {
     "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model", "nodes.pool_patches",
     "nodes.ti2v",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
-    "nodes.vae", "nodes.video",
+    "nodes.vae", "nodes.video", "nodes.input_checks", "nodes.shutdown",
     "parallel", "parallel.auto_layout", "parallel.config", "parallel.errors", "parallel.fields",
     "parallel.image_to_video", "parallel.protocol",
     "parallel.pool_memory",

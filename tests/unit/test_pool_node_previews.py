@@ -30,7 +30,7 @@ class RecordingPool:
 
     closed = False
 
-    def __init__(self, config):
+    def __init__(self, config, **options):
         self.config = config
         self.requests = []
 
