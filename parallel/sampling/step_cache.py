@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -325,7 +326,8 @@ class StepCache:
     """One model's cache over one sampling run (or the model calls of one ComfyUI sampler run)."""
 
     def __init__(self, settings: CacheSettings, model, reduction: Reduction, steps: int, tokens_per_frame: int):
-        self.settings, self.model, self.reduction = settings, model, reduction
+        self.settings, self.reduction = settings, reduction
+        self._model = weakref.ref(model)  # a cache kept between model calls must not keep an unloaded model alive
         self.rule = make_rule(settings, model, steps, tokens_per_frame)
         self.passes: dict[int, PassState] = {}
         self.step, self.steps, self.pass_count, self.next_slot = -1, steps, 1, 0
@@ -336,6 +338,10 @@ class StepCache:
         self._anchor: torch.Tensor | None = None
         self._handles: list = []
         self._forwards: list = []
+
+    @property
+    def model(self):
+        return self._model()
 
     # -- the run ---------------------------------------------------------------------------------------------
 

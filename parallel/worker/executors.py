@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,8 @@ class RankExecutor(ResidentModels):
     def __init__(self, device: str | torch.device = "cpu", parallel=None):
         super().__init__(device, parallel)
         self._vae_groups: dict[int, object] = {}
-        self._call_caches: dict[int, StepCache] = {}  # id(model) -> the cache of a driver-side sampler's calls
+        # model -> the cache of a driver-side sampler's calls (gone with the model when it is unloaded)
+        self._call_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.last_cache_report: dict = {}
 
     # -- work ------------------------------------------------------------------------------------------
@@ -81,18 +83,19 @@ class RankExecutor(ResidentModels):
         """The step caches of a sampling run: decisions summed over the sequence ranks (and the data-parallel
         replicas when each has rows); with CFG parallel the unconditional rank follows the conditional one."""
         self.last_cache_report = {}
+        models = list({id(model): model for model in models if model is not None}.values())
+        for model in models:
+            self._drop_call_cache(model)  # a driver-side sampler's cache does not reach into this run
         settings = cache_settings(request.cache)
         if settings is None:
             return None
-        for model in filter(None, models):
-            self._drop_call_cache(model)
         batch, dp = request.latent.shape[0], self._degree("dp")
         groups = self._sequence_groups() + ((self.parallel.dp_group,) if 1 < dp <= batch else ())
         cfg = self._degree("cfg")
         reduction = Reduction(groups, self.parallel.cfg_group if cfg > 1 else None,
                               self.parallel.coord("cfg") if cfg > 1 else 0)
         return StepCaches([StepCache(settings, model, reduction, request.steps, _tokens_per_frame(request.latent))
-                           for model in filter(None, models)])
+                           for model in models])
 
     def _sequence_groups(self) -> tuple:
         """The groups of ranks that hold other tokens of the same rows (Ulysses, ring)."""
@@ -127,7 +130,7 @@ class RankExecutor(ResidentModels):
         dropped by a call without it. Sums run over the ranks holding other rows (when every rank has rows) and
         other tokens, as one device sees the whole call."""
         settings = cache_settings(request.cache)
-        cache = self._call_caches.get(id(model))
+        cache = self._call_caches.get(model)
         if cache is not None and cache.settings != settings:
             self._drop_call_cache(model)
             cache = None
@@ -135,7 +138,7 @@ class RankExecutor(ResidentModels):
             return
         if cache is None:
             cache = StepCache(settings, model, Reduction(), request.cache_steps, _tokens_per_frame(request.latent))
-            self._call_caches[id(model)] = cache.install()
+            self._call_caches[model] = cache.install()
         dp, cfg = self._degree("dp"), self._degree("cfg")
         every_rank_has_rows = all(len(_dp_share(i, batch, dp)) >= cfg for i in range(dp))
         rows_groups = tuple(self.parallel.group(dim) for dim, size in (("cfg", cfg), ("dp", dp)) if size > 1)
@@ -144,14 +147,14 @@ class RankExecutor(ResidentModels):
 
     def _log_call_cache(self, model, request) -> None:
         """After the last step's call of a sampler run, rank 0 logs the run's steps computed and skipped."""
-        cache = self._call_caches.get(id(model))
+        cache = self._call_caches.get(model)
         if cache is None or not request.cache_steps or cache.step != request.cache_steps - 1:
             return
         if self.parallel is None or self.parallel.rank == 0:
             log.info("WanMesh Native Model: %s", describe_report(cache.report()))
 
     def _drop_call_cache(self, model) -> None:
-        cache = self._call_caches.pop(id(model), None)
+        cache = self._call_caches.pop(model, None)
         if cache is not None:
             cache.remove()
 
