@@ -335,7 +335,8 @@ class StepCache:
         self.calls = 0  # transformer calls that ran the blocks
         self._current: PassState | None = None
         self._skipping = False
-        self._anchor: torch.Tensor | None = None
+        self._anchor: torch.Tensor | None = None  # the blocks' input (the first block's output for fbcache)
+        self._temb: torch.Tensor | None = None
         self._handles: list = []
         self._forwards: list = []
 
@@ -424,8 +425,7 @@ class StepCache:
             return None
         first_residual = output.float() - self._anchor.float()
         self._skipping = not self._decide(block, first_residual, self._temb)
-        if self.rule.when == "after":
-            self._anchor = output
+        self._anchor = output  # the other blocks' residual is kept against the first block's output
         return None
 
     def _leave_blocks(self, module, args):
