@@ -2,6 +2,7 @@
 
 from . import errors, input_checks, memory, shutdown
 from .pool import WanMeshPool
+from .cache import WanMeshCache
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
 from .lora import WanMeshLoraLoader
 from .clip_vision import WanMeshCLIPVisionEncode, WanMeshCLIPVisionLoader
@@ -25,6 +26,7 @@ _NODES = {
     "WanMeshTextEncode": (WanMeshTextEncode, "WanMesh Text Encode"),
     "WanMeshEmptyLatent": (WanMeshEmptyLatent, "WanMesh Empty Latent"),
     "WanMeshSampler": (WanMeshSampler, "WanMesh Sampler"),
+    "WanMeshCache": (WanMeshCache, "WanMesh Cache"),
     "WanMeshStreamSampler": (WanMeshStreamSampler, "WanMesh Stream Sampler"),
     "WanMeshVAEDecode": (WanMeshVAEDecode, "WanMesh VAE Decode"),
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),

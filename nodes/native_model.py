@@ -11,7 +11,9 @@ class WanMeshNativeModel:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("WANMESH_MODEL", {
-            "tooltip": "the loaded Wan T2V, VACE or image-to-video transformer (after any WanMesh LoRA Loader)"})}}
+            "tooltip": "the loaded Wan T2V, VACE or image-to-video transformer (after any WanMesh LoRA Loader)"})},
+                "optional": {"cache": ("WANMESH_CACHE", {"tooltip": "step caching (WanMesh Cache) over each "
+                                                                    "sampler run's model calls"})}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "wrap"
@@ -21,5 +23,5 @@ class WanMeshNativeModel:
                    "UNETLoader; each model call runs on the pool with its parallel layout. LoRAs: ComfyUI's "
                    "LoraLoaderModelOnly after this node, or the WanMesh LoRA Loader before it.")
 
-    def wrap(self, model):
-        return (pool_model(model),)
+    def wrap(self, model, cache=None):
+        return (pool_model(model, cache),)

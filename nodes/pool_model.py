@@ -43,9 +43,10 @@ MERGE_REFUSAL = ("model merging (ModelMerge*, model key patches) cannot read a W
 class PoolTransformer(torch.nn.Module):
     """Stands in for ComfyUI's WanModel inside its BaseModel: the same call signature, run on the pool."""
 
-    def __init__(self, resident: ResidentModel, in_channels: int = LATENT_CHANNELS):
+    def __init__(self, resident: ResidentModel, in_channels: int = LATENT_CHANNELS, cache: dict | None = None):
         super().__init__()
         self.resident = resident
+        self.cache = cache  # step-caching settings (WanMesh Cache), run in the workers over a sampler run's calls
         self.dtype = torch.float32  # ComfyUI casts the model input and the text to this before calling
         # ComfyUI's Wan conditioning reads the input width from the patch embedding (for image-to-video channels)
         self.patch_embedding = SimpleNamespace(weight=SimpleNamespace(shape=(0, in_channels, 1, 2, 2)))
@@ -74,7 +75,7 @@ class PoolTransformer(torch.nn.Module):
             handle=self.resident.handle, latent=x.detach().float().cpu(), timestep=call_timesteps(timestep, x),
             context=context.detach().float().cpu(), loras=[*self.resident.loras, *options.get(POOL_LORAS, ())],
             clip_fea=None if clip_fea is None else clip_fea.detach().float().cpu(), **vace_inputs(extra),
-            skip_blocks=skipped_blocks(options),
+            skip_blocks=skipped_blocks(options), **cache_inputs(self.cache, timestep, options),
         )
         try:
             prediction = self.resident.runner.forward(request, should_stop=interrupted)
@@ -101,6 +102,19 @@ class PoolTransformer(torch.nn.Module):
         job = Job.of_latent(x.shape, steps=len(sigmas) - 1 if sigmas is not None else Job.steps,
                             batch=max(1, x.shape[0] // passes), guidance=passes > 1)
         runner.call_layouts[key] = arrange(self.resident, job, caller="Native Model: ")
+
+
+def cache_inputs(cache: dict | None, timestep: torch.Tensor, transformer_options: dict) -> dict:
+    """The ModelForward fields of a step cache: its settings and the call's step among the sampler's sigmas (the
+    nearest one; none when ComfyUI gives no sigmas, and the workers count steps by timestep)."""
+    if cache is None:
+        return {}
+    sigmas = transformer_options.get("sample_sigmas")
+    if sigmas is None or len(sigmas) < 2:
+        return {"cache": cache}
+    sigma = float(timestep.detach().float().reshape(-1).max()) / 1000.0
+    step = int((sigmas[:-1].detach().float().cpu() - sigma).abs().argmin())
+    return {"cache": cache, "cache_step": step, "cache_steps": len(sigmas) - 1}
 
 
 def call_timesteps(timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +195,7 @@ def comfy_classes():
     return PoolWan, PoolWanVace, PoolWan22, PoolModelPatcher
 
 
-def pool_model(resident: ResidentModel):
+def pool_model(resident: ResidentModel, cache: dict | None = None):
     """ComfyUI's MODEL (a ModelPatcher) over the resident transformer, configured as ComfyUI configures a Wan model
     it loads itself (latent format, flow sampling with shift 8; an image-to-video model with its input channels, the
     Wan 2.1 I2V / FLF2V ones as image-to-video; Wan 2.2 TI2V 5B as WAN22 with the WAN22_T2V config, as ComfyUI's
@@ -195,7 +209,7 @@ def pool_model(resident: ResidentModel):
         model = _wan22_model(in_channels, device)
     else:
         model = _wan21_model(has_vace_blocks(resident.model_files()), in_channels, image_kind, device)
-    model.diffusion_model = PoolTransformer(resident, in_channels)
+    model.diffusion_model = PoolTransformer(resident, in_channels, cache)
     return patcher(model, load_device=device, offload_device=comfy.model_management.unet_offload_device())
 
 

@@ -10,6 +10,7 @@ from ..parallel import COMFY_SAMPLERS, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY
 from ..parallel.driver.timings import RunTimings
 from ..parallel.config import DEFAULT_SCHEDULER
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
+from ..parallel.sampling.step_cache import describe_report
 from ..parallel.validation import prompt_length_warning
 from .convert import (
     check_same_image,
@@ -116,7 +117,9 @@ class WanMeshSampler:
                 "denoise": node_input("denoise"),
             },
             # after every older input, so saved workflows keep their widget order
-            "optional": {**TWO_EXPERT_INPUTS, "scheduler": node_input("scheduler", choices=scheduler_choices())},
+            "optional": {**TWO_EXPERT_INPUTS, "scheduler": node_input("scheduler", choices=scheduler_choices()),
+                         "cache": ("WANMESH_CACHE", {"tooltip": "step caching (WanMesh Cache); none: every step "
+                                                                "computed"})},
         }
 
     RETURN_TYPES = ("LATENT",)
@@ -127,10 +130,13 @@ class WanMeshSampler:
 
     def sample(self, model, positive, negative, latent_image, seed, steps, cfg, shift, sampler_name, denoise,
                model_low_noise=None, boundary=T2V_EXPERT_BOUNDARY, cfg_low_noise=-1.0, start_step=0,
-               end_step=END_STEP_TO_THE_END, add_noise=True, scheduler=DEFAULT_SCHEDULER):
+               end_step=END_STEP_TO_THE_END, add_noise=True, scheduler=DEFAULT_SCHEDULER, cache=None):
         check_same_pool(model, model_low_noise)
         end = None if end_step >= steps else end_step
         if not runs_in_the_workers(sampler_name, scheduler):
+            if cache is not None:
+                raise ValueError(f"step caching runs with the workers' samplers ({', '.join(SAMPLERS)}); for "
+                                 f"{sampler_name} / {scheduler}, give the cache to a WanMesh Native Model instead")
             from .comfy_sampling import ComfySampling, sample_with_comfyui
 
             settings = ComfySampling(seed, steps, shift, sampler_name, scheduler, denoise, start_step, end, add_noise)
@@ -151,7 +157,7 @@ class WanMeshSampler:
             guidance_scale_low=None if cfg_low_noise < 0 else cfg_low_noise, start_step=start_step, end_step=end,
             add_noise=add_noise, timings=True, image_latents=conditional.image_latents,
             image_mask=conditional.image_mask, clip_fea=conditional.clip_fea,
-            noise_mask=latent_noise_mask(latent_image),
+            noise_mask=latent_noise_mask(latent_image), cache=cache,
         )
         request.validate()  # before a layout auto rearranges the pool for it
         arrange_for_job(model, request.latent, steps, cfg)
@@ -166,6 +172,8 @@ class WanMeshSampler:
             raise
         timings.add_sampling(reply.rank_timings)
         logger.info("WanMesh sampler: %s; %s", reply.expert_steps, timings.summary())
+        if reply.cache_report:
+            logger.info("WanMesh sampler: %s", describe_report(reply.cache_report))
         return (tensor_to_latent(reply.latents, latent_image.get("noise_mask")),)
 
 

@@ -204,6 +204,25 @@ FIELDS: tuple[Field, ...] = (
           flag_default=None, unset=END_STEP_TO_THE_END, note="CLI default: the last step; the request holds None for the end"),
     Field("add_noise", "BOOLEAN", True, "off for a second chained sampler: the latent already holds the noise of "
           "start_step", nodes=("WanMeshSampler.add_noise",), checked=("SampleRequest.add_noise",)),
+    # -- step caching
+    Field("cache", "STRING", "", "step caching: METHOD[:THRESHOLD][:start=S][:end=E][:k=K][:coefficients=generic], "
+          "METHOD teacache, magcache or fbcache, e.g. teacache:0.2; empty: every step computed",
+          flags=("generate --cache",), flag_default=None, note="the WanMesh Cache node in ComfyUI"),
+    Field("cache_method", "CHOICE", "teacache", "teacache: the change of the timestep-modulated input; magcache: "
+          "the published magnitude ratios of the residual; fbcache: the change of the first block's residual",
+          choices=("teacache", "magcache", "fbcache"), nodes=("WanMeshCache.method",)),
+    Field("cache_threshold", "FLOAT", 0.2, "how much change the skipped steps may add up to; higher skips more "
+          "(published ranges: teacache 0.1-0.3, magcache 0.06-0.24, fbcache 0.05-0.15; 0 skips nothing)", 0.0,
+          10.0, 0.01, nodes=("WanMeshCache.threshold",)),
+    Field("cache_start", "FLOAT", 0.2, "share of the steps always computed first (MagCache's retention ratio)",
+          0.0, 1.0, 0.01, nodes=("WanMeshCache.start_percent",)),
+    Field("cache_end", "FLOAT", 1.0, "share of the steps after which every step is computed (1: none)", 0.0, 1.0,
+          0.01, nodes=("WanMeshCache.end_percent",)),
+    Field("cache_max_skips", "INT", 0, "most steps skipped in a row; 0: the method's default (MagCache's K of 2, "
+          "no limit for the others)", 0, 1000, nodes=("WanMeshCache.max_skips",)),
+    Field("cache_coefficients", "CHOICE", "auto", "auto: the published numbers of a released Wan model (the "
+          "generic rule, logged, for other models); generic: the generic rule", choices=("auto", "generic"),
+          nodes=("WanMeshCache.coefficients",)),
     # -- causal streaming
     Field("stream_steps", "INT", 4, "denoising steps per chunk (causal checkpoints use 4)", 1, 1000, valid=Valid(1),
           nodes=("WanMeshStreamSampler.steps",), flags=("stream --steps",), checked=("StreamSample.steps",)),

@@ -18,6 +18,7 @@ from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EX
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
+from .sampling.step_cache import cache_settings, check_cache
 
 PROTOCOL_VERSION = 1
 TENSOR_TAG = "__tensor__"
@@ -62,6 +63,7 @@ class Latents(Reply):
     latents: torch.Tensor
     expert_steps: str = ""  # sampling only: which steps each expert ran (sampling/experts.py describe_expert_steps)
     rank_timings: list[dict[str, Any]] = field(default_factory=list)  # sampling with timings: per rank, per step
+    cache_report: dict[str, Any] = field(default_factory=dict)  # sampling with a step cache: steps computed/skipped
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class SampleRequest(Request):
     # The LATENT's noise_mask as ComfyUI holds it (Wan22ImageToVideoLatent: 0 on the start image's latent frames):
     # Wan 2.2 latents only; each model call gets per-frame timesteps and the kept latent, as native KSampler does
     noise_mask: torch.Tensor | None = None  # [B, 1, T, h, w], [F, 1, H, W] or [F, H, W]; resized to the latent
+    cache: dict[str, Any] | None = None  # step caching: CacheSettings' fields (sampling/step_cache.py); None: off
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -190,6 +193,7 @@ class SampleRequest(Request):
         check_model_loras(self.model_loras)
         check_experts(boundary=self.boundary, guidance_scale_low=self.guidance_scale_low)
         check_step_range(self.start_step, self.end_step, self.steps)
+        check_cache(cache_settings(self.cache))
 
 
 @dataclass(frozen=True)
@@ -209,8 +213,12 @@ class ModelForward(Request):
     loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA file, strength), merged before the call
     clip_fea: torch.Tensor | None = None  # [B, tokens, 1280]: CLIP vision tokens (Wan 2.1 I2V / FLF2V)
     skip_blocks: list[int] = field(default_factory=list)  # transformer blocks this call skips (skip layer guidance)
+    cache: dict[str, Any] | None = None  # step caching over one sampler run's calls: CacheSettings' fields
+    cache_step: int = -1  # the call's step (0-based) in the sampler's sigmas; -1: unknown (told by the timestep)
+    cache_steps: int = 0  # the sampler's steps; 0: unknown
 
     def validate(self) -> None:
+        check_cache(cache_settings(self.cache))
         check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths,
                             self.clip_fea)
         check_model_loras({self.handle: self.loras})

@@ -22,6 +22,7 @@ from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.timings import RunTimings
 from ..protocol import SampleRequest
+from ..sampling.step_cache import cache_fields, describe_report, parse_cache
 from ..tensor_files import save_tensors_atomic
 from ..validation import GenerateInputs, check_model_file, validate_generate
 from ..video_io import CONTAINERS, check_fps
@@ -66,6 +67,7 @@ def check_generate(args, files: dict[str, str | None]) -> ParallelConfig:
     experts = _expert_fields(args)  # bad boundaries and step ranges fail before the pool starts
     check_experts(boundary=experts["boundary"], guidance_scale_low=experts["guidance_scale_low"])
     check_step_range(experts["start_step"], experts["end_step"], args.steps)
+    parse_cache(getattr(args, "cache", None))
     if files.get("model_low"):
         check_model_file(files["model_low"], "model", "--model-low", config)
     for warning in warnings:
@@ -161,7 +163,8 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
         handle="", latent=fields.pop("latent") if "latent" in fields else torch.zeros(shape), positive=prompts[0],
         negative=prompts[1], seed=args.seed,
         steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, sampler=args.sampler,
-        scheduler=args.scheduler, timings=args.timings is not None, **fields,
+        scheduler=args.scheduler, timings=args.timings is not None,
+        cache=cache_fields(parse_cache(getattr(args, "cache", None))), **fields,
         **_expert_fields(args),
     )
     with progress.phase("load model", timings, "weight_load"):
@@ -178,6 +181,8 @@ def _sample(runner: PoolRunner, args, files, shape, prompts, vace: VaceInputs | 
     timings.add_sampling(reply.rank_timings)
     if reply.expert_steps:
         progress.say(f"  {reply.expert_steps}")
+    if reply.cache_report:
+        progress.say(f"  {describe_report(reply.cache_report)}")
     for handle in (model, low):
         if handle is not None:
             runner.unload(handle)

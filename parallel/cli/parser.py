@@ -82,7 +82,7 @@ def _add_generate(sub) -> None:
     par = add_pool_arguments(p, "generate")
     add_flag(par, "tile_px", "generate")
     add_flag(par, "overlap_px", "generate")
-    for key in ("dtype", "fps", "timings"):
+    for key in ("dtype", "fps", "timings", "cache"):
         add_flag(p, key, "generate")
     p.add_argument("--out", type=Path, required=True, help="the MP4 file to write")
     p.add_argument("--save-latents", type=Path,
@@ -143,6 +143,8 @@ BENCHMARKS = {
     "native-model": ("native", "ComfyUI's KSampler on the WanMesh MODEL against the WanMesh Sampler: step time"),
     "i2v": ("i2v", "image-to-video against text-to-video: one guided step of each model kind at the same size"),
     "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice"),
+    "cache": ("cache", "step caching (TeaCache, MagCache, first-block cache) against no cache: wall time, calls, "
+                       "latents' distance, per layout"),
     "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
     "soak": ("soak", "many prompts against a running ComfyUI server: server and worker memory, fds, shared memory"),
     "gpu": ("gpu_check", "the CUDA path proven and measured on one GPU (tests/gpu/run.sh); --dry-run on the CPU"),

@@ -137,6 +137,8 @@ def skipping_blocks(model, indices: list[int]):
     the hooks on them (the sequence split before block 0) still run; every rank skips alike, so the collectives
     of the skipped blocks are skipped everywhere. An index past the last block skips nothing, as natively."""
     indices = [index for index in indices if 0 <= index < len(model.blocks)]
+    # a step cache may have wrapped a block's forward (step_cache.py): it comes back after the call
+    kept = {index: model.blocks[index].__dict__.get("forward") for index in indices}
     try:
         for index in indices:
             model.blocks[index].forward = _skipped_block_forward
@@ -144,3 +146,5 @@ def skipping_blocks(model, indices: list[int]):
     finally:
         for index in indices:
             model.blocks[index].__dict__.pop("forward", None)
+            if kept[index] is not None:
+                model.blocks[index].forward = kept[index]

@@ -127,6 +127,7 @@ def sample(
     guidance: Callable | None = None,
     preview: Callable | None = None,
     low_model: Callable | None = None,
+    step_cache=None,
 ) -> torch.Tensor:
     """Run the denoising loop and return raw latents [B, 16 or 48, T, h, w] (float32, CPU).
 
@@ -135,13 +136,14 @@ def sample(
     `guided_prediction` (same signature), e.g. to split the CFG passes over ranks. `preview` receives a small
     RGB image of the denoised estimate at every step, before that step's progress call. `low_model` is the
     low-noise expert of a two-expert run (``experts.py`` says which steps it runs); both share one architecture.
+    ``step_cache`` (``step_cache.StepCaches``, installed on the models) is told each step before its model calls.
     Progress counts the steps this run covers (start_step up to end_step)."""
     check_latent_for_model(model, request.latent.shape[1])
     check_noise_mask(request.noise_mask, tuple(request.latent.shape), request.sampler)
     if request.sampler in COMFY_SAMPLERS:
         return sample_with_solver(model, request, device=device, dtype=dtype, progress=progress,
                                   should_stop=should_stop, rows=rows, guidance=guidance, preview=preview,
-                                  low_model=low_model)
+                                  low_model=low_model, step_cache=step_cache)
     schedule = _schedule(request)
     experts = Experts.for_request(model, low_model, request)
     rows = range(request.latent.shape[0]) if rows is None else rows
@@ -162,6 +164,8 @@ def sample(
             expert = experts.at(t)
             step_negative = negative if expert.guidance_scale != 1.0 else None
             model_t = t if kept.mask is None else kept.model_input(latents, t.reshape(1))[1]
+            if step_cache is not None:
+                step_cache.at_step(step - 1, request.steps, 1 if step_negative is None else 2)
             prediction = (guidance or guided_prediction)(
                 expert.model, latents.to(dtype), model_t, positive, step_negative, expert.guidance_scale, extra
             )
@@ -175,7 +179,7 @@ def sample(
 
 
 def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype, progress, should_stop, rows,
-                       guidance, preview, low_model) -> torch.Tensor:
+                       guidance, preview, low_model, step_cache=None) -> torch.Tensor:
     """``sample`` for ComfyUI's samplers, as ComfyUI's KSampler runs them: the start latent noised to the first
     sigma (``sigma * noise + (1 - sigma) * latent``), one clean-latent estimate per step, the result divided by
     ``1 - sigma`` of the last sigma (leftover noise of an ``end_step`` run), raw latents out."""
@@ -207,6 +211,9 @@ def sample_with_solver(model: Callable, request: SampleRequest, *, device, dtype
         t = (sigma * TIMESTEP_SCALE).reshape(1).to(device)
         expert = experts.at(t)
         latents, model_t = kept.model_input(latents, t)
+        if step_cache is not None:
+            step_cache.at_step(step - 1, request.steps, 2 if negative is not None and expert.guidance_scale != 1.0
+                               else 1)
         prediction = (guidance or guided_prediction)(
             expert.model, latents.to(dtype), model_t, positive, negative if expert.guidance_scale != 1.0 else None,
             expert.guidance_scale, extra).float()

@@ -7,6 +7,10 @@ groups (``parallel=None``) it is the plain one-device path that the parallel pat
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -19,11 +23,14 @@ from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace
 from ..sampling.loop import pad_to_wan_text_length, sample
+from ..sampling.step_cache import (Reduction, StepCache, StepCaches, cache_settings, check_same_decisions,
+                                   describe_report)
 from ..sampling.two_experts import expert_steps_report, low_noise_expert
 from .residency import ResidentModels
 
 __all__ = ["RankExecutor"]
 
+log = logging.getLogger("wanmesh")
 DEFAULT_PARALLEL_TILE_PX = 256  # tile edge when VAE work is spread over ranks and no tile size was given
 
 
@@ -39,6 +46,9 @@ class RankExecutor(ResidentModels):
     def __init__(self, device: str | torch.device = "cpu", parallel=None):
         super().__init__(device, parallel)
         self._vae_groups: dict[int, object] = {}
+        # model -> the cache of a driver-side sampler's calls (gone with the model when it is unloaded)
+        self._call_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.last_cache_report: dict = {}
 
     # -- work ------------------------------------------------------------------------------------------
 
@@ -57,11 +67,39 @@ class RankExecutor(ResidentModels):
         check_conditioning(model, request)
         dtype = next(model.parameters()).dtype
         rows = self._batch_rows(request.latent.shape[0])
-        latents = sample(
-            model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows,
-            guidance=self._guidance(), preview=self._previewer(request, progress, rows), low_model=low_model,
-        )
+        caches = self._sampling_caches(request, [model, low_model])
+        with caches or contextlib.nullcontext():
+            latents = sample(
+                model, request, device=self.device, dtype=dtype, progress=progress, should_stop=should_stop, rows=rows,
+                guidance=self._guidance(), preview=self._previewer(request, progress, rows), low_model=low_model,
+                step_cache=caches,
+            )
+        if caches is not None:
+            check_same_decisions(caches.decisions(), request.steps, self.device)
+            self.last_cache_report = caches.report()
         return self._gather_batch(latents, request.latent.shape[0])
+
+    def _sampling_caches(self, request: SampleRequest, models: list) -> StepCaches | None:
+        """The step caches of a sampling run: decisions summed over the sequence ranks (and the data-parallel
+        replicas when each has rows); with CFG parallel the unconditional rank follows the conditional one."""
+        self.last_cache_report = {}
+        models = list({id(model): model for model in models if model is not None}.values())
+        for model in models:
+            self._drop_call_cache(model)  # a driver-side sampler's cache does not reach into this run
+        settings = cache_settings(request.cache)
+        if settings is None:
+            return None
+        batch, dp = request.latent.shape[0], self._degree("dp")
+        groups = self._sequence_groups() + ((self.parallel.dp_group,) if 1 < dp <= batch else ())
+        cfg = self._degree("cfg")
+        reduction = Reduction(groups, self.parallel.cfg_group if cfg > 1 else None,
+                              self.parallel.coord("cfg") if cfg > 1 else 0)
+        return StepCaches([StepCache(settings, model, reduction, request.steps, _tokens_per_frame(request.latent))
+                           for model in models])
+
+    def _sequence_groups(self) -> tuple:
+        """The groups of ranks that hold other tokens of the same rows (Ulysses, ring)."""
+        return tuple(self.parallel.group(dim) for dim in ("ulysses", "ring") if self._degree(dim) > 1)
 
     @torch.no_grad()
     def forward(self, request, should_stop=None) -> torch.Tensor:
@@ -78,11 +116,47 @@ class RankExecutor(ResidentModels):
         dtype = next(model.parameters()).dtype
         batch = request.latent.shape[0]
         rows = self._replica_rows(batch)
+        self._call_cache(model, request, batch)
         if len(rows):
             prediction = forward_rows(model, request, rows, dtype, self.device)
         else:  # a replica with no rows (fewer rows than replicas) only joins the gather
             prediction = request.latent.new_zeros((0, latent_channels(model), *request.latent.shape[2:]))
+        self._log_call_cache(model, request)
         return self._gather_replicas(prediction, batch)
+
+    def _call_cache(self, model, request, batch: int) -> None:
+        """The step cache of a sampler in the driver's process, kept on the model between its calls: installed on
+        the first call that asks for it, told each call's step (from the sampler's sigmas, else from the timestep),
+        dropped by a call without it. Sums run over the ranks holding other rows (when every rank has rows) and
+        other tokens, as one device sees the whole call."""
+        settings = cache_settings(request.cache)
+        cache = self._call_caches.get(model)
+        if cache is not None and cache.settings != settings:
+            self._drop_call_cache(model)
+            cache = None
+        if settings is None:
+            return
+        if cache is None:
+            cache = StepCache(settings, model, Reduction(), request.cache_steps, _tokens_per_frame(request.latent))
+            self._call_caches[model] = cache.install()
+        dp, cfg = self._degree("dp"), self._degree("cfg")
+        every_rank_has_rows = all(len(_dp_share(i, batch, dp)) >= cfg for i in range(dp))
+        rows_groups = tuple(self.parallel.group(dim) for dim, size in (("cfg", cfg), ("dp", dp)) if size > 1)
+        cache.reduction = Reduction(self._sequence_groups() + (rows_groups if every_rank_has_rows else ()))
+        cache.at_step(call_step(cache, request), request.cache_steps or None)
+
+    def _log_call_cache(self, model, request) -> None:
+        """After the last step's call of a sampler run, rank 0 logs the run's steps computed and skipped."""
+        cache = self._call_caches.get(model)
+        if cache is None or not request.cache_steps or cache.step != request.cache_steps - 1:
+            return
+        if self.parallel is None or self.parallel.rank == 0:
+            log.info("WanMesh Native Model: %s", describe_report(cache.report()))
+
+    def _drop_call_cache(self, model) -> None:
+        cache = self._call_caches.pop(model, None)
+        if cache is not None:
+            cache.remove()
 
     def sample_latents(self, request: SampleRequest, progress=None, should_stop=None):
         """``sample`` as the protocol's reply, with the report of which steps each expert ran."""
@@ -90,14 +164,15 @@ class RankExecutor(ResidentModels):
 
         if not request.timings:
             latents = self.sample(request, progress=progress, should_stop=should_stop)
-            return Latents(latents, expert_steps=expert_steps_report(request))
+            return Latents(latents, expert_steps=expert_steps_report(request), cache_report=self.last_cache_report)
         from .timings import timed
 
         distributed = self.parallel is not None and self.parallel.is_distributed and self.parallel.world > 1
         rank = self.parallel.rank if self.parallel is not None else 0
         latents, rank_timings = timed(lambda clock: self.sample(request, progress=clock, should_stop=should_stop),
                                       progress, self.device, rank, distributed)
-        return Latents(latents, expert_steps=expert_steps_report(request), rank_timings=rank_timings)
+        return Latents(latents, expert_steps=expert_steps_report(request), rank_timings=rank_timings,
+                       cache_report=self.last_cache_report)
 
     @torch.no_grad()
     def stream(self, request, progress=None, should_stop=None):
@@ -242,6 +317,24 @@ class RankExecutor(ResidentModels):
         encoding = encode_vace(encode_frames, request.width, request.height, request.length, mean,
                                request.control_video, request.control_masks, request.reference_images)
         return encoding.frames, encoding.mask, encoding.trim_latent
+
+
+def _tokens_per_frame(latent: torch.Tensor) -> int:
+    """The transformer's tokens per latent frame (Wan's 2 x 2 patches)."""
+    return -(-latent.shape[-2] // 2) * -(-latent.shape[-1] // 2)
+
+
+def call_step(cache: StepCache, request) -> int:
+    """The step of a model call: the sampler's when the request carries it, else a new step for each new timestep
+    (a larger one starts a new run)."""
+    t = float(request.timestep.max())
+    last = getattr(cache, "last_timestep", None)
+    cache.last_timestep = t
+    if request.cache_step >= 0:
+        return request.cache_step
+    if last is None or t > last:
+        return 0
+    return cache.step + (t != last)
 
 
 def check_conditioning(model, request: SampleRequest) -> None:
