@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..parallel.fields import node_input
-from ..parallel.sampling.step_cache import CacheSettings, cache_fields, check_cache
+from ..parallel.cache_settings import CacheSettings, cache_fields, check_cache
 
 CATEGORY = "WanMesh/sampling"
 

@@ -10,7 +10,7 @@ from ..parallel import COMFY_SAMPLERS, SAMPLERS, SCHEDULERS, T2V_EXPERT_BOUNDARY
 from ..parallel.driver.timings import RunTimings
 from ..parallel.config import DEFAULT_SCHEDULER
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
-from ..parallel.sampling.step_cache import describe_report
+from ..parallel.cache_settings import describe_report
 from ..parallel.validation import prompt_length_warning
 from .convert import (
     check_same_image,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import ParallelConfig, latent_shape
-from ..sampling.step_cache import cache_fields, parse_cache
+from ..cache_settings import cache_fields, parse_cache
 from .common import check_repeats, model_config, model_path
 
 DEFAULT_CACHES = ("teacache:0.3:start=0.1", "teacache:0.6:start=0.1", "magcache:0.06:start=0.1",

@@ -22,7 +22,7 @@ from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.timings import RunTimings
 from ..protocol import SampleRequest
-from ..sampling.step_cache import cache_fields, describe_report, parse_cache
+from ..cache_settings import cache_fields, describe_report, parse_cache
 from ..tensor_files import save_tensors_atomic
 from ..validation import GenerateInputs, check_model_file, validate_generate
 from ..video_io import CONTAINERS, check_fps

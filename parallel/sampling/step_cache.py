@@ -1,7 +1,7 @@
 """Step caching for the Wan transformer (TeaCache, MagCache, first-block cache) with one decision on every rank.
 
-The settings (:class:`CacheSettings`, their checks and the ``--cache`` text) are read in the driver; the rest runs in
-the workers. A cache wraps the transformer's block loop from outside, the model code staying single-device: a pre-hook
+The settings (:class:`CacheSettings`, their checks and the ``--cache`` text) are ``parallel/cache_settings.py``,
+read in the driver; this module runs in the workers. A cache wraps the transformer's block loop from outside, the model code staying single-device: a pre-hook
 on the first block (after the context-parallel split) takes the loop's input, a forward wrapper on every block
 returns its input unchanged on a skipped step, and a pre-hook on the output norm takes the loop's output: on a
 computed step the residual (output minus input) is kept, on a skipped one the input plus the kept residual replaces
@@ -17,7 +17,6 @@ conditional pass decides and the unconditional one follows (with CFG parallel, o
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import weakref
@@ -26,109 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..cache_settings import CacheSettings  # noqa: F401  (the settings a StepCache runs with)
 from .cache_tables import MAGCACHE_RATIOS, TEACACHE_POLYNOMIALS, wan_variant
 
 log = logging.getLogger("wanmesh")
-
-METHODS = ("teacache", "magcache", "fbcache")
-COEFFICIENTS = ("auto", "generic")
-DEFAULT_THRESHOLD = {"teacache": 0.2, "magcache": 0.12, "fbcache": 0.08}
-MAGCACHE_K = 2  # MagCache's published default of consecutive skips
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    """How a sampling run reuses the transformer's residual: ``method`` (teacache, magcache, fbcache), its
-    ``threshold``, the share of the steps from which (``start_percent``, MagCache's retention ratio) and up to which
-    (``end_percent``) steps may be skipped, the most consecutive skipped steps (``max_skips``; 0: MagCache's K of 2,
-    no limit for the others) and the ``coefficients`` (auto: the published ones of the model, generic: the rule
-    for unknown models)."""
-
-    method: str
-    threshold: float
-    start_percent: float = 0.2
-    end_percent: float = 1.0
-    max_skips: int = 0
-    coefficients: str = "auto"
-
-    def validate(self) -> None:
-        check_cache(self)
-
-    @property
-    def skip_limit(self) -> int | None:
-        if self.max_skips > 0:
-            return self.max_skips
-        return MAGCACHE_K if self.method == "magcache" else None
-
-    def describe(self) -> str:
-        return (f"{self.method} threshold {self.threshold:g}, steps {self.start_percent:g}..{self.end_percent:g}"
-                + (f", at most {self.skip_limit} skipped in a row" if self.skip_limit else ""))
-
-
-def check_cache(settings: CacheSettings | None) -> None:
-    """One-line errors for settings no run can use."""
-    if settings is None:
-        return
-    if settings.method not in METHODS:
-        raise ValueError(f"cache method {settings.method!r} is unknown; valid: {', '.join(METHODS)}")
-    if not settings.threshold >= 0:
-        raise ValueError(f"cache threshold {settings.threshold} is invalid; give a number >= 0 "
-                         f"(e.g. {DEFAULT_THRESHOLD[settings.method]} for {settings.method})")
-    for name in ("start_percent", "end_percent"):
-        if not 0.0 <= getattr(settings, name) <= 1.0:
-            raise ValueError(f"cache {name} {getattr(settings, name)} is outside 0..1")
-    if settings.start_percent > settings.end_percent:
-        raise ValueError(f"cache start_percent {settings.start_percent} is after end_percent "
-                         f"{settings.end_percent}; give start <= end")
-    if settings.max_skips < 0:
-        raise ValueError(f"cache max_skips {settings.max_skips} is invalid; give 0 (the method's default) or more")
-    if settings.coefficients not in COEFFICIENTS:
-        raise ValueError(f"cache coefficients {settings.coefficients!r} are unknown; valid: {', '.join(COEFFICIENTS)}")
-
-
-def cache_settings(fields: dict | CacheSettings | None) -> CacheSettings | None:
-    """Settings from their fields as a request carries them (plain data crosses the worker boundary)."""
-    if fields is None or isinstance(fields, CacheSettings):
-        return fields
-    try:
-        return CacheSettings(**fields)
-    except TypeError as exc:
-        raise ValueError(f"cache settings {fields!r} are invalid: {exc}") from None
-
-
-def cache_fields(settings: CacheSettings | None) -> dict | None:
-    """The fields a request carries for settings (None for none)."""
-    return None if settings is None else dataclasses.asdict(settings)
-
-
-CACHE_KEYS = {"start": ("start_percent", float), "end": ("end_percent", float), "k": ("max_skips", int),
-              "max_skips": ("max_skips", int), "coefficients": ("coefficients", str)}
-
-
-def parse_cache(text: str | None) -> CacheSettings | None:
-    """``METHOD[:THRESHOLD][:start=S][:end=E][:k=K][:coefficients=generic]`` (the command line's ``--cache``) as
-    checked settings; None for none or an empty text."""
-    if not text:
-        return None
-    method, *parts = text.split(":")
-    if method not in METHODS:
-        raise ValueError(f"--cache {text!r}: method {method!r} is unknown; valid: {', '.join(METHODS)} "
-                         "(e.g. teacache:0.2, magcache:0.12:k=2, fbcache:0.08:start=0.1)")
-    options: dict = {"threshold": DEFAULT_THRESHOLD[method]}
-    for part in parts:
-        key, eq, value = part.partition("=")
-        try:
-            if not eq:
-                options["threshold"] = float(part)
-                continue
-            name, kind = CACHE_KEYS[key]
-            options[name] = kind(value)
-        except (KeyError, ValueError):
-            raise ValueError(f"--cache {text!r}: {part!r} is not a threshold or one of "
-                             f"{', '.join(k + '=' for k in CACHE_KEYS)}") from None
-    settings = CacheSettings(method, **options)
-    check_cache(settings)
-    return settings
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -532,15 +432,6 @@ class StepCaches:
         skipped = sorted(step for step, computed in decisions.items() if not computed)
         return {"method": self.caches[0].settings.method, "computed": len(decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": sum(c.calls for c in self.caches)}
-
-
-def describe_report(report: dict) -> str:
-    """The log line of a run's cache report."""
-    if not report:
-        return ""
-    steps = ", ".join(str(step + 1) for step in report["skipped_steps"]) or "none"
-    return (f"step cache {report['method']}: {report['computed']} steps computed, {report['skipped']} skipped "
-            f"(steps {steps}); {report['calls']} transformer calls")
 
 
 def check_same_decisions(decisions: dict[int, bool], steps: int, device) -> None:

@@ -23,8 +23,8 @@ from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace
 from ..sampling.loop import pad_to_wan_text_length, sample
-from ..sampling.step_cache import (Reduction, StepCache, StepCaches, cache_settings, check_same_decisions,
-                                   describe_report)
+from ..cache_settings import cache_settings, describe_report
+from ..sampling.step_cache import Reduction, StepCache, StepCaches, check_same_decisions
 from ..sampling.two_experts import expert_steps_report, low_noise_expert
 from .residency import ResidentModels
 

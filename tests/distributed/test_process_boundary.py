@@ -23,10 +23,11 @@ MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "
 COMFYUI_SIDE = {
     "nodes", "nodes.clip_vision", "nodes.convert", "nodes.errors", "nodes.files", "nodes.image_to_video",
     "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model", "nodes.pool_patches",
+    "nodes.cache",
     "nodes.ti2v",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video", "nodes.input_checks", "nodes.shutdown",
-    "parallel", "parallel.auto_layout", "parallel.config", "parallel.errors", "parallel.fields",
+    "parallel", "parallel.auto_layout", "parallel.cache_settings", "parallel.config", "parallel.errors", "parallel.fields",
     "parallel.image_to_video", "parallel.protocol",
     "parallel.pool_memory",
     "parallel.driver", "parallel.driver.pool", "parallel.driver.runner", "parallel.driver.timings",
@@ -35,7 +36,8 @@ COMFYUI_SIDE = {
     "parallel.weights", "parallel.weights.checkpoint", "parallel.weights.detect", "parallel.weights.gguf_file",
     "parallel.weights.lora_files", "parallel.weights.quantized", "parallel.weights.vae22_keys",
 }
-WORKER_IDLE = {"parallel", "parallel.config", "parallel.errors", "parallel.protocol", "parallel.transport",
+WORKER_IDLE = {"parallel", "parallel.cache_settings", "parallel.config", "parallel.errors", "parallel.protocol",
+               "parallel.transport",
                "parallel.distributed", "parallel.distributed.mesh", "parallel.worker", "parallel.worker.main",
                "parallel.worker.session",
                "parallel.worker.runtime"}

@@ -9,7 +9,7 @@ import torch
 from pool_helpers import cpu_pool, embed_prompts, tiny_models_within
 from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import latent_shape
-from wanmesh.parallel.sampling.step_cache import CacheSettings, cache_fields
+from wanmesh.parallel.cache_settings import CacheSettings, cache_fields
 from wanmesh.parallel.worker.executors import RankExecutor
 
 DEADLINE_S = 600

@@ -9,7 +9,8 @@ import pytest
 
 from wanmesh.parallel.protocol import ModelForward, SampleRequest
 from wanmesh.parallel.sampling.cache_tables import MAGCACHE_RATIOS, TEACACHE_POLYNOMIALS, wan_variant
-from wanmesh.parallel.sampling.step_cache import CacheSettings, _nearest, cache_fields, parse_cache
+from wanmesh.parallel.cache_settings import CacheSettings, cache_fields, parse_cache
+from wanmesh.parallel.sampling.step_cache import _nearest
 
 
 def test_cache_text_gives_settings():
