@@ -38,12 +38,44 @@ KIND_DESCRIPTIONS = {
     "unknown": "an unrecognised model",
 }
 
+# Wan families whose files WanMesh recognises but does not run yet: kind -> (family, the key that tells it, as
+# ComfyUI's model detection reads it). A file of one of these is refused at load, naming its family.
+UNSUPPORTED_FAMILIES = {
+    "wan_s2v": ("Wan 2.2 Sound-to-video (S2V)", "casual_audio_encoder."),
+    "wan_humo": ("HuMo", "audio_proj.audio_proj_glob_1."),
+    "wan_infinitetalk": ("InfiniteTalk / MultiTalk", ".audio_cross_attn."),
+    "wan_dancer": ("WanDancer", "patch_embedding_global."),
+    "wan_scail": ("SCAIL", "patch_embedding_pose."),
+    "wan_animate": ("Wan 2.2 Animate", "face_adapter."),
+}
+KIND_DESCRIPTIONS.update({kind: f"a {family} transformer (keys {key.strip('.')}.*)"
+                          for kind, (family, key) in UNSUPPORTED_FAMILIES.items()})
+
+
+def unsupported_family(keys: Iterable[str]) -> str | None:
+    """The kind (a key of ``UNSUPPORTED_FAMILIES``) of a Wan variant WanMesh does not run yet, from its telltale
+    keys (prefix ``model.diffusion_model.`` allowed); None for every other file."""
+    names = [key.removeprefix(COMFY_TRANSFORMER_PREFIX) for key in keys]
+    for kind, (_, telltale) in UNSUPPORTED_FAMILIES.items():
+        if any(name.startswith(telltale) if not telltale.startswith(".") else telltale in name for name in names):
+            return kind
+    return None
+
+
+def unsupported_family_error(location, kind: str) -> str:
+    """The one-line refusal of a file of an unsupported Wan family."""
+    family, telltale = UNSUPPORTED_FAMILIES[kind]
+    return (f"{location} is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not "
+            "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B and VACE transformers")
+
 
 def detect_kind(keys: Iterable[str]) -> str:
     """Classify a checkpoint by its key names (prefix `model.diffusion_model.` allowed)."""
     names = {key.removeprefix(COMFY_TRANSFORMER_PREFIX) for key in keys if not is_quantisation_key(key)}
     if not names:
         return "unknown"
+    if (family := unsupported_family(names)) is not None:
+        return family
     if any(name.startswith("img_emb.") for name in names):
         return "wan_i2v"
     if all(name.startswith("vace_") for name in names):
