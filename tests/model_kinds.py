@@ -167,13 +167,14 @@ BAD_FOLDER = f"{KINDS_FOLDER}/bad"
 # Wan families refused at load: the tiny T2V plus each family's telltale tensor, in a file kind per family (ComfyUI's
 # prefix, GGUF and scaled fp8 among them: the family is told from any kind's header).
 UNSUPPORTED_SUFFIXES = (".gguf", "_prefixed.safetensors", ".safetensors", "_fp8_scaled.safetensors", ".safetensors",
-                        ".safetensors")
+                        ".safetensors", ".safetensors")
 TELLTALE_KEYS = {"wan_s2v": "casual_audio_encoder.encoder.final_linear.weight",
                  "wan_humo": "audio_proj.audio_proj_glob_1.layer.bias",
                  "wan_infinitetalk": "blocks.0.audio_cross_attn.q_linear.weight",
                  "wan_dancer": "patch_embedding_global.weight",
                  "wan_scail": "patch_embedding_pose.weight",
-                 "wan_animate": "face_adapter.fuser_blocks.0.k_norm.weight"}
+                 "wan_animate": "face_adapter.fuser_blocks.0.k_norm.weight",
+                 "wan_camera": "control_adapter.conv.weight"}
 # name -> (file under BAD_FOLDER, what the one-line error must say)
 BAD_MODEL_FILES = {
     "gguf_llama": ("llama_Q8_0.gguf", "a GGUF of architecture 'llama', not a Wan transformer"),
@@ -185,7 +186,7 @@ BAD_MODEL_FILES = {
                                  "no blocks.0.self_attn.q.scale_weight"),
     **{kind: (f"wan_tiny_{kind.removeprefix('wan_')}{suffix}",
               f"is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not support yet")
-       for (kind, (family, telltale)), suffix in zip(UNSUPPORTED_FAMILIES.items(), UNSUPPORTED_SUFFIXES)},
+       for (kind, (family, telltale)), suffix in zip(UNSUPPORTED_FAMILIES.items(), UNSUPPORTED_SUFFIXES, strict=True)},
 }
 SCALES_WITHOUT_MARKER = f"{KINDS_FOLDER}/wan_tiny_t2v_fp8_scales_without_marker.safetensors"  # loads as scaled fp8
 UNSUPPORTED_TYPE_TENSOR = "blocks.0.ffn.2.weight"  # input 256: whole TQ2_0 blocks
@@ -235,7 +236,7 @@ def _with_telltale(kind: str, suffix: str):
 
 
 _BAD_WRITERS = {
-    **{kind: _with_telltale(kind, suffix) for kind, suffix in zip(UNSUPPORTED_FAMILIES, UNSUPPORTED_SUFFIXES)},
+    **{kind: _with_telltale(kind, suffix) for kind, suffix in zip(UNSUPPORTED_FAMILIES, UNSUPPORTED_SUFFIXES, strict=True)},
     "gguf_llama": _foreign_gguf("llama", "token_embd.weight"),
     "gguf_flux": _foreign_gguf("flux", "double_blocks.0.img_attn.qkv.weight"),
     "gguf_truncated": _truncated_gguf,

@@ -47,6 +47,7 @@ UNSUPPORTED_FAMILIES = {
     "wan_dancer": ("WanDancer", "patch_embedding_global."),
     "wan_scail": ("SCAIL", "patch_embedding_pose."),
     "wan_animate": ("Wan 2.2 Animate", "face_adapter."),
+    "wan_camera": ("Wan Fun Camera", "control_adapter."),
 }
 KIND_DESCRIPTIONS.update({kind: f"a {family} transformer (keys {key.strip('.')}.*)"
                           for kind, (family, key) in UNSUPPORTED_FAMILIES.items()})
@@ -66,7 +67,8 @@ def unsupported_family_error(location, kind: str) -> str:
     """The one-line refusal of a file of an unsupported Wan family."""
     family, telltale = UNSUPPORTED_FAMILIES[kind]
     return (f"{location} is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not "
-            "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B and VACE transformers")
+            "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B, VACE, Wan 2.1 Fun InP and Fun Control "
+            "transformers")
 
 
 def detect_kind(keys: Iterable[str]) -> str:
