@@ -8,7 +8,8 @@ and a start image) one prompt holds: native ``WanImageToVideo`` / ``WanFirstLast
 (native VAE; CLIP vision tokens from WanMesh CLIP Vision Encode, as a tiny CLIP vision cannot be loaded by native
 ``CLIPVisionLoader``, which knows only released sizes) sampled by native KSampler on ``UNETLoader``'s model, by
 KSampler on the WanMesh MODEL and by the WanMesh Sampler; and WanMesh Image To Video's conditioning (WanMesh VAE on
-the pool; not for Fun Control, which it has no input for) sampled by the WanMesh Sampler. All within 1e-4 of native; a parallel layout equals one rank. The
+the pool; not for Fun Control, which it has no input for) sampled by the WanMesh Sampler. All within 1e-4 of native;
+Ulysses 2 (every kind) and tp 2 x CFG parallel 2 (the Fun kinds) equal one rank. The
 start and end images have other sizes and aspects than the video, so resizing and cropping are compared too.
 
 Streaming from a start image (the WanMesh Stream Sampler's ``start_image``, as ARVideoI2V): its first latent frame
@@ -55,7 +56,11 @@ KINDS = {
     "fun_control": ("wan_tiny_fun_control.safetensors", "WanFunControlToVideo",
                     {"start_image": START, "control_video": CONTROL, "clip_vision_output": CLIP_START}, None),
 }
-LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "ulysses2": dict(devices="cpu:2", world=2, ulysses=2)}
+LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
+           "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True)}
+# The kinds each layout samples: every kind on one rank and on two Ulysses ranks, the Wan 2.1 Fun kinds also with
+# tensor and CFG parallelism together (their extra input channels go through the sharded patch embedding).
+LAYOUT_KINDS = {"world1": tuple(KINDS), "ulysses2": tuple(KINDS), "tp2_cfg2": ("fun_inp", "fun_control")}
 SIDES = ("native", "model", "sampler", "wanmesh_i2v")
 
 
@@ -90,7 +95,7 @@ def wanmesh_sampler(model: str, conditioning: str) -> dict[str, Any]:
         "sampler_name": "euler", "denoise": 1.0, "scheduler": "simple"}}
 
 
-def i2v_prompt(layout: dict[str, Any]) -> dict[str, Any]:
+def i2v_prompt(layout: dict[str, Any], kinds: tuple[str, ...] = tuple(KINDS)) -> dict[str, Any]:
     """Every kind's four samplings; node ``{kind}_{side}`` saves the latent of that side."""
     prompt: dict[str, Any] = {
         "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
@@ -110,7 +115,8 @@ def i2v_prompt(layout: dict[str, Any]) -> dict[str, Any]:
                      "inputs": {"clip_vision": ["clip", 0], "image": ["end", 0], "crop": "center"}},
         "control": {"class_type": "RepeatImageBatch", "inputs": {"image": ["end", 0], "amount": 5}},
     }
-    for kind, (model_file, *_) in KINDS.items():
+    for kind in kinds:
+        model_file = KINDS[kind][0]
         prompt[f"{kind}_unet"] = {"class_type": "UNETLoader", "inputs": {"unet_name": model_file, "weight_dtype": "default"}}
         prompt[f"{kind}_wm"] = {"class_type": "WanMeshModelLoader",
                                 "inputs": {"model_name": model_file, "dtype": "fp32", "pool": ["pool", 0]}}
@@ -132,9 +138,9 @@ def i2v_prompt(layout: dict[str, Any]) -> dict[str, Any]:
 def layout_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, torch.Tensor]]:
     latents = {}
     for name, layout in LAYOUTS.items():
-        result = run_successfully(recent_comfyui_server, i2v_prompt(layout))
+        result = run_successfully(recent_comfyui_server, i2v_prompt(layout, LAYOUT_KINDS[name]))
         latents[name] = {f"{kind}_{side}": saved(recent_comfyui_server, result, f"{kind}_{side}")
-                         for kind in KINDS for side in sides(kind)}
+                         for kind in LAYOUT_KINDS[name] for side in sides(kind)}
     return latents
 
 
@@ -146,12 +152,13 @@ def test_wanmesh_equals_native_image_to_video(layout_latents, kind: str, side: s
     assert difference <= TOLERANCE, f"{kind} {side}: {difference:.3g} from native"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_parallel_layout_equals_one_rank(layout_latents, kind: str) -> None:
+@pytest.mark.parametrize("layout, kind", [(layout, kind) for layout, kinds in LAYOUT_KINDS.items()
+                                          if layout != "world1" for kind in kinds])
+def test_parallel_layout_equals_one_rank(layout_latents, layout: str, kind: str) -> None:
     for side in sides(kind)[1:]:
-        difference = largest_difference(layout_latents["ulysses2"][f"{kind}_{side}"],
+        difference = largest_difference(layout_latents[layout][f"{kind}_{side}"],
                                         layout_latents["world1"][f"{kind}_{side}"])
-        assert difference <= TOLERANCE, f"ulysses 2 {kind} {side}: {difference:.3g} from world 1"
+        assert difference <= TOLERANCE, f"{layout} {kind} {side}: {difference:.3g} from world 1"
 
 
 def test_the_kinds_differ(layout_latents) -> None:
