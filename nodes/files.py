@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 FOLDER_ALIASES = {
@@ -79,7 +80,19 @@ def model_path(kind: str, name: str) -> str:
 
 def list_vace_modules() -> list[str]:
     """Files of the diffusion-model folders that hold only VACE weights (read from each file's header)."""
+    return [name for name in list_models("diffusion_models")
+            if not name.startswith(DIFFUSERS_PREFIX) and _file_kind(model_path("diffusion_models", name)) == "vace_module"]
+
+
+def _file_kind(path: str) -> str:
+    """The file's kind from its header, read once per file version: ComfyUI asks a node for its inputs once per
+    node of every prompt, and a graph with many model loaders would read every header that often."""
+    stat = os.stat(path)
+    return _kind_of_version(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind_of_version(path: str, mtime_ns: int, size: int) -> str:
     from ..parallel import safetensors_kind
 
-    return [name for name in list_models("diffusion_models")
-            if not name.startswith(DIFFUSERS_PREFIX) and safetensors_kind(model_path("diffusion_models", name)) == "vace_module"]
+    return safetensors_kind(path)

@@ -74,10 +74,13 @@ class ModelCost:
 
 
 def image_tokens(config) -> int:
-    """CLIP vision tokens the image cross-attention reads: 257 per image for Wan 2.1 I2V (one) and FLF2V (two)."""
+    """CLIP vision tokens the image cross-attention reads: 257 per image for Wan 2.1 I2V, Fun InP and Fun Control
+    (one) and FLF2V (two)."""
     from .weights.detect import image_inputs
 
-    return {"clip_vision": CLIP_VISION_TOKENS, "first_last": 2 * CLIP_VISION_TOKENS}.get(image_inputs(config), 0)
+    if not config.get("image_dim"):
+        return 0
+    return 2 * CLIP_VISION_TOKENS if image_inputs(config) == "first_last" else CLIP_VISION_TOKENS
 
 
 @dataclass(frozen=True)

@@ -113,25 +113,35 @@ def first_last_video(start: torch.Tensor | None, end: torch.Tensor | None, width
 
 
 def image_concat(image_latents: torch.Tensor, mask: torch.Tensor | None, latent_shape: tuple,
-                 mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """The 20 channels [B, 20, T, h, w] concatenated to an image-to-video model's input (ComfyUI's Wan
-    ``concat_cond``): the mask of the given frames, inverted (1 where a frame is given) and one channel per frame
-    of a latent frame, then the image latents normalised with the Wan latent ``mean``/``std``; both resized to the
-    latent's size and batch. Without a mask, the mask channels are zeros."""
+                 mean: torch.Tensor, std: torch.Tensor, extra_channels: int = IMAGE_CONCAT_CHANNELS,
+                 image_to_video: bool = True, mask_index: int = 0) -> torch.Tensor:
+    """The ``extra_channels`` [B, extra, T, h, w] concatenated to a conditioned model's input, as ComfyUI's Wan
+    ``concat_cond`` builds them: the image latents (each 16 channels normalised with the Wan latent ``mean``/``std``)
+    resized to the latent's size and batch; given as they are when they fill the extra channels (Wan 2.1 Fun
+    Control: the control video's and the start image's latents), else after the mask of the given frames,
+    inverted (1 where a frame is given) with one channel per frame of a latent frame (zeros without a mask), at
+    channel ``mask_index`` (image-to-video: 4 mask and 16 image channels)."""
     batch, _, frames, h, w = latent_shape
-    image = upscale_center(image_latents.float(), w, h)[:, :LATENT_CHANNELS]
-    image = resize_to_batch((image - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1), batch)
+    image = upscale_center(image_latents.float(), w, h)
+    chunks = [(image[:, i: i + LATENT_CHANNELS] - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+              for i in range(0, image.shape[1], LATENT_CHANNELS)]
+    image = resize_to_batch(torch.cat(chunks, dim=1), batch)
+    if extra_channels != image.shape[1] + MASK_CHANNELS and (not image_to_video or extra_channels == image.shape[1]):
+        return image
+    image = image[:, : extra_channels - MASK_CHANNELS]
     if mask is None:
-        return torch.cat([torch.zeros(batch, MASK_CHANNELS, *image.shape[2:]), image], dim=1)
-    mask = mask.float()
-    if mask.shape[1] != MASK_CHANNELS:
-        mask = mask.mean(dim=1, keepdim=True)
-    mask = upscale_center(1.0 - mask, w, h)
-    if mask.shape[2] < frames:
-        mask = F.pad(mask, (0, 0, 0, 0, 0, frames - mask.shape[2]))
-    if mask.shape[1] == 1:
-        mask = mask.repeat(1, MASK_CHANNELS, 1, 1, 1)
-    return torch.cat([resize_to_batch(mask, batch), image], dim=1)
+        mask = torch.zeros(batch, MASK_CHANNELS, *image.shape[2:])
+    else:
+        mask = mask.float()
+        if mask.shape[1] != MASK_CHANNELS:
+            mask = mask.mean(dim=1, keepdim=True)
+        mask = upscale_center(1.0 - mask, w, h)
+        if mask.shape[2] < frames:
+            mask = F.pad(mask, (0, 0, 0, 0, 0, frames - mask.shape[2]))
+        if mask.shape[1] == 1:
+            mask = mask.repeat(1, MASK_CHANNELS, 1, 1, 1)
+        mask = resize_to_batch(mask, batch)
+    return torch.cat([image[:, :mask_index], mask, image[:, mask_index:]], dim=1)
 
 
 # -- Wan 2.2 TI2V 5B: the start image in the latent, a noise mask ------------------------------------------------------

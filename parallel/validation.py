@@ -36,8 +36,16 @@ from .config import (
 )
 from .weights.checkpoint import PICKLE_SUFFIXES, SCALED_FP8_MARKER, ModelFileError, scale_key_for
 from .weights.vae22_keys import is_wan22_vae
-from .weights.detect import (KIND_DESCRIPTIONS, detect_kind, image_inputs, infer_transformer_config,
-                             infer_umt5_config, read_header)
+from .weights.detect import (
+    KIND_DESCRIPTIONS,
+    UNSUPPORTED_FAMILIES,
+    detect_kind,
+    image_inputs,
+    infer_transformer_config,
+    infer_umt5_config,
+    read_header,
+    unsupported_family_error,
+)
 
 log = logging.getLogger("wanmesh")
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
@@ -98,6 +106,8 @@ def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -
         raise ValueError(f"{flag} {error}") from None
     except OSError as error:
         raise ValueError(f"{flag} {location} cannot be read ({error.strerror})") from None
+    if info.kind in UNSUPPORTED_FAMILIES:
+        raise ValueError(f"{flag} {unsupported_family_error(location, info.kind)}")
     if info.kind not in expected:
         raise ValueError(kind_refusal(flag, location, info.kind, expected))
     check_fp8_scales(info, flag)

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wanmesh.parallel.weights.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
+from wanmesh.parallel.weights.detect import UNSUPPORTED_FAMILIES
 from wanmesh.parallel.weights.gguf_file import block_size
 from wanmesh.parallel.tiny.fp8_write import fp8_state, write_fp8_file
 from wanmesh.parallel.tiny.gguf_write import gguf_storage_type, quantize, write_wan_gguf
@@ -163,6 +164,17 @@ def write_model_kinds(root: Path, float_file: Path) -> WrittenKinds:
 # -- files that must be refused before any weight is read, and one that looks odd but is fine -------------------
 
 BAD_FOLDER = f"{KINDS_FOLDER}/bad"
+# Wan families refused at load: the tiny T2V plus each family's telltale tensor, in a file kind per family (ComfyUI's
+# prefix, GGUF and scaled fp8 among them: the family is told from any kind's header).
+UNSUPPORTED_SUFFIXES = (".gguf", "_prefixed.safetensors", ".safetensors", "_fp8_scaled.safetensors", ".safetensors",
+                        ".safetensors", ".safetensors")
+TELLTALE_KEYS = {"wan_s2v": "casual_audio_encoder.encoder.final_linear.weight",
+                 "wan_humo": "audio_proj.audio_proj_glob_1.layer.bias",
+                 "wan_infinitetalk": "blocks.0.audio_cross_attn.q_linear.weight",
+                 "wan_dancer": "patch_embedding_global.weight",
+                 "wan_scail": "patch_embedding_pose.weight",
+                 "wan_animate": "face_adapter.fuser_blocks.0.k_norm.weight",
+                 "wan_camera": "control_adapter.conv.weight"}
 # name -> (file under BAD_FOLDER, what the one-line error must say)
 BAD_MODEL_FILES = {
     "gguf_llama": ("llama_Q8_0.gguf", "a GGUF of architecture 'llama', not a Wan transformer"),
@@ -172,6 +184,9 @@ BAD_MODEL_FILES = {
     "fp8_scaled_missing_scale": ("wan_tiny_t2v_fp8_scaled_missing_scale.safetensors",
                                  "has ComfyUI's scaled_fp8 marker but its fp8 weight blocks.0.self_attn.q.weight has "
                                  "no blocks.0.self_attn.q.scale_weight"),
+    **{kind: (f"wan_tiny_{kind.removeprefix('wan_')}{suffix}",
+              f"is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not support yet")
+       for (kind, (family, telltale)), suffix in zip(UNSUPPORTED_FAMILIES.items(), UNSUPPORTED_SUFFIXES, strict=True)},
 }
 SCALES_WITHOUT_MARKER = f"{KINDS_FOLDER}/wan_tiny_t2v_fp8_scales_without_marker.safetensors"  # loads as scaled fp8
 UNSUPPORTED_TYPE_TENSOR = "blocks.0.ffn.2.weight"  # input 256: whole TQ2_0 blocks
@@ -211,7 +226,17 @@ def _scaled_fp8_without(drop: Callable[[str], bool]):
     return write
 
 
+def _with_telltale(kind: str, suffix: str):
+    """The T2V state plus ``kind``'s telltale tensor, written as ``suffix`` says."""
+    write = {".gguf": _gguf(Q.Q8_0), "_prefixed.safetensors": _safetensors(torch.float32, COMFY_TRANSFORMER_PREFIX),
+             ".safetensors": _safetensors(torch.float32),
+             "_fp8_scaled.safetensors": _fp8(torch.float8_e4m3fn, scaled=True)}[suffix]
+    return lambda state, path: write({**state, TELLTALE_KEYS[kind]: torch.ones(state["head.head.weight"].shape[1],
+                                                                               32)}, path)
+
+
 _BAD_WRITERS = {
+    **{kind: _with_telltale(kind, suffix) for kind, suffix in zip(UNSUPPORTED_FAMILIES, UNSUPPORTED_SUFFIXES, strict=True)},
     "gguf_llama": _foreign_gguf("llama", "token_embd.weight"),
     "gguf_flux": _foreign_gguf("flux", "double_blocks.0.img_attn.qkv.weight"),
     "gguf_truncated": _truncated_gguf,

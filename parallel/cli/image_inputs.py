@@ -22,7 +22,7 @@ from ..validation import model_image_inputs
 from .parser import IMAGE_FLAGS, add_image_arguments, wants_image  # noqa: F401 - the parser's
 
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
-              "first_frame": "Wan 2.2 TI2V 5B"}
+              "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan 2.1 Fun Control"}
 
 
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
@@ -33,6 +33,10 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
                              "model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B) or leave the images out")
         return
     name = KIND_NAMES[kind]
+    if kind == "fun_control":
+        raise ValueError(f"the model is {name}, which takes a control video and a start image; the command line "
+                         "has no control-video input: run it in ComfyUI with WanFunControlToVideo (workflow "
+                         "native/fun_control_native)")
     if kind == "first_frame":  # text-to-video, or image-to-video from the start image's latents
         check_video_size(args.width, args.height, args.frames, WAN22_VAE_SPATIAL_FACTOR)
     elif args.image is None and not (kind == "first_last" and args.last_image is not None):

@@ -20,15 +20,15 @@ from typing import Callable
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from ..config import (COMFY_SAMPLERS, DISCARD_PENULTIMATE_SIGMA, SAMPLERS, TEXT_TOKENS, WAN_UNIPC, WAN_UNIPC_ALIAS,
-                      check_noise_mask)
+from ..config import (COMFY_SAMPLERS, DISCARD_PENULTIMATE_SIGMA, LATENT_CHANNELS, SAMPLERS, TEXT_TOKENS, WAN_UNIPC,
+                      WAN_UNIPC_ALIAS, check_noise_mask)
 from ..errors import Cancelled
 from ..image_to_video import frame_timesteps, image_concat, latent_noise_mask
 from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import check_latent_for_model, image_inputs, vace_call_inputs, vace_layers_of
+from .forward import check_latent_for_model, image_inputs, latent_channels, vace_call_inputs, vace_layers_of
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
@@ -284,8 +284,11 @@ def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, devic
     shape = tuple(request.latent.shape)
     concat = None
     if request.image_latents is not None:
+        config = getattr(model, "config", None)
+        extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - latent_channels(model)
         concat = image_concat(request.image_latents, request.image_mask, shape, LATENTS_MEAN.flatten(),
-                              LATENTS_STD.flatten())
+                              LATENTS_STD.flatten(), extra_channels=extra_channels,
+                              image_to_video=bool(getattr(config, "image_dim", None)))
     return {**vace_model_inputs(model, request, rows, dtype, device),
             **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device)}
 

@@ -26,6 +26,8 @@ TINY_FILES = {
     "i2v_high": "diffusion_models/wan22_tiny_i2v_high.safetensors",
     "i2v_low": "diffusion_models/wan22_tiny_i2v_low.safetensors",
     "ti2v": "diffusion_models/wan22_tiny_ti2v.safetensors",  # Wan 2.2 TI2V 5B-like: 48-channel latents
+    "fun_inp": "diffusion_models/wan_tiny_fun_inp.safetensors",  # Wan 2.1 Fun InP-like (the I2V layout)
+    "fun_control": "diffusion_models/wan_tiny_fun_control.safetensors",  # Wan 2.1 Fun Control-like: 48 channels in
     "vae22": "vae/wan22_tiny_vae.safetensors",  # its tiny Wan 2.2 VAE (48 channels; tiny/vae22.py writes it)
     "clip_vision": "clip_vision/clip_vision_tiny.safetensors",
 }

@@ -62,6 +62,10 @@ NATIVE_VACE = dict(NATIVE_TRANSFORMER, vace_layers=[0], vace_in_channels=96)
 NATIVE_I2V = dict(NATIVE_TRANSFORMER, in_channels=36, image_dim=1280, added_kv_proj_dim=256)
 NATIVE_FLF2V = dict(NATIVE_I2V, pos_embed_seq_len=2 * 257)
 NATIVE_I2V_EXPERT = dict(NATIVE_TRANSFORMER, in_channels=36)
+# Wan 2.1 Fun: InP has Wan 2.1 I2V's layout (36 input channels, image tokens); Control takes 48 (the noise, the
+# control video's and the start image's latents) and has the image embedding too.
+NATIVE_FUN_INP = NATIVE_I2V
+NATIVE_FUN_CONTROL = dict(NATIVE_I2V, in_channels=48)
 # Wan 2.2 TI2V 5B, native-loadable: the 48-channel Wan 2.2 latent in and out (text- and image-to-video)
 NATIVE_TI2V = dict(NATIVE_TRANSFORMER, in_channels=48, out_channels=48)
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
@@ -387,7 +391,8 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
 
 IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
     "i2v": (NATIVE_I2V, 10), "flf2v": (NATIVE_FLF2V, 11), "i2v_high": (NATIVE_I2V_EXPERT, 12),
-    "i2v_low": (NATIVE_I2V_EXPERT, 13), "ti2v": (NATIVE_TI2V, 14),
+    "i2v_low": (NATIVE_I2V_EXPERT, 13), "ti2v": (NATIVE_TI2V, 14), "fun_inp": (NATIVE_FUN_INP, 15),
+    "fun_control": (NATIVE_FUN_CONTROL, 16),
 }
 
 

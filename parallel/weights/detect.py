@@ -38,12 +38,46 @@ KIND_DESCRIPTIONS = {
     "unknown": "an unrecognised model",
 }
 
+# Wan families whose files WanMesh recognises but does not run yet: kind -> (family, the key that tells it, as
+# ComfyUI's model detection reads it). A file of one of these is refused at load, naming its family.
+UNSUPPORTED_FAMILIES = {
+    "wan_s2v": ("Wan 2.2 Sound-to-video (S2V)", "casual_audio_encoder."),
+    "wan_humo": ("HuMo", "audio_proj.audio_proj_glob_1."),
+    "wan_infinitetalk": ("InfiniteTalk / MultiTalk", ".audio_cross_attn."),
+    "wan_dancer": ("WanDancer", "patch_embedding_global."),
+    "wan_scail": ("SCAIL", "patch_embedding_pose."),
+    "wan_animate": ("Wan 2.2 Animate", "face_adapter."),
+    "wan_camera": ("Wan Fun Camera", "control_adapter."),
+}
+KIND_DESCRIPTIONS.update({kind: f"a {family} transformer (keys {key.strip('.')}.*)"
+                          for kind, (family, key) in UNSUPPORTED_FAMILIES.items()})
+
+
+def unsupported_family(keys: Iterable[str]) -> str | None:
+    """The kind (a key of ``UNSUPPORTED_FAMILIES``) of a Wan variant WanMesh does not run yet, from its telltale
+    keys (prefix ``model.diffusion_model.`` allowed); None for every other file."""
+    names = [key.removeprefix(COMFY_TRANSFORMER_PREFIX) for key in keys]
+    for kind, (_, telltale) in UNSUPPORTED_FAMILIES.items():
+        if any(name.startswith(telltale) if not telltale.startswith(".") else telltale in name for name in names):
+            return kind
+    return None
+
+
+def unsupported_family_error(location, kind: str) -> str:
+    """The one-line refusal of a file of an unsupported Wan family."""
+    family, telltale = UNSUPPORTED_FAMILIES[kind]
+    return (f"{location} is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not "
+            "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B, VACE, Wan 2.1 Fun InP and Fun Control "
+            "transformers")
+
 
 def detect_kind(keys: Iterable[str]) -> str:
     """Classify a checkpoint by its key names (prefix `model.diffusion_model.` allowed)."""
     names = {key.removeprefix(COMFY_TRANSFORMER_PREFIX) for key in keys if not is_quantisation_key(key)}
     if not names:
         return "unknown"
+    if (family := unsupported_family(names)) is not None:
+        return family
     if any(name.startswith("img_emb.") for name in names):
         return "wan_i2v"
     if all(name.startswith("vace_") for name in names):
@@ -183,34 +217,43 @@ def _image_embedding_config(shapes: Shapes) -> dict:
 WAN21_LATENT_CHANNELS = LATENT_CHANNELS
 WAN22_TI2V_LATENT_CHANNELS = WAN22_LATENT_CHANNELS
 I2V_IN_CHANNELS = WAN21_LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS
+# Wan 2.1 Fun Control: the noise, then the control video's and the start image's latents (16 channels each)
+FUN_CONTROL_IN_CHANNELS = 3 * WAN21_LATENT_CHANNELS
 TRANSFORMER_IN_CHANNELS = (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS, WAN22_TI2V_LATENT_CHANNELS)
 
 
 def check_latent_channels(in_channels: int) -> None:
-    """Transformers on the 16-channel Wan 2.1 latent load: text-to-video and VACE (16 input channels) and
-    image-to-video (36: Wan 2.1 I2V / FLF2V, both Wan 2.2 I2V A14B experts); so does Wan 2.2 TI2V 5B on the
-    48-channel Wan 2.2 latent (text- and image-to-video: the start image is in the latent)."""
+    """Transformers on the 16-channel Wan 2.1 latent load: text-to-video and VACE (16 input channels),
+    image-to-video (36: Wan 2.1 I2V / FLF2V / Fun InP, both Wan 2.2 I2V A14B experts) and Wan 2.1 Fun Control (48:
+    control and start-image latents); so does Wan 2.2 TI2V 5B on the 48-channel Wan 2.2 latent (text- and
+    image-to-video: the start image is in the latent)."""
     if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(
-            f"This transformer takes {in_channels} input channels (a Fun-control, camera or other conditioned model), "
-            f"which is not supported; use a T2V or VACE model ({WAN21_LATENT_CHANNELS} input channels), an "
-            f"image-to-video model ({I2V_IN_CHANNELS}) or Wan 2.2 TI2V 5B ({WAN22_TI2V_LATENT_CHANNELS}).")
+            f"This transformer takes {in_channels} input channels (a camera or other conditioned model), which is "
+            f"not supported; use a T2V or VACE model ({WAN21_LATENT_CHANNELS} input channels), an image-to-video or "
+            f"Fun InP model ({I2V_IN_CHANNELS}), a Wan 2.1 Fun Control model or Wan 2.2 TI2V 5B "
+            f"({FUN_CONTROL_IN_CHANNELS}).")
 
 
 def image_inputs(config: Mapping) -> str | None:
-    """What image conditioning a transformer config takes: "clip_vision" (Wan 2.1 I2V: latents of the start image
-    and CLIP vision tokens), "first_last" (Wan 2.1 FLF2V: two images' tokens), "latents" (Wan 2.2 I2V A14B:
-    image latents only), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or image-to-video with the start image's
-    latents kept in the latent by a noise mask), or None (text-to-video and VACE)."""
+    """What image conditioning a transformer config takes: "fun_control" (Wan 2.1 Fun Control: the control video's
+    and start image's latents, CLIP vision tokens when it has an image embedding), "first_last" (Wan 2.1 FLF2V: two
+    images' tokens), "clip_vision" (Wan 2.1 I2V and Fun InP: latents of the start image and CLIP vision tokens),
+    "latents" (Wan 2.2 I2V A14B: image latents only), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or
+    image-to-video with the start image's latents kept in the latent by a noise mask), or None (text-to-video and
+    VACE)."""
+    in_channels = config.get("in_channels", WAN21_LATENT_CHANNELS)
+    out_channels = config.get("out_channels", WAN21_LATENT_CHANNELS)
+    if out_channels == WAN22_TI2V_LATENT_CHANNELS:
+        return "first_frame"
+    if in_channels == FUN_CONTROL_IN_CHANNELS:
+        return "fun_control"
     if config.get("pos_embed_seq_len"):
         return "first_last"
     if config.get("image_dim"):
         return "clip_vision"
-    in_channels = config.get("in_channels", WAN21_LATENT_CHANNELS)
     if in_channels == I2V_IN_CHANNELS:
         return "latents"
-    if in_channels == WAN22_TI2V_LATENT_CHANNELS:
-        return "first_frame"
     return None
 
 

@@ -39,12 +39,14 @@ from .vae22_keys import WAN22_LATENT_CHANNELS, check_wan22_folder_config, conver
 from ..networks.wan_inputs import with_native_inputs
 from ..networks.wan_vace import WanVaceMultiContext
 from .detect import (
+    UNSUPPORTED_FAMILIES,
     WAN21_LATENT_CHANNELS,
     check_latent_channels,
     describe_kind,
     detect_kind,
     infer_transformer_config,
     infer_vae_config,
+    unsupported_family_error,
 )
 
 __all__ = ["load_transformer", "load_vae", "transformer_weight_source"]
@@ -133,6 +135,8 @@ def transformer_weight_source(
                 f"{location}: this is a VACE module (only vace_* tensors), not a complete model; load a Wan T2V "
                 f"model and pass this file as its VACE module."
             )
+        if kind in UNSUPPORTED_FAMILIES:
+            raise ModelFileError(unsupported_family_error(location, kind))
         if kind not in ("wan_t2v", "wan_vace", "wan_i2v"):
             raise _wrong_kind(location, "a Wan transformer (keys patch_embedding, blocks.N.*)", checkpoint.keys)
         source, shapes = _original_transformer_source(checkpoint)

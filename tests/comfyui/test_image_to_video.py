@@ -2,11 +2,14 @@
 WanMesh's on the same tiny files, as API prompts.
 
 For each model kind (Wan 2.1 I2V with CLIP vision tokens, FLF2V with a start and an end image, both also without
-CLIP vision tokens as native runs them, a Wan 2.2 I2V A14B expert without CLIP vision) one prompt holds: native ``WanImageToVideo`` / ``WanFirstLastFrameToVideo`` conditioning
+CLIP vision tokens as native runs them, a Wan 2.2 I2V A14B expert without CLIP vision, Wan 2.1 Fun InP with a start and an end image, Wan 2.1 Fun Control with a control video
+and a start image) one prompt holds: native ``WanImageToVideo`` / ``WanFirstLastFrameToVideo`` /
+``WanFunInpaintToVideo`` / ``WanFunControlToVideo`` conditioning
 (native VAE; CLIP vision tokens from WanMesh CLIP Vision Encode, as a tiny CLIP vision cannot be loaded by native
 ``CLIPVisionLoader``, which knows only released sizes) sampled by native KSampler on ``UNETLoader``'s model, by
 KSampler on the WanMesh MODEL and by the WanMesh Sampler; and WanMesh Image To Video's conditioning (WanMesh VAE on
-the pool) sampled by the WanMesh Sampler. All four within 1e-4 of native; a parallel layout equals one rank. The
+the pool; not for Fun Control, which it has no input for) sampled by the WanMesh Sampler. All within 1e-4 of native;
+Ulysses 2 (every kind) and tp 2 x CFG parallel 2 (the Fun kinds) equal one rank. The
 start and end images have other sizes and aspects than the video, so resizing and cropping are compared too.
 
 Streaming from a start image (the WanMesh Stream Sampler's ``start_image``, as ARVideoI2V): its first latent frame
@@ -29,38 +32,52 @@ from workflow_graph import load_workflow, node_of_type
 from wanmesh.parallel import read_video
 
 WIDTH, HEIGHT, LENGTH = 48, 32, 9
-KINDS = {  # kind: (model file, native conditioning node, takes CLIP vision)
-    "i2v": ("wan_tiny_i2v.safetensors", "WanImageToVideo", True),
-    "flf2v": ("wan_tiny_flf2v.safetensors", "WanFirstLastFrameToVideo", True),
-    "wan22_i2v": ("wan22_tiny_i2v_high.safetensors", "WanImageToVideo", False),
-    "i2v_no_clip": ("wan_tiny_i2v.safetensors", "WanImageToVideo", False),
-    "flf2v_no_clip": ("wan_tiny_flf2v.safetensors", "WanFirstLastFrameToVideo", False),
+START, END, CLIP_START, CLIP_END, CONTROL = ["start", 0], ["end", 0], ["clip_start", 0], ["clip_end", 0], ["control", 0]
+# kind: (model file, native conditioning node and its image inputs, WanMesh Image To Video's image inputs or None
+# where it has no counterpart)
+KINDS = {
+    "i2v": ("wan_tiny_i2v.safetensors", "WanImageToVideo", {"start_image": START, "clip_vision_output": CLIP_START},
+            {"start_image": START, "clip_vision_output": CLIP_START}),
+    "flf2v": ("wan_tiny_flf2v.safetensors", "WanFirstLastFrameToVideo",
+              {"start_image": START, "end_image": END, "clip_vision_start_image": CLIP_START,
+               "clip_vision_end_image": CLIP_END},
+              {"start_image": START, "end_image": END, "clip_vision_output": CLIP_START,
+               "clip_vision_end_output": CLIP_END}),
+    "wan22_i2v": ("wan22_tiny_i2v_high.safetensors", "WanImageToVideo", {"start_image": START}, {"start_image": START}),
+    # Wan 2.1 I2V and FLF2V without CLIP vision tokens, as native runs them
+    "i2v_no_clip": ("wan_tiny_i2v.safetensors", "WanImageToVideo", {"start_image": START}, {"start_image": START}),
+    "flf2v_no_clip": ("wan_tiny_flf2v.safetensors", "WanFirstLastFrameToVideo", {"start_image": START, "end_image": END},
+                      {"start_image": START, "end_image": END}),
+    # Wan 2.1 Fun InP: a start and an end image, the start image's CLIP vision (as WanFirstLastFrameToVideo)
+    "fun_inp": ("wan_tiny_fun_inp.safetensors", "WanFunInpaintToVideo",
+                {"start_image": START, "end_image": END, "clip_vision_output": CLIP_START},
+                {"start_image": START, "end_image": END, "clip_vision_output": CLIP_START}),
+    # Wan 2.1 Fun Control: a control video (shorter than the video: the rest stays empty) and a start image
+    "fun_control": ("wan_tiny_fun_control.safetensors", "WanFunControlToVideo",
+                    {"start_image": START, "control_video": CONTROL, "clip_vision_output": CLIP_START}, None),
 }
-LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "ulysses2": dict(devices="cpu:2", world=2, ulysses=2)}
+LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
+           "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True)}
+# The kinds each layout samples: every kind on one rank and on two Ulysses ranks, the Wan 2.1 Fun kinds also with
+# tensor and CFG parallelism together (their extra input channels go through the sharded patch embedding).
+LAYOUT_KINDS = {"world1": tuple(KINDS), "ulysses2": tuple(KINDS), "tp2_cfg2": ("fun_inp", "fun_control")}
 SIDES = ("native", "model", "sampler", "wanmesh_i2v")
 
 
+def sides(kind: str) -> tuple[str, ...]:
+    return SIDES if KINDS[kind][3] is not None else SIDES[:3]
+
+
 def native_conditioning(kind: str) -> dict[str, Any]:
-    _, node, clip = KINDS[kind]
+    _, node, images, _ = KINDS[kind]
     inputs = {"positive": ["pos", 0], "negative": ["neg", 0], "vae": ["vae", 0], "width": WIDTH, "height": HEIGHT,
-              "length": LENGTH, "batch_size": 1, "start_image": ["start", 0]}
-    if node == "WanFirstLastFrameToVideo":
-        inputs["end_image"] = ["end", 0]
-        if clip:
-            inputs.update(clip_vision_start_image=["clip_start", 0], clip_vision_end_image=["clip_end", 0])
-    elif clip:
-        inputs["clip_vision_output"] = ["clip_start", 0]
+              "length": LENGTH, "batch_size": 1, **images}
     return {"class_type": node, "inputs": inputs}
 
 
 def wanmesh_conditioning(kind: str) -> dict[str, Any]:
-    _, node, clip = KINDS[kind]
     inputs = {"positive": ["pos", 0], "negative": ["neg", 0], "vae": ["wvae", 0], "width": WIDTH, "height": HEIGHT,
-              "length": LENGTH, "batch_size": 1, "start_image": ["start", 0]}
-    if clip:
-        inputs["clip_vision_output"] = ["clip_start", 0]
-    if node == "WanFirstLastFrameToVideo":
-        inputs.update(end_image=["end", 0], **({"clip_vision_end_output": ["clip_end", 0]} if clip else {}))
+              "length": LENGTH, "batch_size": 1, **KINDS[kind][3]}
     return {"class_type": "WanMeshImageToVideo", "inputs": inputs}
 
 
@@ -78,7 +95,7 @@ def wanmesh_sampler(model: str, conditioning: str) -> dict[str, Any]:
         "sampler_name": "euler", "denoise": 1.0, "scheduler": "simple"}}
 
 
-def i2v_prompt(layout: dict[str, Any]) -> dict[str, Any]:
+def i2v_prompt(layout: dict[str, Any], kinds: tuple[str, ...] = tuple(KINDS)) -> dict[str, Any]:
     """Every kind's four samplings; node ``{kind}_{side}`` saves the latent of that side."""
     prompt: dict[str, Any] = {
         "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
@@ -96,18 +113,21 @@ def i2v_prompt(layout: dict[str, Any]) -> dict[str, Any]:
                        "inputs": {"clip_vision": ["clip", 0], "image": ["start", 0], "crop": "center"}},
         "clip_end": {"class_type": "WanMeshCLIPVisionEncode",
                      "inputs": {"clip_vision": ["clip", 0], "image": ["end", 0], "crop": "center"}},
+        "control": {"class_type": "RepeatImageBatch", "inputs": {"image": ["end", 0], "amount": 5}},
     }
-    for kind, (model_file, _, _) in KINDS.items():
+    for kind in kinds:
+        model_file = KINDS[kind][0]
         prompt[f"{kind}_unet"] = {"class_type": "UNETLoader", "inputs": {"unet_name": model_file, "weight_dtype": "default"}}
         prompt[f"{kind}_wm"] = {"class_type": "WanMeshModelLoader",
                                 "inputs": {"model_name": model_file, "dtype": "fp32", "pool": ["pool", 0]}}
         prompt[f"{kind}_wmodel"] = {"class_type": "WanMeshNativeModel", "inputs": {"model": [f"{kind}_wm", 0]}}
         prompt[f"{kind}_cond"] = native_conditioning(kind)
-        prompt[f"{kind}_wcond"] = wanmesh_conditioning(kind)
         samplers = {"native": ksampler(f"{kind}_unet", f"{kind}_cond"),
                     "model": ksampler(f"{kind}_wmodel", f"{kind}_cond"),
-                    "sampler": wanmesh_sampler(f"{kind}_wm", f"{kind}_cond"),
-                    "wanmesh_i2v": wanmesh_sampler(f"{kind}_wm", f"{kind}_wcond")}
+                    "sampler": wanmesh_sampler(f"{kind}_wm", f"{kind}_cond")}
+        if "wanmesh_i2v" in sides(kind):
+            prompt[f"{kind}_wcond"] = wanmesh_conditioning(kind)
+            samplers["wanmesh_i2v"] = wanmesh_sampler(f"{kind}_wm", f"{kind}_wcond")
         for side, node in samplers.items():
             prompt[f"{kind}_{side}_k"] = node
             prompt[f"{kind}_{side}"] = save_latent(f"{kind}_{side}_k", f"i2v_{kind}_{side}")
@@ -118,14 +138,13 @@ def i2v_prompt(layout: dict[str, Any]) -> dict[str, Any]:
 def layout_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, torch.Tensor]]:
     latents = {}
     for name, layout in LAYOUTS.items():
-        result = run_successfully(recent_comfyui_server, i2v_prompt(layout))
+        result = run_successfully(recent_comfyui_server, i2v_prompt(layout, LAYOUT_KINDS[name]))
         latents[name] = {f"{kind}_{side}": saved(recent_comfyui_server, result, f"{kind}_{side}")
-                         for kind in KINDS for side in SIDES}
+                         for kind in LAYOUT_KINDS[name] for side in sides(kind)}
     return latents
 
 
-@pytest.mark.parametrize("side", SIDES[1:])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, side", [(kind, side) for kind in KINDS for side in sides(kind)[1:]])
 def test_wanmesh_equals_native_image_to_video(layout_latents, kind: str, side: str) -> None:
     native, wanmesh = layout_latents["world1"][f"{kind}_native"], layout_latents["world1"][f"{kind}_{side}"]
     assert native.abs().max().item() > 0.1, "the native latent is flat: the comparison proves nothing"
@@ -133,20 +152,22 @@ def test_wanmesh_equals_native_image_to_video(layout_latents, kind: str, side: s
     assert difference <= TOLERANCE, f"{kind} {side}: {difference:.3g} from native"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_parallel_layout_equals_one_rank(layout_latents, kind: str) -> None:
-    for side in SIDES[1:]:
-        difference = largest_difference(layout_latents["ulysses2"][f"{kind}_{side}"],
+@pytest.mark.parametrize("layout, kind", [(layout, kind) for layout, kinds in LAYOUT_KINDS.items()
+                                          if layout != "world1" for kind in kinds])
+def test_parallel_layout_equals_one_rank(layout_latents, layout: str, kind: str) -> None:
+    for side in sides(kind)[1:]:
+        difference = largest_difference(layout_latents[layout][f"{kind}_{side}"],
                                         layout_latents["world1"][f"{kind}_{side}"])
-        assert difference <= TOLERANCE, f"ulysses 2 {kind} {side}: {difference:.3g} from world 1"
+        assert difference <= TOLERANCE, f"{layout} {kind} {side}: {difference:.3g} from world 1"
 
 
 def test_the_kinds_differ(layout_latents) -> None:
-    """The image conditioning reaches the models: the three kinds' latents differ far beyond the tolerance."""
+    """The image conditioning reaches the models: the kinds' latents differ far beyond the tolerance."""
     world1 = layout_latents["world1"]
     assert largest_difference(world1["i2v_native"], world1["flf2v_native"]) > 100 * TOLERANCE
     for kind in ("i2v", "flf2v"):  # and so do the CLIP vision tokens
         assert largest_difference(world1[f"{kind}_native"], world1[f"{kind}_no_clip_native"]) > 100 * TOLERANCE
+
 
 
 # ---- streaming from a start image ---------------------------------------------------------------------------------

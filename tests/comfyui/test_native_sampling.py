@@ -212,12 +212,18 @@ def test_vace_conditioning_through_the_wanmesh_model_equals_native(recent_comfyu
     assert difference <= TOLERANCE, f"VACE model ({vace}): WanMesh MODEL is {difference:.3g} from the native model"
 
 
-@pytest.mark.parametrize("name", ["t2v_native_ksampler", "t2v_native_auto_layout", "wan22_native_ksampler_advanced"])
+NATIVE_WORKFLOWS = {"t2v_native_ksampler": "EmptyHunyuanLatentVideo", "t2v_native_auto_layout": "EmptyHunyuanLatentVideo",
+                    "wan22_native_ksampler_advanced": "EmptyHunyuanLatentVideo",
+                    "fun_control_native": "WanFunControlToVideo", "fun_inp_native": "WanFunInpaintToVideo"}
+
+
+@pytest.mark.parametrize("name", NATIVE_WORKFLOWS)
 def test_native_sampler_workflows_run_as_api_prompts(recent_comfyui_server: ComfyUIServer, name: str) -> None:
     """The example workflows (WanMesh models into native KSampler / two chained KSamplerAdvanced, native VAE
-    decode) run as API prompts and write an MP4 of the latent's frames."""
+    decode; the Wan 2.1 Fun ones with native Fun conditioning) run as API prompts and write an MP4 of the
+    latent's frames."""
     prompt = load_workflow(f"native/api/{name}.json")
-    latent = node_of_type(prompt, "EmptyHunyuanLatentVideo")["inputs"]
+    latent = node_of_type(prompt, NATIVE_WORKFLOWS[name])["inputs"]
     result = run_successfully(recent_comfyui_server, prompt)
     assert_video(saved_video(recent_comfyui_server, result, prompt), latent["length"], latent["width"],
                  latent["height"])

@@ -521,6 +521,48 @@ def wan22_lightx2v(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+def fun_native_graph(info: dict[str, Any], name: str, model_file: str, node: str, image_inputs: tuple[str, ...],
+                     **pool_modes: Any) -> WorkflowBuilder:
+    """A native Wan 2.1 Fun graph whose model comes from the pool: the native Fun conditioning node (native VAE;
+    the start image's CLIP vision from WanMesh CLIP Vision Encode) into KSampler on the WanMesh MODEL."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, **pool_modes)
+    positive, negative, model = text_and_model(w, pool_id, I2V_PROMPT, model_file,
+                                               text_encoder="umt5_native.safetensors")
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    start, other = load_image(w, "ref_circle.png", 860), load_image(w, "ref_texture.png", 1200)
+    links: dict[str, Output] = {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0),
+                                "start_image": (start, 0), "clip_vision_output": (clip_vision_of(w, [start])[0], 0)}
+    if "control_video" in image_inputs:
+        control = w.node("RepeatImageBatch", [COLUMNS[3], 1200], {"amount": 9}, {"image": (other, 0)},
+                         title="Control video")
+        links["control_video"] = (control, 0)
+    if "end_image" in image_inputs:
+        links["end_image"] = (other, 0)
+    conditioning = w.node(node, [COLUMNS[3], 460], dict(I2V_SIZE), links, size=[320, 260])
+    sampled = w.node("KSampler", [COLUMNS[4], 40],
+                     {"seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+                      "denoise": 1.0},
+                     {"model": (native_model(w, model, 620), 0), "positive": (conditioning, 0),
+                      "negative": (conditioning, 1), "latent_image": (conditioning, 2)})
+    native_tail(w, sampled, vae, name)
+    return w
+
+
+def fun_control_native(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.1 Fun Control: native WanFunControlToVideo (a control video and a start image) into KSampler on the
+    WanMesh MODEL, tensor parallel on two CPU ranks."""
+    return fun_native_graph(info, "fun_control_native", "wan_tiny_fun_control.safetensors", "WanFunControlToVideo",
+                            ("control_video",), tp=2)
+
+
+def fun_inp_native(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.1 Fun InP: native WanFunInpaintToVideo (a start and an end image) into KSampler on the WanMesh MODEL,
+    CFG parallel on two CPU ranks."""
+    return fun_native_graph(info, "fun_inp_native", "wan_tiny_fun_inp.safetensors", "WanFunInpaintToVideo",
+                            ("end_image",), cfg_parallel=True)
+
+
 # (sub-folder of workflows/, name, which /object_info, builder)
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
@@ -547,6 +589,8 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("native", "wan22_native_ksampler_advanced", "recent", wan22_native_ksampler_advanced),
     ("native", "wan22_lightx2v", "recent", wan22_lightx2v),
     ("native", "t2v_easycache", "recent", t2v_easycache),
+    ("native", "fun_control_native", "recent", fun_control_native),
+    ("native", "fun_inp_native", "recent", fun_inp_native),
 ]
 
 

@@ -20,6 +20,7 @@ from model_kinds import BAD_MODEL_FILES, KINDS, WrittenKinds, write_bad_model_fi
 from wanmesh.parallel.cli import main
 from wanmesh.parallel.config import ParallelConfig
 from wanmesh.parallel.validation import check_model_file
+from wanmesh.parallel.weights.detect import UNSUPPORTED_FAMILIES, detect_kind
 
 QUICK = ["--width", "32", "--height", "32", "--frames", "5", "--steps", "1", "--device", "cpu"]
 
@@ -194,3 +195,23 @@ def test_the_model_loader_takes_weights_as_an_optional_input_and_passes_it_on(tr
     loaders.WanMeshModelLoader().load("wan_unet_only_Q8_0.gguf", "auto")
     loaders.WanMeshModelLoader().load("kinds/wan_tiny_t2v_fp8_scaled.safetensors", "auto", weights="dequantize")
     assert [options["weights"] for _, options in runner.loads] == ["keep", "dequantize"]
+
+
+@pytest.mark.parametrize("kind", list(UNSUPPORTED_FAMILIES))
+def test_an_unsupported_wan_family_is_told_from_its_header_and_refused_by_the_rank_loader(tree, kind):
+    """The header names the family (ComfyUI's telltale key); a rank asked to load it anyway refuses it in one line
+    naming the family before any tensor is read."""
+    import contextlib
+
+    from wanmesh.parallel.weights.checkpoint import ModelFileError
+    from wanmesh.parallel.weights.detect import read_header, safetensors_kind
+    from wanmesh.parallel.weights.loaders import transformer_weight_source
+
+    path = tree.bad[kind]
+    assert safetensors_kind(str(path)) == kind
+    assert detect_kind(read_header(path).shapes) == kind
+    with contextlib.ExitStack() as stack, pytest.raises(ModelFileError) as refused:
+        transformer_weight_source(path, None, stack)
+    line = str(refused.value)
+    assert BAD_MODEL_FILES[kind][1] in line and "\n" not in line
+    assert len(line.replace(str(path), "")) <= 300
