@@ -249,8 +249,10 @@ class StreamSample(Request):
     vae_handle: str | None = None
     preview: bool = True  # rank 0 sends each finished chunk (latents and decoded frames) with its progress
     start_latent: torch.Tensor | None = None  # raw [1 or B, 16, n, h, w]: the start image's latents (first block)
+    cache: dict[str, Any] | None = None  # step caching within each chunk: CacheSettings' fields; None: off
 
     def validate(self) -> None:
+        check_cache(cache_settings(self.cache))
         check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
                        guidance_scale=self.guidance_scale)
         check_seed(self.seed)
@@ -273,6 +275,7 @@ class Streamed(Reply):
     kind: ClassVar[str] = "streamed"
     latents: torch.Tensor
     frames: torch.Tensor | None = None
+    cache_report: dict[str, Any] = field(default_factory=dict)  # with a step cache: steps computed/skipped
 
 
 @dataclass(frozen=True)
