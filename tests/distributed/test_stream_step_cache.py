@@ -1,6 +1,6 @@
 """Step caching in causal streaming: within each chunk (its steps counted from 0, no state carried over from the
 previous chunk), the KV cache writes never skipped, and Ulysses 2 takes one device's decisions and gives its
-latents. Two spawned gloo ranks each compute the one-device stream themselves (the unsplit model, same cache
+latents with one all-reduce per step. Two spawned gloo ranks each compute the one-device stream themselves (the unsplit model, same cache
 settings). 5 frames in chunks of 3: 27 and 18 tokens, the first not divisible by 2 (a padded slice)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from wanmesh.parallel.cache_settings import CacheSettings
 from wanmesh.parallel.config import MESH_DIMS, ParallelConfig, rank_coordinates, stream_chunks
+from wanmesh.parallel.distributed.collectives import CollectiveCounter
 from wanmesh.parallel.distributed.mesh import ParallelContext
 from wanmesh.parallel.distributed.spawn import spawn_ranks
 from wanmesh.parallel.sampling.stream import sample_stream, stream_sigmas
@@ -72,7 +73,10 @@ def _rank_main(rank: int, world: int) -> None:
             _check_one_device(method, latents, stats["cache_report"], uncached)
         plan, model = _plan(rank, world), _model()
         for method, (latents, stats) in expected.items():
-            got, got_stats = _stream(model, method, plan)
+            with CollectiveCounter() as counter:
+                got, got_stats = _stream(model, method, plan)
+            # one all-reduce of the whole-tensor sums per step (the deciding pass's; the other branch follows)
+            assert counter.calls["all_reduce"] == len(stream_chunks(SHAPE[2], CHUNK)) * STEPS, dict(counter.calls)
             assert got_stats["cache_decisions"] == stats["cache_decisions"], (method, got_stats["cache_report"])
             error = (got - latents).abs().max().item()
             assert error <= 1e-4, f"{method}: max difference {error} from one device"
