@@ -18,7 +18,7 @@ from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EX
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
-from .cache_settings import cache_settings, check_cache
+from .cache_settings import cache_settings, check_cache, check_stream_cache
 
 PROTOCOL_VERSION = 1
 TENSOR_TAG = "__tensor__"
@@ -253,6 +253,7 @@ class StreamSample(Request):
 
     def validate(self) -> None:
         check_cache(cache_settings(self.cache))
+        check_stream_cache(cache_settings(self.cache), self.use_cache)
         check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
                        guidance_scale=self.guidance_scale)
         check_seed(self.seed)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache_settings import cache_fields, describe_report, parse_cache
+from ..cache_settings import cache_fields, check_stream_cache, describe_report, parse_cache
 from ..config import (check_sampling, check_stream_layout, check_stream_options, check_stream_start, latent_shape,
                       parse_stream_timesteps)
 from ..driver.pool import WorkerPool
@@ -40,6 +40,7 @@ def check_stream_arguments(args) -> tuple[int, ...]:
                    guidance_scale=args.guidance_scale)
     check_stream_options(shape[2], args.chunk, args.kv_window, args.sink)
     args.step_cache = parse_cache(getattr(args, "cache", None))
+    check_stream_cache(args.step_cache, not args.no_kv_cache)
     args.start_image = None
     if args.image is not None:
         check_stream_start(1, shape[2], args.kv_window, args.sink)  # one image: one latent frame

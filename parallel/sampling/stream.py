@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from ..cache_settings import check_stream_cache
 from ..config import (check_stream_layout, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                       stream_chunks)
 from ..errors import Cancelled
@@ -125,11 +126,13 @@ def sample_stream(
     cache at timestep 0 and reported as chunk 0; the chunks after it are generated.
 
     ``step_cache`` (``cache_settings.CacheSettings``): step caching within each chunk (``step_cache.py``'s
-    ``ChunkedStepCache``: the steps restart per chunk, the KV cache writes are never skipped); ``stats`` then
+    ``ChunkedStepCache``: the steps restart per chunk, the KV cache writes are never skipped; with ``use_cache``
+    only); ``stats`` then
     also receives ``cache_report`` and ``cache_decisions`` (stream step -> computed)."""
     latent_shape = tuple(int(s) for s in latent_shape)
     _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
     check_stream_options(latent_shape[2], chunk, kv_window, sink)
+    check_stream_cache(step_cache, use_cache)
     start_frames = 0 if start_latent is None else check_stream_start_latent(start_latent, latent_shape, kv_window, sink)
     strategy = _attention_strategy(model, plan, fused_all_to_all)
     _check_model(model)

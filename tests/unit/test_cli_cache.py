@@ -60,13 +60,14 @@ def test_stream_with_a_cache_reports_computed_and_skipped_steps(tiny_models, tmp
 
 
 @pytest.mark.parametrize("cache, message", [
-    ("easycache:0.2", "method 'easycache' is unknown; valid: teacache, magcache, fbcache"),
-    ("teacache:-1", "cache threshold -1.0 is invalid"),
+    (["easycache:0.2"], "method 'easycache' is unknown; valid: teacache, magcache, fbcache"),
+    (["teacache:-1"], "cache threshold -1.0 is invalid"),
+    (["fbcache:0.1", "--no-kv-cache"], "step cache fbcache needs the KV cache while streaming"),
 ])
 def test_bad_stream_cache_settings_fail_before_work(tiny_models, tmp_path, cache, message):
     result = subprocess.run(
         [sys.executable, "-m", "wanmesh.parallel.cli", "stream", "--models", str(tiny_models["t2v"].parent.parent),
-         "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--chunk-dir", str(tmp_path / "c"), "--cache", cache],
+         "--prompt", "x", "--out", str(tmp_path / "x.mp4"), "--chunk-dir", str(tmp_path / "c"), "--cache", *cache],
         capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and message in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
