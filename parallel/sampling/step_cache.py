@@ -13,6 +13,7 @@ the ranks that hold other tokens (Ulysses, ring) or rows (data and CFG parallel 
 and every rank applies the same rule to the same numbers. Tensor-parallel ranks hold the whole hidden state and
 decide alike without a reduction. The sampler's two guidance passes keep separate caches and skip together: the
 conditional pass decides and the unconditional one follows (with CFG parallel, one all-reduce over the cfg pair).
+A causal stream (``sampling/stream.py``) runs one cache as a short run per chunk (:class:`ChunkedStepCache`).
 """
 
 from __future__ import annotations
