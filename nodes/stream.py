@@ -17,6 +17,7 @@ import os
 import torch
 
 from ..parallel import Cancelled, H264_ENCODERS, StreamSample, parse_stream_timesteps, video_encoder, write_video
+from ..parallel.cache_settings import describe_report
 from ..parallel.fields import node_input
 from ..parallel.config import check_stream_start
 from ..parallel.image_to_video import stream_start_frame
@@ -106,6 +107,8 @@ class WanMeshStreamSampler:
                 "start_image": ("IMAGE", {"tooltip": "start the stream from this image (as ComfyUI's ARVideoI2V): "
                                                      "the first image, resized and center-cropped to the latent's "
                                                      "size, encoded by the vae to the first latent frame"}),
+                "cache": ("WANMESH_CACHE", {"tooltip": "step caching (WanMesh Cache) within each chunk: its steps "
+                                                       "count from the chunk's first; none: every step computed"}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -122,7 +125,7 @@ class WanMeshStreamSampler:
                    "websocket ('wanmesh.chunk') while the rest is being made.")
 
     def sample(self, model, positive, latent, seed, steps, shift, cfg, chunk, kv_window, sink, filename_prefix, fps,
-               negative=None, vae=None, timesteps="", start_image=None, unique_id=None):
+               negative=None, vae=None, timesteps="", start_image=None, cache=None, unique_id=None):
         import comfy.utils
 
         samples = latent_to_tensor(latent)
@@ -132,7 +135,7 @@ class WanMeshStreamSampler:
             negative=[] if negative is None else read_conditioning(negative, "negative").embeddings, seed=seed,
             steps=steps, shift=shift, timesteps=parse_stream_timesteps(timesteps), guidance_scale=cfg, chunk=chunk,
             kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle,
-            preview=previews_enabled(model.runner), start_latent=start_latent)
+            preview=previews_enabled(model.runner), start_latent=start_latent, cache=cache)
         request.validate()  # before any file name is taken
         arrange_for_job(model, samples, steps, cfg, streaming=True)
         bar = comfy.utils.ProgressBar(1)
@@ -142,6 +145,8 @@ class WanMeshStreamSampler:
         except Cancelled:
             raise_if_interrupted()
             raise
+        if result.cache_report:
+            log.info("WanMesh Stream Sampler: %s", describe_report(result.cache_report))
         return self._outputs(result, saver, samples)
 
     @staticmethod

@@ -64,6 +64,14 @@ def check_cache(settings: CacheSettings | None) -> None:
         raise ValueError(f"cache coefficients {settings.coefficients!r} are unknown; valid: {', '.join(COEFFICIENTS)}")
 
 
+def check_stream_cache(settings: CacheSettings | None, use_kv_cache: bool) -> None:
+    """Streaming caches steps only over the KV cache: without it every forward recomputes the earlier frames,
+    whose unchanged tokens would enter the cache's statistic and change its decisions."""
+    if settings is not None and not use_kv_cache:
+        raise ValueError(f"step cache {settings.method} needs the KV cache while streaming; drop --no-kv-cache "
+                         "(the uncached reference) or the step cache")
+
+
 def cache_settings(fields: dict | CacheSettings | None) -> CacheSettings | None:
     """Settings from their fields as a request carries them (plain data crosses the worker boundary)."""
     if fields is None or isinstance(fields, CacheSettings):

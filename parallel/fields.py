@@ -207,7 +207,7 @@ FIELDS: tuple[Field, ...] = (
     # -- step caching
     Field("cache", "STRING", "", "step caching: METHOD[:THRESHOLD][:start=S][:end=E][:k=K][:coefficients=generic], "
           "METHOD teacache, magcache or fbcache, e.g. teacache:0.2; empty: every step computed",
-          flags=("generate --cache",), flag_default=None, note="the WanMesh Cache node in ComfyUI"),
+          flags=("generate --cache", "stream --cache"), flag_default=None, note="the WanMesh Cache node in ComfyUI"),
     Field("cache_method", "CHOICE", "teacache", "teacache: the change of the timestep-modulated input; magcache: "
           "the published magnitude ratios of the residual; fbcache: the change of the first block's residual",
           choices=("teacache", "magcache", "fbcache"), nodes=("WanMeshCache.method",)),

@@ -18,7 +18,7 @@ from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EX
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
-from .cache_settings import cache_settings, check_cache
+from .cache_settings import cache_settings, check_cache, check_stream_cache
 
 PROTOCOL_VERSION = 1
 TENSOR_TAG = "__tensor__"
@@ -249,8 +249,11 @@ class StreamSample(Request):
     vae_handle: str | None = None
     preview: bool = True  # rank 0 sends each finished chunk (latents and decoded frames) with its progress
     start_latent: torch.Tensor | None = None  # raw [1 or B, 16, n, h, w]: the start image's latents (first block)
+    cache: dict[str, Any] | None = None  # step caching within each chunk: CacheSettings' fields; None: off
 
     def validate(self) -> None:
+        check_cache(cache_settings(self.cache))
+        check_stream_cache(cache_settings(self.cache), self.use_cache)
         check_sampling(sampler="euler", steps=self.steps, shift=self.shift, denoise=1.0,
                        guidance_scale=self.guidance_scale)
         check_seed(self.seed)
@@ -273,6 +276,7 @@ class Streamed(Reply):
     kind: ClassVar[str] = "streamed"
     latents: torch.Tensor
     frames: torch.Tensor | None = None
+    cache_report: dict[str, Any] = field(default_factory=dict)  # with a step cache: steps computed/skipped
 
 
 @dataclass(frozen=True)

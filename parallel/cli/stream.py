@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache_settings import cache_fields, check_stream_cache, describe_report, parse_cache
 from ..config import (check_sampling, check_stream_layout, check_stream_options, check_stream_start, latent_shape,
                       parse_stream_timesteps)
 from ..driver.pool import WorkerPool
@@ -38,6 +39,8 @@ def check_stream_arguments(args) -> tuple[int, ...]:
     check_sampling(sampler="euler", steps=args.steps, shift=args.shift, denoise=1.0,
                    guidance_scale=args.guidance_scale)
     check_stream_options(shape[2], args.chunk, args.kv_window, args.sink)
+    args.step_cache = parse_cache(getattr(args, "cache", None))
+    check_stream_cache(args.step_cache, not args.no_kv_cache)
     args.start_image = None
     if args.image is not None:
         check_stream_start(1, shape[2], args.kv_window, args.sink)  # one image: one latent frame
@@ -122,12 +125,14 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
             handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
             steps=args.steps, shift=args.shift, timesteps=args.timesteps, guidance_scale=args.guidance_scale,
             chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
-            vae_handle=vae, preview=True, start_latent=start_latent,
+            vae_handle=vae, preview=True, start_latent=start_latent, cache=cache_fields(args.step_cache),
         )
         started = time.perf_counter()
         writer = ChunkWriter(args.chunk_dir, args.fps, started, progress)
         with progress.phase(f"stream ({shape[2]} latent frames, chunks of {args.chunk})"):
             result = runner.stream(request, on_chunk=writer, progress=progress.steps("chunk"))
+        if result.cache_report:
+            progress.say(f"  {describe_report(result.cache_report)}")
     with progress.phase(f"write {args.out}"):
         if args.save_latents:  # latents before the video, so a failed write still leaves them
             save_tensors_atomic({"latents": result.latents.float()}, args.save_latents)

@@ -13,6 +13,7 @@ the ranks that hold other tokens (Ulysses, ring) or rows (data and CFG parallel 
 and every rank applies the same rule to the same numbers. Tensor-parallel ranks hold the whole hidden state and
 decide alike without a reduction. The sampler's two guidance passes keep separate caches and skip together: the
 conditional pass decides and the unconditional one follows (with CFG parallel, one all-reduce over the cfg pair).
+A causal stream (``sampling/stream.py``) runs one cache as a short run per chunk (:class:`ChunkedStepCache`).
 """
 
 from __future__ import annotations
@@ -225,8 +226,10 @@ class Reduction:
 class StepCache:
     """One model's cache over one sampling run (or the model calls of one ComfyUI sampler run)."""
 
-    def __init__(self, settings: CacheSettings, model, reduction: Reduction, steps: int, tokens_per_frame: int):
+    def __init__(self, settings: CacheSettings, model, reduction: Reduction, steps: int, tokens_per_frame: int,
+                 shard=None):
         self.settings, self.reduction = settings, reduction
+        self.shard = shard  # () -> this forward's SequenceShard when the sequence is split outside the model's plan
         self._model = weakref.ref(model)  # a cache kept between model calls must not keep an unloaded model alive
         self.rule = make_rule(settings, model, steps, tokens_per_frame)
         self.passes: dict[int, PassState] = {}
@@ -387,9 +390,9 @@ class StepCache:
     def _valid_tokens(self, tensor: torch.Tensor) -> int:
         """This rank's real tokens along the sequence (context parallel pads the last slices)."""
         context = getattr(self.model, "context_parallel", None)
-        if context is None or context.shard is None:
+        shard = self.shard() if self.shard is not None else getattr(context, "shard", None)
+        if shard is None:
             return tensor.shape[1]
-        shard = context.shard
         return max(0, min(shard.local_len, shard.valid_len - shard.index * shard.local_len))
 
 
@@ -432,6 +435,54 @@ class StepCaches:
         skipped = sorted(step for step, computed in decisions.items() if not computed)
         return {"method": self.caches[0].settings.method, "computed": len(decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": sum(c.calls for c in self.caches)}
+
+
+class ChunkedStepCache:
+    """A step cache over a causal stream: each chunk is its own short run, so the steps count from 0 again and the
+    passes start without history (nothing of the previous chunk's input or residual is reused); the pass at
+    timestep 0 that writes a chunk to the KV cache runs outside the steps (always computed, keeping nothing).
+    Decisions are reported over the whole stream, step ``chunk * steps + step``."""
+
+    def __init__(self, cache: StepCache, steps: int):
+        self.cache, self.steps = cache, steps
+        self.history: dict[int, bool] = {}
+        self.chunk = -1
+
+    def __enter__(self) -> "ChunkedStepCache":
+        self.cache.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cache.remove()
+
+    def start_chunk(self, index: int) -> None:
+        self._keep_decisions()
+        self.chunk = index
+        self.cache.passes.clear()
+        self.cache.decisions.clear()
+        self.cache.step = -1
+
+    def at_step(self, step: int, passes: int) -> None:
+        self.cache.at_step(step, self.steps, passes)
+
+    def outside_steps(self) -> None:
+        """The next calls (the KV cache write) are computed and leave the passes' state alone."""
+        self.cache.step = -1
+
+    def _keep_decisions(self) -> None:
+        for step, computed in self.cache.decisions.items():
+            self.history[self.chunk * self.steps + step] = computed
+        self.cache.decisions.clear()
+
+    def decisions(self) -> dict[int, bool]:
+        self._keep_decisions()
+        return dict(self.history)
+
+    def report(self) -> dict:
+        decisions = self.decisions()
+        skipped = sorted(step for step, computed in decisions.items() if not computed)
+        return {"method": self.cache.settings.method, "computed": len(decisions) - len(skipped),
+                "skipped": len(skipped), "skipped_steps": skipped, "calls": self.cache.calls}
 
 
 def check_same_decisions(decisions: dict[int, bool], steps: int, device) -> None:

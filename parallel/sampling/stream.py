@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from ..cache_settings import check_stream_cache
 from ..config import (check_stream_layout, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                       stream_chunks)
 from ..errors import Cancelled
@@ -108,7 +109,7 @@ def sample_stream(
     sigmas: list[float], chunk: int, kv_window: int | None = None, sink: int = 0, use_cache: bool = True,
     guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
     progress: Callable | None = None, fused_all_to_all: bool = True, stats: dict | None = None,
-    start_latent: torch.Tensor | None = None,
+    start_latent: torch.Tensor | None = None, step_cache=None,
 ) -> torch.Tensor:
     """Generate the whole latent chunk by chunk; returns raw latents [B, 16, T, h, w] (float32, CPU).
 
@@ -122,10 +123,16 @@ def sample_stream(
 
     ``start_latent`` (raw [1 or B, 16, n, h, w], a start image's latents: streaming from an image, as ComfyUI's
     ARVideoI2V) is the first block: kept as given in the output's first ``n`` frames, written to every branch's
-    cache at timestep 0 and reported as chunk 0; the chunks after it are generated."""
+    cache at timestep 0 and reported as chunk 0; the chunks after it are generated.
+
+    ``step_cache`` (``cache_settings.CacheSettings``): step caching within each chunk (``step_cache.py``'s
+    ``ChunkedStepCache``: the steps restart per chunk, the KV cache writes are never skipped; with ``use_cache``
+    only); ``stats`` then
+    also receives ``cache_report`` and ``cache_decisions`` (stream step -> computed)."""
     latent_shape = tuple(int(s) for s in latent_shape)
     _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
     check_stream_options(latent_shape[2], chunk, kv_window, sink)
+    check_stream_cache(step_cache, use_cache)
     start_frames = 0 if start_latent is None else check_stream_start_latent(start_latent, latent_shape, kv_window, sink)
     strategy = _attention_strategy(model, plan, fused_all_to_all)
     _check_model(model)
@@ -142,8 +149,10 @@ def sample_stream(
     total_steps = (len(chunks) - seeded) * steps
     timer = _ChunkTimer(stats, device)
     with torch.no_grad(), CausalWan(model, latent_shape, chunk, CacheWindow(kv_window, sink), use_cache,
-                                    strategy, start_frames=start_frames) as causal:
+                                    strategy, start_frames=start_frames) as causal, \
+            _chunk_cache(step_cache, causal, plan, strategy, steps) as cache:
         for index, (start, count) in enumerate(chunks):
+            cache.start_chunk(index)
             if start_frames and index == 0:
                 x = normalize_latents(start_latent.float().expand(latent_shape[0], -1, -1, -1, -1)).to(device)
             else:
@@ -159,15 +168,52 @@ def sample_stream(
                         progress((index - seeded) * steps + step + 1, total_steps)
 
                 x = _denoise_chunk(predict, noise[:, :, start : start + count].to(device), sigmas, seed, index,
-                                   f"chunk {index + 1} of {len(chunks)}", should_stop, step_done)
+                                   f"chunk {index + 1} of {len(chunks)}", should_stop, step_done,
+                                   lambda step: cache.at_step(step, len(branches)))
             clean[:, :, start : start + count] = x.cpu()
             if index + 1 < len(chunks):
+                cache.outside_steps()
                 for name, context in branches:
                     causal.write(x.to(dtype), start, context, branch=name)
             timer.chunk_done(causal)
             if on_chunk is not None:
                 on_chunk(index, start, _raw(clean, start, count, start_latent))
+    if stats is not None and step_cache is not None:
+        stats.update(cache_report=cache.report(), cache_decisions=cache.decisions())
     return _raw(clean, 0, latent_shape[2], start_latent)
+
+
+class _NoCache:
+    """Stands in for the step cache when a stream runs without one."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def start_chunk(self, index: int) -> None:
+        pass
+
+    def at_step(self, step: int, passes: int) -> None:
+        pass
+
+    def outside_steps(self) -> None:
+        pass
+
+
+def _chunk_cache(settings, causal: CausalWan, plan, strategy, steps: int):
+    """The stream's step cache (installed inside ``CausalWan``, so its first-block hook sees the chunk after the
+    sequence split): sums all-reduced over the Ulysses ranks, whose shard gives the real tokens."""
+    if settings is None:
+        return _NoCache()
+    from .step_cache import ChunkedStepCache, Reduction, StepCache
+
+    split = plan is not None and plan.is_distributed and plan.size("ulysses") > 1
+    reduction = Reduction((plan.ulysses_group,) if split else ())
+    cache = StepCache(settings, causal.model, reduction, steps, causal.rope.tokens_per_frame,
+                      shard=(lambda: strategy.shard) if split else None)
+    return ChunkedStepCache(cache, steps)
 
 
 def _raw(clean: torch.Tensor, start: int, count: int, start_latent: torch.Tensor | None) -> torch.Tensor:
@@ -206,11 +252,14 @@ class _ChunkTimer:
 
 
 def _denoise_chunk(predict: Callable, x: torch.Tensor, sigmas: list[float], seed: int, index: int, name: str,
-                   should_stop: Callable | None, step_done: Callable[[int], None]) -> torch.Tensor:
-    """Every step of chunk ``index`` from its noise ``x``; ``should_stop`` polled before each (``Cancelled``)."""
+                   should_stop: Callable | None, step_done: Callable[[int], None],
+                   step_begins: Callable[[int], None]) -> torch.Tensor:
+    """Every step of chunk ``index`` from its noise ``x``; ``should_stop`` polled before each (``Cancelled``),
+    ``step_begins(step)`` told before its model calls."""
     for step in range(len(sigmas) - 1):
         if should_stop is not None and should_stop():
             raise Cancelled(f"streaming cancelled before step {step + 1} of {name}")
+        step_begins(step)
         x = _denoise_step(predict, x, sigmas, step, renoise_seed(seed, index, step))
         step_done(step)
     return x

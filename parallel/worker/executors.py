@@ -177,15 +177,18 @@ class RankExecutor(ResidentModels):
     @torch.no_grad()
     def stream(self, request, progress=None, should_stop=None):
         """A streaming request (``protocol.StreamSample``): (raw latents, decoded frames or None); rank 0 sends each
-        finished chunk with its progress (``streaming.py``)."""
+        finished chunk with its progress (``streaming.py``); a step cache's report is kept in ``last_cache_report``."""
         from .streaming import run_stream
 
         model = self._get(request.handle, "model")
         check_conditioning(model, request)
         vae = self._get(request.vae_handle, "vae") if request.vae_handle else None
         rank = self.parallel.rank if self.parallel is not None else 0
-        return run_stream(model, vae, request, device=self.device, rank=rank, plan=self._stream_plan(),
-                          progress=progress, should_stop=should_stop)
+        self.last_cache_report = {}
+        latents, frames, self.last_cache_report = run_stream(
+            model, vae, request, device=self.device, rank=rank, plan=self._stream_plan(), progress=progress,
+            should_stop=should_stop)
+        return latents, frames
 
     def _stream_plan(self):
         """The sequence-parallel layout of the causal model on this rank (None on one device)."""

@@ -73,7 +73,8 @@ EXECUTOR_DISPATCH: dict[type[P.Request], Handler] = {
     P.Encode: lambda ctx, r: P.Latents(ctx.executor.encode(r.handle, r.frames, r.tile_px, r.overlap_px)),
     P.Unload: _unload,
     P.ModelForward: lambda ctx, r: P.Latents(ctx.executor.forward(r, should_stop=ctx.should_stop)),
-    P.StreamSample: lambda ctx, r: P.Streamed(*ctx.executor.stream(r, progress=ctx.progress, should_stop=ctx.should_stop)),
+    P.StreamSample: lambda ctx, r: P.Streamed(*ctx.executor.stream(r, progress=ctx.progress, should_stop=ctx.should_stop),
+                                              cache_report=ctx.executor.last_cache_report),
     P.Calibrate: lambda ctx, r: _calibrate(ctx),
 }
 

@@ -45,15 +45,17 @@ class ChunkForwarder:
 
 
 def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=None, progress=None,
-               should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(raw latents [B, 16, T, h, w], frames or None) for a validated request; every rank calls it together."""
+               should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(raw latents [B, 16, T, h, w], frames or None, the step cache's report or {}) for a validated request;
+    every rank calls it together (and, with a step cache, checks that all took the same decisions)."""
+    from ..cache_settings import cache_settings
     from ..sampling.stream import sample_stream, stream_sigmas  # the causal model code loads with the request
 
     dtype = next(model.parameters()).dtype
     batch = request.latent.shape[0]
     positive = text_context(request.positive, batch, dtype, device)
     negative = text_context(request.negative, batch, dtype, device) if request.guidance_scale != 1.0 else None
-    forwarder = None
+    forwarder, stats = None, {}
     if rank == 0:
         decoder = StreamingVaeDecoder(vae, device) if vae is not None else None
         forwarder = ChunkForwarder(decoder, progress, request.preview)
@@ -62,7 +64,11 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
         sigmas=stream_sigmas(request.steps, request.shift, request.timesteps), chunk=request.chunk,
         kv_window=request.kv_window, sink=request.sink, use_cache=request.use_cache,
         guidance_scale=request.guidance_scale, plan=plan, on_chunk=forwarder, should_stop=should_stop,
-        progress=progress, start_latent=request.start_latent,
+        progress=progress, start_latent=request.start_latent, step_cache=cache_settings(request.cache), stats=stats,
     )
+    if "cache_report" in stats:
+        from ..sampling.step_cache import check_same_decisions
+
+        check_same_decisions(stats["cache_decisions"], max(stats["cache_decisions"], default=-1) + 1, device)
     frames = forwarder.joined_frames() if forwarder is not None else None
-    return latents.float().cpu(), frames
+    return latents.float().cpu(), frames, stats.get("cache_report", {})

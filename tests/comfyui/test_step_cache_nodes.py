@@ -1,5 +1,5 @@
 """The WanMesh Cache node on a real ComfyUI server (recent ComfyUI): into the WanMesh Sampler and into the WanMesh
-Native Model under ComfyUI's KSampler. Both skip steps (the latents move away from the uncached run's, the log
+Native Model under ComfyUI's KSampler, and into the WanMesh Stream Sampler (the stream_t2v workflow, Ulysses 2). All skip steps (the latents move away from the uncached run's, the log
 counts the skipped steps), the two paths take the same decisions on the same model, seed and schedule (so their
 latents agree), Ulysses on two ranks gives world 1's latents, and bad settings fail in one line."""
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 from comfyui_server import ComfyUIServer, RejectedPrompt
 from test_comfyui_server import run_successfully
+from workflow_graph import load_workflow, node_of_type
 from test_native_sampling import (MODEL_FILE, NATIVE_SHIFT, TEXT_ENCODER_FILE, largest_difference, pool_inputs,
                                   save_latent, saved)
 
@@ -88,3 +89,17 @@ def test_bad_cache_settings_fail_in_one_line(recent_comfyui_server: ComfyUIServe
     text = result.error_text()
     assert isinstance(result, RejectedPrompt) or result.status != "success"
     assert "cache start_percent 0.8 is after end_percent 0.2" in text
+
+
+def test_the_stream_sampler_caches_within_each_chunk(recent_comfyui_server: ComfyUIServer):
+    """The example stream workflow (Ulysses 2; 5 latent frames in chunks of 2, 4 steps each) with the cache: its
+    log counts every chunk's steps, at least one skipped (world 1's equality: tests/distributed)."""
+    prompt = load_workflow("api/stream_t2v.json")
+    node_of_type(prompt, "WanMeshStreamSampler")["inputs"]["cache"] = ["cache", 0]
+    prompt["cache"] = {"class_type": "WanMeshCache", "inputs": {**CACHE, "threshold": 2.0}}
+    run_successfully(recent_comfyui_server, prompt)
+    reports = re.findall(r"WanMesh Stream Sampler: step cache teacache: (\d+) steps computed, (\d+) skipped",
+                         recent_comfyui_server.log())
+    assert len(reports) == 1, recent_comfyui_server.log()[-3000:]
+    computed, skipped = map(int, reports[0])
+    assert skipped >= 1 and computed + skipped == 3 * 4
