@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     latent = "x".join(str(size) for size in settings["latent"][2:])
     rows = []
     for tp in settings["degrees"]:
-        run(f"tp {tp}, latent {latent}, {settings['repeats']} timed steps")
+        run(f"tp {tp}, latent {latent}, {settings['repeats']} timed step{'s' * (settings['repeats'] != 1)}")
         rows += _run_world(tp, settings)
     print(f"wanmesh bench tp: {settings['model']}, {settings['device']} {settings['dtype']}, latent "
           f"{list(settings['latent'])} ({settings['video_tokens']} tokens), {settings['num_blocks']} blocks, CFG step")
