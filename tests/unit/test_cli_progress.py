@@ -68,8 +68,8 @@ def test_time_interleaved_announces_warm_ups_and_rounds(monkeypatch, capsys):
 def test_stream_timings_has_phases_and_each_chunk(made, tmp_path):
     timings, chunk_dir = tmp_path / "timings.json", tmp_path / "chunks"
     result = run_cli(["stream", "--models", str(made["root"]), "--prompt", "a fox", "--width", "32", "--height", "32",
-                      "--frames", "9", "--chunk", "1", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "v.mp4"),
-                      "--chunk-dir", str(chunk_dir), "--timings", str(timings)], tmp_path, ENV)
+                      "--frames", "9", "--chunk", "1", "--steps", "1", "--device", "cpu",
+                      "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(chunk_dir), "--timings", str(timings)], tmp_path, ENV)
     assert result["code"] == 0, result["stderr"]
     written = json.loads(timings.read_text())
     assert {"pool_start", "text_encode", "weight_load", "streaming", "write"} <= set(written["phases_s"])
