@@ -136,9 +136,9 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
             chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
             vae_handle=vae, preview=True, start_latent=start_latent, cache=cache_fields(args.step_cache),
         )
-        started = time.perf_counter()
-        writer = ChunkWriter(args.chunk_dir, args.fps, started, progress, timings)
         with progress.phase(f"stream ({shape[2]} latent frames, chunks of {args.chunk})", timings, "streaming"):
+            started = time.perf_counter()  # inside the phase: every chunk's time since start is within it
+            writer = ChunkWriter(args.chunk_dir, args.fps, started, progress, timings)
             result = runner.stream(request, on_chunk=writer, progress=progress.steps("chunk"))
         if result.cache_report:
             progress.say(f"  {describe_report(result.cache_report)}")
