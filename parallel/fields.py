@@ -115,7 +115,8 @@ FIELDS: tuple[Field, ...] = (
           "cached figures", flags=("generate --reprobe", "stream --reprobe")),
     Field("timings", "STRING", "", "write the run's time breakdown here as JSON: pool start, text encode, weight "
           "load, VAE encode and decode, sampling, writing, and per rank and step the compute and communication "
-          "seconds", flags=("generate --timings",), flag_default=None,
+          "seconds; for stream the phases and each chunk's latency", flags=("generate --timings", "stream --timings"),
+          flag_default=None,
           note="the WanMesh Sampler logs the same figures' summary after each run"),
     # -- loading models
     Field("dtype", "CHOICE", DTYPE_NAMES[0], "compute dtype; auto: bf16 on GPUs, fp32 on the CPU", choices=DTYPE_NAMES,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..distributed.attention import attention, ring_attention, ulysses_attention
 from ..distributed.collectives import CollectiveCounter
 from ..distributed.spawn import slowest_rank_median_s
-from .common import int_list, mib, rank_device, run_world, write_rank_result
+from .common import int_list, measured_runs, mib, rank_device, run_world, write_rank_result
 
 METHODS = ("ring_overlap", "ring_serial", "allgather", "ulysses", "torch_cp")
 _DEFAULTS = {
@@ -226,7 +226,11 @@ def write_plot(rows: list[dict], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = _resolve(args)
-    rows = [row for degree in settings["degrees"] for row in _run_world(degree, settings)]
+    run = measured_runs(len(settings["degrees"]))  # a world per degree
+    rows = []
+    for degree in settings["degrees"]:
+        run(f"degree {degree}")
+        rows += _run_world(degree, settings)
     title = (f"{settings['device']} {settings['dtype']}, batch {settings['batch']}, "
              f"{settings['heads']} heads x {settings['head_dim']}")
     print(f"wanmesh bench attention: {title}")

@@ -21,7 +21,7 @@ import torch
 
 from ..config import ParallelConfig, latent_shape
 from ..cache_settings import cache_fields, parse_cache
-from .common import check_repeats, model_config, model_path
+from .common import check_repeats, measured_runs, model_config, model_path
 
 DEFAULT_CACHES = ("teacache:0.3:start=0.1", "teacache:0.6:start=0.1", "magcache:0.06:start=0.1",
                   "magcache:0.2:start=0.1:k=3", "fbcache:0.6:start=0.1", "fbcache:1.0:start=0.1")
@@ -57,7 +57,7 @@ def _request(args, text_dim: int, cache):
                          cache=cache_fields(cache))
 
 
-def _layout_rows(args, layout: str, path: str, text_dim: int, caches: list) -> list[dict]:
+def _layout_rows(args, layout: str, path: str, text_dim: int, caches: list, run) -> list[dict]:
     from dataclasses import replace
 
     from ..driver.pool import WorkerPool
@@ -72,7 +72,8 @@ def _layout_rows(args, layout: str, path: str, text_dim: int, caches: list) -> l
         for text, cache in [("none", None), *((c, parse_cache(c)) for c in caches)]:
             request = replace(_request(args, text_dim, cache), handle=handle)
             seconds, reply = [], None
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
+                run(f"{layout}, cache {text}, repeat {repeat + 1}/{args.repeats}")
                 start = time.perf_counter()
                 reply = pool.call(request)
                 seconds.append(time.perf_counter() - start)
@@ -150,7 +151,8 @@ def run(args) -> list[dict]:
         import os
 
         os.environ["WANMESH_WORKER_THREADS"] = str(args.threads)
-    rows = [row for layout in layouts for row in _layout_rows(args, layout, path, text_dim, caches)]
+    run = measured_runs(len(layouts) * (len(caches) + 1) * args.repeats)
+    rows = [row for layout in layouts for row in _layout_rows(args, layout, path, text_dim, caches, run)]
     _distances(rows)
     title = (f"{Path(path).name}, {args.width}x{args.height}, {args.frames} frames, {args.steps} steps "
              f"{args.sampler}, {args.device}")

@@ -1,11 +1,12 @@
 """What the benchmarks share: option parsing, rank devices, spawning a world of ranks and collecting their
-rows, the interleaved timing harness, a rank's peak host memory, and table formatting; runs in the CLI process
-and in the ranks it spawns."""
+rows, the interleaved timing harness, a progress line per measured run, a rank's peak host memory, and table
+formatting; runs in the CLI process and in the ranks it spawns."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -19,6 +20,23 @@ import torch
 from ..distributed.spawn import spawn_ranks
 
 BENCH_DEADLINE_S = 1800.0  # a whole world of ranks; also the process-group timeout
+PROGRESS_ENV = "WANMESH_BENCH_PROGRESS"  # the benchmark's name while `wanmesh bench` shows progress (ranks inherit it)
+
+
+def measured_runs(total: int) -> Callable[[str], None]:
+    """A ``run(what)`` callback to call before each of a benchmark's ``total`` measured runs: a line on stderr
+    (``cli/progress.Progress.runs``: n/total, time per run and left) when the command line set ``PROGRESS_ENV``
+    (not ``--quiet``), in the CLI process or in rank 0 of a spawned world; nothing otherwise."""
+    from ..cli.progress import Progress
+
+    name = os.environ.get(PROGRESS_ENV)
+    return Progress(quiet=not name or _rank() > 0).runs(f"bench {name}", total)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -155,12 +173,16 @@ def time_interleaved(functions: dict[str, Callable[[], object]], device: torch.d
                      seconds: Callable[[Callable[[], object], torch.device], float] = wall_seconds) -> dict[str, Timing]:
     """Seconds per call of each function: one warm-up call each, then `repeats` rounds calling all in turn
     (interleaved, so drifting machine load hits every function alike), each call timed by `seconds` (in ranks:
-    ``spawn.slowest_rank_seconds``); the median and the fastest and slowest round."""
+    ``spawn.slowest_rank_seconds``); the median and the fastest and slowest round. Each call is announced
+    (``measured_runs``)."""
     check_repeats(repeats)
-    for function in functions.values():
+    run = measured_runs(len(functions) * (repeats + 1))
+    for name, function in functions.items():
+        run(f"{name}, warm-up")
         function()
     samples: dict[str, list[float]] = {name: [] for name in functions}
-    for _ in range(repeats):
+    for round_index in range(repeats):
         for name, function in functions.items():
+            run(f"{name}, round {round_index + 1}/{repeats}")
             samples[name].append(seconds(function, device))
     return {name: Timing.of(s) for name, s in samples.items()}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..distributed.spawn import slowest_rank_median_s, spawn_ranks
 from ..tiny.files import TINY_FILES, ensure_tiny_models, tiny_cache_dir
+from .common import measured_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +61,10 @@ def run(args) -> list[dict]:
     loras = args.lora or [str(root / TINY_FILES["lora_comfy"]), str(root / TINY_FILES["lora_kohya"])]
     if len(loras) != 2:
         raise ValueError(f"give --lora twice (one to load, one to switch to), got {len(loras)}")
-    rows = []
+    rows, run = [], measured_runs(len(args.tp))  # a world per degree
     with tempfile.TemporaryDirectory() as folder:
         for tp in args.tp:
+            run(f"tp {tp}, {args.repeats} repeats")
             out = str(Path(folder) / f"tp{tp}.json")
             spawn_ranks(_time_rank, tp, args=(model, loras, args.device, args.repeats, out), device=args.device,
                         deadline_s=600)

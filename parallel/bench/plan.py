@@ -29,7 +29,7 @@ from ..config import ParallelConfig, latent_shape
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
-from .common import Timing, check_repeats, model_config, model_path, time_interleaved, wall_seconds
+from .common import Timing, check_repeats, measured_runs, model_config, model_path, time_interleaved, wall_seconds
 
 PREDICTED_BEST = 4  # with more layouts than --max-layouts: these, then an even sample of the rest
 POOL_MODES = ("auto", "together", "in-turn")
@@ -141,8 +141,10 @@ def time_in_turn(subset: list[Prediction], sampler_on_new_pool, repeats: int) ->
     ``time_interleaved``: drifting load hits every layout alike)."""
     check_repeats(repeats)
     samples: dict[str, list[float]] = {p.layout.name(): [] for p in subset}
-    for _ in range(repeats):
+    run = measured_runs(repeats * len(subset))
+    for round_index in range(repeats):
         for prediction in subset:
+            run(f"{prediction.layout.name()}, round {round_index + 1}/{repeats}")
             with contextlib.ExitStack() as stack:
                 sample = sampler_on_new_pool(stack, prediction)
                 sample()

@@ -27,6 +27,7 @@ from .. import protocol as P
 from ..config import ParallelConfig
 from ..driver.pool import WorkerPool
 from ..transport import new_segment_prefix, pack_handed_over, take_handed_over
+from .common import measured_runs
 
 IMAGE_SHAPE = (81, 480, 832, 3)
 
@@ -55,7 +56,11 @@ def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
     return samples
 
 
-def measure(pool: WorkerPool, image: torch.Tensor, repeats: int, empty_repeats: int) -> dict[str, float]:
+def measure(pool: WorkerPool, image: torch.Tensor, repeats: int, empty_repeats: int,
+            run: Callable[[str], None] = lambda what: None) -> dict[str, float]:
+    """Empty requests, then moving ``image`` to the workers and back against copying it; ``run`` announces each
+    (``common.measured_runs``)."""
+    run(f"{empty_repeats} empty requests")
     empty = _timed(lambda: pool.call(P.Diagnostic("echo")), empty_repeats)
 
     def round_trip() -> None:
@@ -63,6 +68,7 @@ def measure(pool: WorkerPool, image: torch.Tensor, repeats: int, empty_repeats: 
         if back.shape != image.shape:
             raise RuntimeError(f"echo returned shape {list(back.shape)} for {list(image.shape)}")
 
+    run(f"{repeats} round trips and copies of {list(image.shape)}")
     moved = _timed(round_trip, repeats)
     copied = _timed(image.clone, repeats)
     nbytes = image.numel() * image.element_size()
@@ -156,8 +162,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                          f"repeats {args.repeats}, empty repeats {args.empty_repeats}, chunk frames "
                          f"{args.chunk_frames}, chunk repeats {args.chunk_repeats}")
     image = torch.rand(shape, dtype=torch.float32)
+    run = measured_runs(3)
     with WorkerPool(config) as pool:
-        results = measure(pool, image, args.repeats, args.empty_repeats)
+        results = measure(pool, image, args.repeats, args.empty_repeats, run)
+    run(f"{args.chunk_repeats} chunk hand-overs per transport")
     results.update(measure_chunk_handover(args.chunk_frames, args.height, args.width, args.chunk_repeats))
     print(format_table(config, shape, results))
     if args.json is not None:

@@ -26,8 +26,8 @@ from ..distributed.collectives import CollectiveCounter
 from ..weights.sharded import load_transformer_tp, weight_bytes
 from ..distributed.tensor_parallel import analytic_collectives, check_tp_degree
 from ..distributed.spawn import slowest_rank_median_s
-from .common import (PeakAnonymousMemory, check_repeats, int_list, mib, model_config, model_path, rank_device,
-                     run_world, write_rank_result)
+from .common import (PeakAnonymousMemory, check_repeats, int_list, measured_runs, mib, model_config, model_path,
+                     rank_device, run_world, write_rank_result)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DEFAULT_SIZE = {"tiny": (128, 96, 17), "real": (832, 480, 81)}  # width, height, frames
@@ -153,7 +153,12 @@ def format_table(rows: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     settings = resolve(args)
-    rows = [row for tp in settings["degrees"] for row in _run_world(tp, settings)]
+    run = measured_runs(len(settings["degrees"]))  # a world per degree
+    latent = "x".join(str(size) for size in settings["latent"][2:])
+    rows = []
+    for tp in settings["degrees"]:
+        run(f"tp {tp}, latent {latent}, {settings['repeats']} timed step{'s' * (settings['repeats'] != 1)}")
+        rows += _run_world(tp, settings)
     print(f"wanmesh bench tp: {settings['model']}, {settings['device']} {settings['dtype']}, latent "
           f"{list(settings['latent'])} ({settings['video_tokens']} tokens), {settings['num_blocks']} blocks, CFG step")
     print(format_table(rows))

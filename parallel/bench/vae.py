@@ -33,7 +33,7 @@ from ..config import LATENT_CHANNELS, TEMPORAL_STRIDE, VAE_SPATIAL_FACTOR
 from ..distributed.patch_parallel import assign_by_workload
 from ..distributed.spawn import slowest_rank_seconds, spawn_ranks
 from ..networks.vae_tiling import resolve_tile_options, split_spatial, tiled_decode, tiled_encode
-from .common import int_list
+from .common import int_list, measured_runs
 
 VAE_KINDS = ("2.1", "2.2")
 STAGES = ("decode", "encode")
@@ -70,10 +70,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     _check_devices(args.device, max(patches))
     samples: dict[tuple[str, int], list[dict]] = {(s, p): [] for s in stages for p in patches}
     outputs: dict[tuple[str, int], torch.Tensor] = {}
+    run = measured_runs(settings["rounds"] * len(stages) * len(patches))  # a world each
     for round_index in range(settings["rounds"]):
         order = patches if round_index % 2 == 0 else patches[::-1]
         for stage in stages:
             for patch in order:
+                run(f"{stage}, patch {patch}, round {round_index + 1}/{settings['rounds']}")
                 rows, output = _run_world(dict(settings, stage=stage, patch=patch), args.timeout)
                 samples[stage, patch].append(rows)
                 outputs.setdefault((stage, patch), output)

@@ -13,6 +13,7 @@ Exit codes: 0 done, 2 bad input (one line on stderr, found before any worker sta
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import traceback
 
@@ -125,8 +126,12 @@ def _run(args) -> int:
         stream.stream(args, files, defaults)
         return 0
     if args.command == "bench":
-        with Progress(getattr(args, "quiet", False)).phase(f"bench {args.bench}: {BENCHMARKS[args.bench][1]}"):
-            status = _bench_module(BENCHMARKS[args.bench][0]).run(args)
+        quiet = getattr(args, "quiet", False)
+        with Progress(quiet).phase(f"bench {args.bench}: {BENCHMARKS[args.bench][1]}"):
+            module = _bench_module(BENCHMARKS[args.bench][0])
+            if not quiet:  # a line per measured run (``bench/common.measured_runs``), in this process and its ranks
+                os.environ[_bench_module("common").PROGRESS_ENV] = args.bench
+            status = module.run(args)
         if not getattr(args, "quiet", False):
             finished(f"bench {args.bench} done")
         return status if isinstance(status, int) else 0  # some benchmarks return their rows
@@ -134,10 +139,12 @@ def _run(args) -> int:
 
 
 def _make_tiny(args) -> int:
-    with Progress(args.quiet).phase(f"write the {args.preset} models to {args.directory}"):
+    progress = Progress(args.quiet)
+    with progress.phase(f"write the {args.preset} models to {args.directory}"):
         from ..tiny.models import make_models
 
-        written = make_models(args.directory, args.preset)
+        written = make_models(args.directory, args.preset,
+                              lambda index, total, what: progress.say(f"  write {index}/{total}: {what}"))
     for name, path in written.items():
         print(f"{name:>14}: {path}")
     finished(f"wrote {len(written)} {args.preset} model files to {args.directory}")

@@ -180,6 +180,7 @@ def add_stream_arguments(sub) -> argparse.ArgumentParser:
     add_pool_arguments(p, "stream")
     p.set_defaults(vace_module=None)
     add_flag(p, "fps", "stream")
+    add_flag(p, "timings", "stream")
     p.add_argument("--out", type=Path, required=True, help="the MP4 file of the whole video")
     p.add_argument("--chunk-dir", type=Path, required=True, help="folder for chunk_000.mp4, chunk_001.mp4, ...")
     p.add_argument("--save-latents", type=Path, help="write the raw latents [B,16,T,h,w] as tensor 'latents'")

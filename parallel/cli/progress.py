@@ -119,6 +119,21 @@ class Progress:
         if step >= total:
             self.close_bar()
 
+    def runs(self, label: str, total: int):
+        """A ``run(what)`` callback called before each of ``total`` measured runs (a benchmark's): the line
+        ``label: run n/total (what)`` with the time per run and the time left so far; nothing when quiet. Lines on a
+        terminal too: a run takes seconds to minutes and each line says what it measures."""
+        started, count = time.perf_counter(), [0]
+
+        def run(what: str = "") -> None:
+            count[0] += 1
+            if not self.quiet:
+                done = count[0] - 1
+                rate = _rate(time.perf_counter() - started, done, total - done, "run")
+                self.say(f"{label}: run {count[0]}/{total}" + (f" ({what})" if what else "") + rate)
+
+        return run
+
     def close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -19,6 +19,7 @@ from ..config import (check_sampling, check_stream_layout, check_stream_options,
                       parse_stream_timesteps)
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
+from ..driver.timings import RunTimings
 from ..driver.stream_chunks import ChunkFolder, StreamChunk
 from ..image_to_video import stream_start_frame
 from ..protocol import StreamSample
@@ -57,8 +58,10 @@ class ChunkWriter:
     cannot be written there (DIR deleted or unwritable meanwhile) is a warning at once and is kept
     (``driver/stream_chunks.ChunkFolder``); ``finish`` fails naming the chunk files DIR still lacks."""
 
-    def __init__(self, folder: Path, fps: int, started: float, progress: Progress | None = None):
+    def __init__(self, folder: Path, fps: int, started: float, progress: Progress | None = None,
+                 timings: RunTimings | None = None):
         self.folder, self.fps, self.started = folder, fps, started
+        self.timings = timings if timings is not None else RunTimings()
         self.progress = progress or Progress(quiet=False)
         self.last = started
         self.written: list[Path] = []
@@ -75,9 +78,14 @@ class ChunkWriter:
             self.files.add(path.name, chunk.frames)
             self.written.append(path)
         where = path if path.is_file() else "kept in memory"
+        last_frame = chunk.start_frame + chunk.latents.shape[2] - 1
+        self.timings.chunks.append({
+            "index": chunk.index, "latent_frames": [chunk.start_frame, last_frame],
+            "frames": 0 if chunk.frames is None else int(chunk.frames.shape[0]),
+            "latency_s": now - self.last, "since_start_s": now - self.started})
         self.progress.close_bar()
         if not self.progress.quiet:
-            print(f"chunk {chunk.index}: latent frames {chunk.start_frame}..{chunk.start_frame + chunk.latents.shape[2] - 1}"
+            print(f"chunk {chunk.index}: latent frames {chunk.start_frame}..{last_frame}"
                   f", {0 if chunk.frames is None else chunk.frames.shape[0]} frames, {now - self.last:.2f} s "
                   f"(since start {now - self.started:.2f} s) -> {where}", flush=True)
         self.last = now
@@ -108,18 +116,19 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
     if estimate:
         progress.say(estimate)
     args.chunk_dir.mkdir(parents=True, exist_ok=True)
-    with progress.phase(f"start pool ({config.world} rank{'s' * (config.world > 1)})"):
+    timings = RunTimings()
+    with progress.phase(f"start pool ({config.world} rank{'s' * (config.world > 1)})", timings, "pool_start"):
         workers = WorkerPool(config)
     with workers as pool:
         runner = PoolRunner(pool)
-        with progress.phase("encode text"):
+        with progress.phase("encode text", timings, "text_encode"):
             prompts = encode_prompts(runner, args, paths)
-        with progress.phase("load model and VAE"):
+        with progress.phase("load model and VAE", timings, "weight_load"):
             model = runner.load_model(paths["model"], dtype=args.dtype, weights=args.weights)
             vae = runner.load_vae(paths["vae"], dtype=args.dtype)
         start_latent = None
         if args.start_image is not None:
-            with progress.phase("encode start image"):
+            with progress.phase("encode start image", timings, "vae_encode"):
                 start_latent = runner.encode(vae, stream_start_frame(args.start_image, args.width, args.height))
         request = StreamSample(
             handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
@@ -127,16 +136,19 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
             chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
             vae_handle=vae, preview=True, start_latent=start_latent, cache=cache_fields(args.step_cache),
         )
-        started = time.perf_counter()
-        writer = ChunkWriter(args.chunk_dir, args.fps, started, progress)
-        with progress.phase(f"stream ({shape[2]} latent frames, chunks of {args.chunk})"):
+        with progress.phase(f"stream ({shape[2]} latent frames, chunks of {args.chunk})", timings, "streaming"):
+            started = time.perf_counter()  # inside the phase: every chunk's time since start is within it
+            writer = ChunkWriter(args.chunk_dir, args.fps, started, progress, timings)
             result = runner.stream(request, on_chunk=writer, progress=progress.steps("chunk"))
         if result.cache_report:
             progress.say(f"  {describe_report(result.cache_report)}")
-    with progress.phase(f"write {args.out}"):
+    with progress.phase(f"write {args.out}", timings, "write"):
         if args.save_latents:  # latents before the video, so a failed write still leaves them
             save_tensors_atomic({"latents": result.latents.float()}, args.save_latents)
         write_mp4(result.frames, args.out, fps=args.fps)
         writer.finish(args.out)
+    if args.timings:
+        timings.write(args.timings)
+        print(f"  timings: {timings.summary()}", file=sys.stderr)
     finished(f"wrote {args.out} ({result.frames.shape[0]} frames, {len(writer.written)} chunks, "
              f"{config.describe()}; streaming {time.perf_counter() - started:.1f} s)")

@@ -1,7 +1,8 @@
 """The time breakdown of one run, in the driver (CLI or ComfyUI): the phases the driver waits for (pool start,
 text encode, weight load, VAE encode and decode, sampling, writing) and, from the workers' sampling reply, each
-rank's per-step compute and communication (``worker/timings.py``). ``wanmesh generate --timings FILE.json``
-writes it; the WanMesh Sampler logs its one-line summary after each run."""
+rank's per-step compute and communication (``worker/timings.py``); for a stream, each chunk's latency.
+``wanmesh generate --timings FILE.json`` and ``wanmesh stream --timings FILE.json`` write it; the WanMesh Sampler
+logs its one-line summary after each run."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class RunTimings:
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
         self.ranks: list[dict] = []
+        self.chunks: list[dict] = []  # a stream's chunks: index, latent frames, frames, seconds since the last
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -39,9 +41,15 @@ class RunTimings:
         return max(self.phases["sampling"] - slowest, 0.0)
 
     def to_dict(self) -> dict:
-        return {"phases_s": self.phases, "transfer_s": self.transfer_s(), "ranks": self.ranks}
+        chunks = {"chunks": self.chunks} if self.chunks else {}
+        return {"phases_s": self.phases, "transfer_s": self.transfer_s(), "ranks": self.ranks, **chunks}
 
     def summary(self) -> str:
+        if self.chunks:
+            latencies = [chunk["latency_s"] for chunk in self.chunks]
+            return (f"{len(self.chunks)} chunks, first after {latencies[0]:.2f} s, then median "
+                    f"{statistics.median(latencies[1:] or latencies):.2f} s per chunk"
+                    + "".join(f"; {name} {seconds:.2f} s" for name, seconds in self.phases.items()))
         if not self.ranks or not self.ranks[0]["steps"]:
             return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases.items())
         per_rank = [(statistics.median(s["wall_s"] for s in rank["steps"]),

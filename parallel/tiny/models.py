@@ -352,8 +352,20 @@ def _head_metadata(config: dict) -> dict[str, str]:
     return {"num_heads": str(config["num_attention_heads"])}
 
 
-def make_tiny(directory: str | Path) -> dict[str, Path]:
-    """Write the tiny model tree under `directory` and return the path of each model."""
+FileProgress = Callable[[int, int, str], None]  # (n, N, what is being written), called before each write
+
+
+def _write_all(root: Path, writes: list[tuple[str, Callable[[], object]]], progress: FileProgress | None) -> None:
+    """Each ``(what, write)`` in turn, announced to ``progress`` (``what`` relative to ``root``) before it runs."""
+    for index, (what, write) in enumerate(writes, 1):
+        if progress is not None:
+            progress(index, len(writes), str(Path(what).relative_to(root)) if Path(what).is_absolute() else what)
+        write()
+
+
+def make_tiny(directory: str | Path, progress: FileProgress | None = None) -> dict[str, Path]:
+    """Write the tiny model tree under `directory` and return the path of each model; ``progress(n, N, what)`` is
+    called before each file (or group of files) is written."""
     root = Path(directory)
     models = build_tiny_models()
     paths = {
@@ -372,20 +384,28 @@ def make_tiny(directory: str | Path) -> dict[str, Path]:
     heads = _head_metadata(TINY_TRANSFORMER)
     t2v_state = _transformer_state(models.t2v, TINY_TRANSFORMER)
     vace_state = _transformer_state(models.vace, TINY_VACE)
-    save_tensors_atomic(t2v_state, paths["t2v"], metadata=heads)
-    _write_ggufs(t2v_state, paths, TINY_TRANSFORMER["num_attention_heads"])
-    _write_scaled_fp8(t2v_state, paths["t2v_fp8_scaled"], heads)
-    save_tensors_atomic(vace_state, paths["vace"], metadata=heads)
     module_state = {key: tensor for key, tensor in vace_state.items() if key.startswith("vace_")}
-    save_tensors_atomic(module_state, paths["vace_module"], metadata=heads)
-    _write_vae_and_text_encoder(models, paths)
-    paths.update(_write_loras(root, t2v_state))
-    save_tensors_atomic(_transformer_state(build_tiny_low_noise_expert(), TINY_TRANSFORMER), paths["t2v_low"],
-                        metadata=heads)
-    _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)
-    _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)
-    paths.update(make_native_twins(root, models.spiece_model))
-    paths.update(make_image_to_video_models(root))
+    _write_all(root, [
+        (paths["t2v"], lambda: save_tensors_atomic(t2v_state, paths["t2v"], metadata=heads)),
+        (f"{paths['t2v_gguf_q8_0'].relative_to(root)}, {paths['t2v_gguf_q4_k'].name}",
+         lambda: _write_ggufs(t2v_state, paths, TINY_TRANSFORMER["num_attention_heads"])),
+        (paths["t2v_fp8_scaled"], lambda: _write_scaled_fp8(t2v_state, paths["t2v_fp8_scaled"], heads)),
+        (paths["vace"], lambda: save_tensors_atomic(vace_state, paths["vace"], metadata=heads)),
+        (paths["vace_module"], lambda: save_tensors_atomic(module_state, paths["vace_module"], metadata=heads)),
+        (f"{paths['vae'].relative_to(root)}, {paths['text_encoder'].relative_to(root)}",
+         lambda: _write_vae_and_text_encoder(models, paths)),
+        ("loras/ (one per format)", lambda: paths.update(_write_loras(root, t2v_state))),
+        (paths["t2v_low"], lambda: save_tensors_atomic(_transformer_state(build_tiny_low_noise_expert(),
+                                                                          TINY_TRANSFORMER), paths["t2v_low"],
+                                                       metadata=heads)),
+        (paths["diffusers_t2v"], lambda: _write_pipeline(paths["diffusers_t2v"], WanPipeline, models.t2v, models)),
+        (paths["diffusers_vace"],
+         lambda: _write_pipeline(paths["diffusers_vace"], WanVACEPipeline, models.vace, models)),
+        ("the models ComfyUI loads natively (T2V, VACE, umT5)",
+         lambda: paths.update(make_native_twins(root, models.spiece_model))),
+        ("the image-to-video models, CLIP vision and the Wan 2.2 VAE",
+         lambda: paths.update(make_image_to_video_models(root))),
+    ], progress)
     return paths
 
 
@@ -441,7 +461,7 @@ def build_medium_transformer(seed: int = SEED + 5) -> WanTransformer3DModel:
     return model.eval().requires_grad_(False)
 
 
-def make_medium(directory: str | Path) -> dict[str, Path]:
+def make_medium(directory: str | Path, progress: FileProgress | None = None) -> dict[str, Path]:
     """Write the medium preset under `directory` (``files.MEDIUM_FILES``): the medium T2V transformer in bf16,
     ComfyUI scaled fp8, Q8_0 and Q4_K GGUF (all made from the bf16 weights), and the tiny VAE and text encoder;
     returns the path of each."""
@@ -451,22 +471,27 @@ def make_medium(directory: str | Path) -> dict[str, Path]:
     state = {key: tensor.to(torch.bfloat16) for key, tensor in float_state.items()}
     del float_state
     heads = _head_metadata(MEDIUM_TRANSFORMER)
-    save_tensors_atomic(state, paths["model"], metadata=heads)
-    _write_scaled_fp8(state, paths["model_fp8_scaled"], heads)
-    _write_ggufs(state, {"t2v_gguf_q8_0": paths["model_gguf"], "t2v_gguf_q4_k": paths["model_gguf_q4_k"]},
-                 MEDIUM_TRANSFORMER["num_attention_heads"])
-    _write_vae_and_text_encoder(build_tiny_models(), paths)
+    ggufs = {"t2v_gguf_q8_0": paths["model_gguf"], "t2v_gguf_q4_k": paths["model_gguf_q4_k"]}
+    _write_all(root, [
+        (paths["model"], lambda: save_tensors_atomic(state, paths["model"], metadata=heads)),
+        (paths["model_fp8_scaled"], lambda: _write_scaled_fp8(state, paths["model_fp8_scaled"], heads)),
+        (f"{paths['model_gguf'].relative_to(root)}, {paths['model_gguf_q4_k'].name}",
+         lambda: _write_ggufs(state, ggufs, MEDIUM_TRANSFORMER["num_attention_heads"])),
+        (f"{paths['vae'].relative_to(root)}, {paths['text_encoder'].relative_to(root)}",
+         lambda: _write_vae_and_text_encoder(build_tiny_models(), paths)),
+    ], progress)
     return paths
 
 
 PRESETS = {"tiny": make_tiny, "medium": make_medium}
 
 
-def make_models(directory: str | Path, preset: str = "tiny") -> dict[str, Path]:
-    """`wanmesh make-tiny DIR [--preset P]`: write preset ``preset``'s models under ``directory``."""
+def make_models(directory: str | Path, preset: str = "tiny", progress: FileProgress | None = None) -> dict[str, Path]:
+    """`wanmesh make-tiny DIR [--preset P]`: write preset ``preset``'s models under ``directory``, announcing each
+    file to ``progress(n, N, what)``."""
     if preset not in PRESETS:
         raise ValueError(f"preset {preset!r} is unknown; valid: {', '.join(PRESETS)}")
-    return PRESETS[preset](directory)
+    return PRESETS[preset](directory, progress)
 
 
 def _write_loras(root: Path, t2v_state: dict[str, torch.Tensor]) -> dict[str, Path]:

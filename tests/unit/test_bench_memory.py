@@ -42,8 +42,8 @@ def test_one_rank_on_the_tiny_gguf(tiny_models, tmp_path, capsys):
     (row,) = result["ranks"]
     assert row["file_slice_bytes"] == memory.file_slice_bytes(result["model"], 1)
     assert row["file_slice_bytes"] < tiny_models["t2v_gguf_q8_0"].stat().st_size
-    table = capsys.readouterr().out
-    assert "Q8_0" in table and "keep s/step" in table and len(table.splitlines()) == 5
+    *table, done = capsys.readouterr().out.splitlines()  # the table, then the command's result line
+    assert "Q8_0" in table[0] and "keep s/step" in table[1] and len(table) == 5 and done.startswith("bench memory done")
 
 
 def test_two_tensor_parallel_ranks_on_the_tiny_scaled_fp8(tiny_models, tmp_path):
