@@ -347,14 +347,19 @@ def check_output_path(path: str | Path, flag: str, suffixes: tuple[str, ...] | N
     if target.is_dir():
         raise ValueError(f"{flag} {target} is a folder; give a file name")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        probe = target.parent / f".{target.name}.{secrets.token_hex(4)}.probe"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        probe.unlink()
+        _probe_writable(target.parent, target.name)
     except OSError as error:
         raise ValueError(f"{flag} {target} cannot be written ({error.strerror}: {error.filename or target.parent}); "
                          "give a path in a folder you can write to") from None
     return target
+
+
+def _probe_writable(folder: Path, name: str) -> None:
+    """Make ``folder`` (when missing) and create and remove a hidden file in it; raises OSError where it can't."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".{name}.{secrets.token_hex(4)}.probe"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    probe.unlink()
 
 
 def check_chunk_folder(folder: str | Path, flag: str) -> Path:
@@ -363,10 +368,7 @@ def check_chunk_folder(folder: str | Path, flag: str) -> Path:
     if target.exists() and not target.is_dir():
         raise ValueError(f"{flag} {target} is a file; give a folder for the chunk files")
     try:
-        target.mkdir(parents=True, exist_ok=True)
-        probe = target / f".chunk.{secrets.token_hex(4)}.probe"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        probe.unlink()
+        _probe_writable(target, "chunk")
     except OSError as error:
         raise ValueError(f"{flag} {target} cannot take the chunk files ({error.strerror}); give a folder you can "
                          "write to") from None
