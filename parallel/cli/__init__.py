@@ -126,16 +126,31 @@ def _run(args) -> int:
         stream.stream(args, files, defaults)
         return 0
     if args.command == "bench":
-        quiet = getattr(args, "quiet", False)
+        return _bench(args)
+    return 2
+
+
+def _bench(args) -> int:
+    """One benchmark with its phase line, a line per measured run (``bench/common.measured_runs``, switched on
+    through the environment so that spawned ranks inherit it, and off again afterwards for a caller that goes on,
+    such as a test calling ``main``) and the result line."""
+    quiet = getattr(args, "quiet", False)
+    progress_env = _bench_module("common").PROGRESS_ENV
+    before = os.environ.get(progress_env)
+    try:
         with Progress(quiet).phase(f"bench {args.bench}: {BENCHMARKS[args.bench][1]}"):
             module = _bench_module(BENCHMARKS[args.bench][0])
-            if not quiet:  # a line per measured run (``bench/common.measured_runs``), in this process and its ranks
-                os.environ[_bench_module("common").PROGRESS_ENV] = args.bench
+            if not quiet:
+                os.environ[progress_env] = args.bench
             status = module.run(args)
-        if not getattr(args, "quiet", False):
-            finished(f"bench {args.bench} done")
-        return status if isinstance(status, int) else 0  # some benchmarks return their rows
-    return 2
+    finally:
+        if before is None:
+            os.environ.pop(progress_env, None)
+        else:
+            os.environ[progress_env] = before
+    if not quiet:
+        finished(f"bench {args.bench} done")
+    return status if isinstance(status, int) else 0  # some benchmarks return their rows
 
 
 def _make_tiny(args) -> int:
