@@ -168,6 +168,8 @@ def uni_pc(denoise: Denoise, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise
     order = min(3, len(times) - 2)
     t0 = times[0].expand(x.shape[0])
     models, history = [solver.predict(x, t0)], [t0]
+    if order == 0:  # one step: ComfyUI's UniPC loop makes its first model call and ends before any update
+        return x / _alpha(times[-1])
     for index in range(1, steps + 1):
         t = times[index].expand(x.shape[0])
         if index < order:

@@ -74,6 +74,12 @@ for scheduler in ("simple", "karras"):
     out[f"sigmas_uni_pc_{scheduler}"] = dropped.clone()
     out[f"run_uni_pc_{scheduler}"] = uni_pc.sample_unipc(Toy(sampling), start.clone(), dropped, extra_args={}, disable=True)
     out[f"last_sigma_uni_pc_{scheduler}"] = dropped[-1:].clone()
+    for steps in (1, 2):  # the shortest runs: one step makes the first model call and no update
+        longer = comfy.samplers.calculate_sigmas(sampling, scheduler, steps + 1)
+        short = torch.cat([longer[:-2], longer[-1:]])
+        start_short = sampling.noise_scaling(short[0], x, torch.zeros_like(x))
+        out[f"run_uni_pc_{scheduler}_{steps}"] = uni_pc.sample_unipc(Toy(sampling), start_short.clone(), short,
+                                                                    extra_args={}, disable=True)
 save_file({key: value.contiguous() for key, value in out.items()}, out_file)
 """
 
@@ -125,3 +131,17 @@ def test_every_sampler_equals_comfyuis_on_a_toy_flow_model(native, name, schedul
     difference = (ours - theirs).abs().max().item()
     assert difference <= TOLERANCE, f"{name}/{scheduler}: {difference:.3g} from ComfyUI's"
     assert (ours - start).abs().max() > 0.1, "the run must move the latent for the comparison to mean anything"
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+@pytest.mark.parametrize("scheduler", ["simple", "karras"])
+def test_the_shortest_uni_pc_runs_equal_comfyuis(native, scheduler, steps) -> None:
+    """One step of ComfyUI's uni_pc ends before its first update (its loop only makes the first model call); two
+    steps are one predictor-corrector step and a last predictor step."""
+    sigmas = run_sigmas(scheduler, steps, 3.0, discard_penultimate=True)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
+    start = sigmas[0] * x
+    ours = solve("uni_pc", toy_denoise, start.clone(), sigmas, lambda: None)
+    theirs = native[f"run_uni_pc_{scheduler}_{steps}"]
+    difference = (ours - theirs).abs().max().item()
+    assert difference <= TOLERANCE, f"uni_pc/{scheduler}/{steps} steps: {difference:.3g} from ComfyUI's"
