@@ -463,42 +463,16 @@ def check_vae_decode(run: Run) -> dict:
 # -- two ranks on one device ------------------------------------------------------------------------------------
 
 
-def _pair_entry(rank: int, world: int, store_path: str, backend: str, device: str, function: Callable,
-                args: tuple) -> None:
-    import datetime as dt
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    local = torch.device(device)
-    if local.type == "cuda":
-        torch.cuda.set_device(local)
-    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=dt.timedelta(seconds=120))
-    try:
-        function(rank, local, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn_pair(function: Callable, args: tuple, backend: str, device: torch.device, deadline_s: float) -> None:
-    """Two ranks on the same ``device`` (``distributed/spawn.py`` gives each rank its own GPU), killed at the
-    deadline."""
-    import torch.multiprocessing as mp
+    """``function(rank, device, *args)`` on two ranks that share ``device``, killed at the deadline."""
+    from ..distributed.spawn import spawn_ranks
 
-    with tempfile.TemporaryDirectory() as folder:
-        context = mp.start_processes(_pair_entry, args=(2, str(Path(folder, "store")), backend, str(device), function,
-                                                        args), nprocs=2, join=False, start_method="spawn")
-        deadline = time.monotonic() + deadline_s
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"two {backend} ranks missed their {deadline_s:.0f} s deadline")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+    spawn_ranks(_on_shared_device, 2, args=(function, str(device), args), device=str(device), deadline_s=deadline_s,
+                pg_timeout_s=120.0, backend=backend)
+
+
+def _on_shared_device(rank: int, world: int, function: Callable, device: str, args: tuple) -> None:
+    function(rank, torch.device(device), *args)
 
 
 def _nccl_probe(rank: int, device: torch.device) -> None:

@@ -23,14 +23,22 @@ class DeadlineExceeded(TimeoutError):
     """The spawned world did not finish in time; its ranks were killed."""
 
 
+def rank_device(rank: int, device: str) -> torch.device:
+    """A rank's device: ``"cuda"`` gives each rank its own GPU, a numbered one (``"cuda:0"``) puts every rank on
+    that GPU, anything else is the CPU."""
+    if device == "cuda":
+        return torch.device("cuda", rank)
+    return torch.device(device) if device.startswith("cuda:") else torch.device("cpu")
+
+
 def _rank_entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, device: str,
-                pg_timeout_s: float, threads: int) -> None:
+                pg_timeout_s: float, threads: int, backend: str | None) -> None:
     torch.set_num_threads(threads)
-    local = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    local = rank_device(rank, device)
     if local.type == "cuda":
         torch.cuda.set_device(local)
     dist.init_process_group(
-        "nccl" if local.type == "cuda" else "gloo",
+        backend or ("nccl" if local.type == "cuda" else "gloo"),
         store=dist.FileStore(store_path, world),
         rank=rank,
         world_size=world,
@@ -51,14 +59,16 @@ def spawn_ranks(
     deadline_s: float = 300.0,
     pg_timeout_s: float = 60.0,
     threads: int = 1,
+    backend: str | None = None,
 ) -> None:
-    """Call `fn(rank, world, *args)` on `world` spawned ranks (module-level `fn`, picklable `args`).
+    """Call `fn(rank, world, *args)` on `world` spawned ranks (module-level `fn`, picklable `args`), on the
+    devices ``rank_device`` gives, joined by ``backend`` (default: NCCL on CUDA, gloo on the CPU).
 
     Results travel however `fn` chooses (typically files in a folder passed in `args`)."""
     with tempfile.TemporaryDirectory() as folder:
         store_path = str(Path(folder) / "store")
         context = mp.start_processes(
-            _rank_entry, args=(world, store_path, fn, args, device, pg_timeout_s, threads),
+            _rank_entry, args=(world, store_path, fn, args, device, pg_timeout_s, threads, backend),
             nprocs=world, join=False, start_method="spawn",
         )
         deadline = time.monotonic() + deadline_s
