@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..auto_layout import CROSS_HOST_COLUMN, Job, ModelCost, Prediction, choose
+from ..auto_layout import CROSS_HOST_COLUMN, Job, ModelCost, Prediction, choose, explain
 from ..calibration import machine_for
 from ..config import ParallelConfig, latent_shape
 from ..driver.pool import WorkerPool
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> dict:
                           ray_address=args.ray_address or None)
     machine = machine_for(base, reprobe=args.reprobe)
     ranked = choose(args.world, ModelCost.from_file(path), job, machine)
+    print(explain(ranked, job), flush=True)
     chosen = ranked[0]
     subset = measured_subset(ranked, args.max_layouts)
     text_dim = model_config(path)["text_dim"]
