@@ -122,6 +122,7 @@ def test_bench_plan_on_two_hosts_marks_the_groups_that_cross_hosts(cluster, tiny
         assert mark == (", ".join(crossing_groups(layouts[name], 4, RANK_HOSTS)) or "none"), line
         marked.append(mark)
     assert any(mark != "none" for mark in marked) or len(layouts) <= 3, done.stdout
+    print("\n".join(lines[header - 1:header + 1 + len(rows)]))  # the table, for the log (-s)
 
 
 def test_world_four_equals_world_one_then_a_host_lost_mid_sample_is_named(cluster, model, tmp_path):
@@ -196,5 +197,6 @@ def test_a_host_lost_mid_prompt_on_a_comfyui_server(cluster, comfyui_dir, tiny_m
             and f"world=4 needs 4 CPU slots but the Ray cluster at {cluster.address} has 2 ({head.address}: 2)"
             in following["errors"][0]), (variant, following)
         assert seen["leftovers"] == [], (variant, seen["leftovers"])
+        print(f"{variant}: ended {seen['ended_after_s']:.1f} s after the loss: {line}; next: {following}")
     assert list(report["variants"]) == ["raylet", "link"]
     assert report["left_behind"] == []
