@@ -113,7 +113,7 @@ def machine_from_dict(figures: dict) -> Machine:
 
 
 def _host_links_text(figures: dict) -> str:
-    return "; ".join(f"{where} a host all-reduce {kinds['all_reduce']['latency_s'] * 1e3:.3f} ms + "
+    return "; ".join(f"{where}: all-reduce {kinds['all_reduce']['latency_s'] * 1e3:.3f} ms + "
                      f"{kinds['all_reduce']['bytes_per_s'] / 1e9:.2f} GB/s"
                      for where, kinds in figures.get("host_links", {}).items())
 

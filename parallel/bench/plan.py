@@ -11,7 +11,8 @@ times it and stops it, so one pool at a time holds the weights. The table prints
 seconds per step (median, fastest..slowest), the Spearman rank correlation of the two, the layout ``auto`` chose
 and how far its measured time is from the best measured one. ``--json`` writes ``layouts`` (``layout``,
 ``predicted_s``, ``measured_s``, spread, degrees, ``cross_host``: the groups that cross hosts, null on one host)
-and ``chosen``; ``--plot`` draws predicted against measured. ``--backend ray --ray-address HOST:PORT`` runs every
+and ``chosen``; ``--plot`` draws predicted against measured. The auto layout's table of every candidate is printed
+first. ``--backend ray --ray-address HOST:PORT`` runs every
 pool (the calibration's too) as actors on that Ray cluster, placed by host as the Ray backend places them.
 """
 
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
                           ray_address=args.ray_address or None)
     machine = machine_for(base, reprobe=args.reprobe)
     ranked = choose(args.world, ModelCost.from_file(path), job, machine)
-    print(explain(ranked, job), flush=True)
+    print(explain(ranked, job, shown=len(ranked)), flush=True)  # the model's whole ranking, measured or not
     chosen = ranked[0]
     subset = measured_subset(ranked, args.max_layouts)
     text_dim = model_config(path)["text_dim"]
