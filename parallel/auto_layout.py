@@ -15,6 +15,14 @@ bandwidth`` with the latency and bandwidth measured for that collective within g
 * CFG parallel: one exchange of the guidance prediction per step;
 * data parallel: nothing (with a batch of one the extra replicas wait, and share the VAE tiles).
 
+On a pool whose ranks sit on several hosts (``Machine.rank_hosts``, a Ray pool placed by host) the probe also
+measures a pair of ranks inside a host and a pair across hosts (``Machine.host_links``); a group whose ranks span
+hosts (``crossing_groups``: the mesh is tp fastest, then ring, Ulysses, CFG, so tp groups are the first to stay
+inside a host) pays the link across hosts, its latency and bandwidth taken as the worse of the group's own
+measured price and the cross-host pair's (a ring collective runs at its slowest hop). So a layout that keeps the
+chatty groups inside a host ranks first, and the table names the groups that cross hosts. On one host nothing of
+this applies: the prices are those of before.
+
 Memory per rank is the transformer file's bytes over tp (quantized files stay quantized) plus the activations
 of the rank's sequence share; layouts that do not fit the free memory (or ``memory_budget_gb``) are left out,
 and when none fits the error names the bytes needed per rank against those free. The VAE's tiles are shared by
@@ -149,16 +157,34 @@ class Machine:
     busy_latencies: tuple[tuple[int, float], ...] = ()  # (group size, the same within groups of that size)
     cpu_cores: int = 0  # the cores CPU ranks share (0: every rank has a device of its own)
     rank_threads: int = 1  # the threads each CPU rank computes with
+    rank_hosts: tuple[int, ...] = ()  # each rank's host (an index), in rank order; () or all equal: one host
+    host_links: tuple[tuple[str, str, Link], ...] = ()  # ("inside" / "across", kind, price) of a pair of ranks
 
-    def link(self, kind: str, size: int, *, every_rank_busy: bool = False, alone: bool = False) -> Link:
+    @property
+    def hosts(self) -> int:
+        return len(set(self.rank_hosts)) or 1
+
+    def across_hosts(self, kind: str, link: Link) -> Link:
+        """``link`` for a group whose ranks span hosts: the worse latency and bandwidth of it and of the pair of
+        ranks measured across hosts (unchanged when no such pair was measured)."""
+        across = {name: measured for where, name, measured in self.host_links if where == "across"}.get(kind)
+        if across is None:
+            return link
+        return Link(max(link.latency_s, across.latency_s), min(link.bytes_per_s, across.bytes_per_s))
+
+    def link(self, kind: str, size: int, *, every_rank_busy: bool = False, alone: bool = False,
+             crosses_hosts: bool = False) -> Link:
         """The price of collective ``kind`` within groups of ``size`` ranks (every group at once, or one group
-        ``alone`` while the others wait), as measured when the calibration has that size, else the whole world's.
+        ``alone`` while the others wait), as measured when the calibration has that size, else the whole world's;
+        for groups whose ranks span hosts, no better than the link across hosts (``across_hosts``).
         With every rank computing between calls a call costs at least the busy latency measured within groups of
         that size: ranks that share cores wait for their partners' turn on one."""
         measured = {(group_size, name): link for group_size, name, link in self.group_links}
         if alone:
             measured.update({(group_size, name): link for group_size, name, link in self.group_links_alone})
         link = measured.get((size, kind), getattr(self, kind))
+        if crosses_hosts:
+            link = self.across_hosts(kind, link)
         busy = dict(self.busy_latencies).get(size, self.busy_latency_s)
         if every_rank_busy and busy > link.latency_s:
             return Link(busy, link.bytes_per_s)
@@ -237,6 +263,7 @@ class Prediction:
     communication_s: float
     memory_bytes: int
     fits: bool
+    cross_host: tuple[str, ...] | None = None  # the layout's groups whose ranks span hosts; None on one host
 
 
 
@@ -249,6 +276,27 @@ def degrees_set(tp: int, ulysses: int, ring: int, vae_patch: int, cfg_parallel: 
 
 def _divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
+
+
+GROUP_DIMS = ("cfg", "ulysses", "ring", "tp")  # the mesh's dimensions inside dp, outermost first (config.MESH_DIMS)
+
+
+def group_ranks(layout: Layout, world: int, dim: str) -> list[list[int]]:
+    """The ranks of each group along mesh dimension ``dim`` (row-major over dp, cfg, ulysses, ring, tp; tp
+    varies fastest, as ``config.rank_coordinates``)."""
+    sizes = {"cfg": 2 if layout.cfg_parallel else 1, "ulysses": layout.ulysses, "ring": layout.ring, "tp": layout.tp}
+    size = sizes[dim]
+    stride = math.prod(sizes[inner] for inner in GROUP_DIMS[GROUP_DIMS.index(dim) + 1:])
+    firsts = [rank for rank in range(world) if rank // stride % size == 0]
+    return [[first + k * stride for k in range(size)] for first in firsts]
+
+
+def crossing_groups(layout: Layout, world: int, rank_hosts: tuple[int, ...]) -> tuple[str, ...]:
+    """The layout's group kinds (tp, ring, ulysses, cfg) with a group whose ranks sit on more than one host."""
+    if len(set(rank_hosts)) < 2:
+        return ()
+    return tuple(dim for dim in reversed(GROUP_DIMS)
+                 if any(len({rank_hosts[rank] for rank in ranks}) > 1 for ranks in group_ranks(layout, world, dim)))
 
 
 def vae_patch_for(job: Job, world: int) -> int:
@@ -297,19 +345,21 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     passes = math.ceil(job.batch / dp) * (2 if job.guidance and not layout.cfg_parallel else 1)
     tokens, text, dim = job.video_tokens(model), model.text_tokens, model.dim
     local = math.ceil(tokens / sequence_split)
+    crossing = crossing_groups(layout, world, machine.rank_hosts) if machine.hosts > 1 else None
     linear, attention = block_flops(model, tokens, sequence_split)
     active = world // dp * min(dp, job.batch)  # replicas without a batch row wait
     speed_up = machine.speed_up(world, active)
     compute_block = linear / layout.tp / machine.matmul_flops / speed_up
     attention_block = attention / layout.tp / machine.attention_flops / speed_up
-    communication = _block_communication(layout, local, text, dim, machine, attention_block, active, world)
+    communication = _block_communication(layout, local, text, dim, machine, attention_block, active, world,
+                                         crossing or ())
     step_compute = passes * model.layers * (compute_block + attention_block)
     step_communication = (passes * model.layers * communication
-                          + _guidance_exchange(layout, model, job, machine, active, world))
+                          + _guidance_exchange(layout, model, job, machine, active, world, crossing or ()))
     activations = activation_bytes(math.ceil(job.batch / dp), local, dim, machine.element_bytes)
     memory = model.weight_bytes // layout.tp + activations
     return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
-                      memory <= machine.free_bytes)
+                      memory <= machine.free_bytes, crossing)
 
 
 TP_ALL_REDUCES_PER_BLOCK = 7  # three of the activations, four of the q/k norm statistics
@@ -338,29 +388,31 @@ def block_bytes(layout: Layout, local: int, text: int, dim: int, element: int) -
 
 
 def _block_communication(layout: Layout, local: int, text: int, dim: int, machine: Machine,
-                         attention_s: float, active: int, world: int) -> float:
+                         attention_s: float, active: int, world: int, crossing: tuple[str, ...] = ()) -> float:
     """Seconds one rank spends in the collectives of one transformer block's forward, with ``active`` of the
-    ``world`` ranks computing (``_link``)."""
+    ``world`` ranks computing (``_link``); the groups named in ``crossing`` span hosts."""
     moved, calls = block_bytes(layout, local, text, dim, machine.element_bytes), block_calls(layout)
-    seconds = {kind: _link(machine, kind, size, active, world).seconds(calls[kind], moved[kind])
-               for kind, size in (("all_reduce", layout.tp), ("all_to_all", layout.ulysses),
-                                  ("send_recv", layout.ring)) if size > 1}
+    seconds = {kind: _link(machine, kind, size, active, world, group in crossing).seconds(calls[kind], moved[kind])
+               for kind, size, group in (("all_reduce", layout.tp, "tp"), ("all_to_all", layout.ulysses, "ulysses"),
+                                         ("send_recv", layout.ring, "ring")) if size > 1}
     ring = seconds.pop("send_recv", 0.0)
     return sum(seconds.values()) + max(ring - machine.overlap * attention_s, (1 - machine.overlap) * ring)
 
 
 def _guidance_exchange(layout: Layout, model: ModelCost, job: Job, machine: Machine, active: int,
-                       world: int) -> float:
+                       world: int, crossing: tuple[str, ...] = ()) -> float:
     """CFG parallel: the two halves swap their predictions once per step (float32 latents of the batch)."""
     if not layout.cfg_parallel:
         return 0.0
-    return _link(machine, "all_reduce", 2, active, world).seconds(1, 4 * job.latent_elements(model))
+    link = _link(machine, "all_reduce", 2, active, world, "cfg" in crossing)
+    return link.seconds(1, 4 * job.latent_elements(model))
 
 
-def _link(machine: Machine, kind: str, size: int, active: int, world: int) -> Link:
+def _link(machine: Machine, kind: str, size: int, active: int, world: int, crosses_hosts: bool = False) -> Link:
     """A collective's price within groups of ``size`` while ``active`` of the ``world`` ranks compute: every rank
     busy, or (replicas without a batch row waiting) the one group of the active ranks alone."""
-    return machine.link(kind, size, every_rank_busy=active == world, alone=active == size)
+    return machine.link(kind, size, every_rank_busy=active == world, alone=active == size,
+                        crosses_hosts=crosses_hosts)
 
 
 def rank_layouts(world: int, model: ModelCost, job: Job, machine: Machine, *,
@@ -368,7 +420,8 @@ def rank_layouts(world: int, model: ModelCost, job: Job, machine: Machine, *,
     """Every candidate's prediction, fastest first (those that fit before those that do not)."""
     predictions = [predict(layout, world, model, job, machine)
                    for layout in candidate_layouts(world, model, job, streaming=streaming)]
-    return sorted(predictions, key=lambda p: (not p.fits, p.step_s, p.layout.tp, p.layout.ring))
+    return sorted(predictions, key=lambda p: (not p.fits, p.step_s, len(p.cross_host or ()), p.layout.tp,
+                                              p.layout.ring))
 
 
 def choose(world: int, model: ModelCost, job: Job, machine: Machine, *, streaming: bool = False) -> list[Prediction]:
@@ -386,11 +439,18 @@ def choose(world: int, model: ModelCost, job: Job, machine: Machine, *, streamin
 
 
 def explain(ranked: list[Prediction], job: Job, shown: int = 3) -> str:
-    """The chosen layout and the next ones as a small table, for the log."""
+    """The chosen layout and the next ones as a small table, for the log; on several hosts a last column names
+    the groups that cross hosts ("none" when every group stays inside one)."""
+    several = any(prediction.cross_host is not None for prediction in ranked)
     lines = [f"auto layout ({job.width}x{job.height}, {job.frames} frames, {job.steps} steps):",
-             f"  {'layout':<40} {'s/step':>8} {'compute':>8} {'comm':>8} {'GiB/rank':>9}"]
+             f"  {'layout':<40} {'s/step':>8} {'compute':>8} {'comm':>8} {'GiB/rank':>9}"
+             + (f"  {CROSS_HOST_COLUMN}" if several else "")]
     for index, prediction in enumerate(ranked[:shown]):
         mark = "*" if index == 0 else " "
+        crossing = f"  {', '.join(prediction.cross_host or ()) or 'none'}" if several else ""
         lines.append(f"{mark} {prediction.layout.name():<40} {prediction.step_s:>8.3f} {prediction.compute_s:>8.3f} "
-                     f"{prediction.communication_s:>8.3f} {prediction.memory_bytes / 2**30:>9.3f}")
+                     f"{prediction.communication_s:>8.3f} {prediction.memory_bytes / 2**30:>9.3f}{crossing}")
     return "\n".join(lines)
+
+
+CROSS_HOST_COLUMN = "across hosts"

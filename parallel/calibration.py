@@ -12,6 +12,12 @@ each is the fastest of three interleaved rounds (a slow spell on a shared machin
 The result is cached as JSON per machine, device set and world (``$WANMESH_CACHE/calibration/``, readable by
 users; a cache of an older probe is probed again); ``reprobe=True`` (``--reprobe``) measures again. Ranks of
 different speeds (a mixed GPU set) are named in the log.
+
+Ranks on several hosts (a Ray pool placed by host): each rank says its host (its Ray node's address), and the
+probe also times each collective between two ranks of one host and between rank 0 and a rank of another host,
+one pair at a time (``host_links``), so the cost model prices the groups that cross hosts on the slower link. A
+Ray pool is calibrated by its own actors (a short-lived pool when no running pool is given), its figures cached
+under the cluster's address.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,7 +53,10 @@ SPEED_ROUNDS = 3  # interleaved rounds of the speed probes; the fastest counts
 
 def cache_file(config: ParallelConfig) -> Path:
     devices = "-".join(config.rank_devices()).replace(":", "")
-    return cache_root() / "calibration" / f"{platform.node() or 'machine'}-{devices}-world{config.world}.json"
+    where = platform.node() or "machine"
+    if config.backend == "ray":
+        where = "ray-" + "".join(c if c.isalnum() or c == "." else "_" for c in config.ray_address or "auto")
+    return cache_root() / "calibration" / f"{where}-{devices}-world{config.world}.json"
 
 
 def choose_layout(config: ParallelConfig, model_path: str, job: Job, *, streaming: bool, reprobe: bool = False,
@@ -71,6 +81,8 @@ def machine_for(config: ParallelConfig, *, reprobe: bool = False, runner=None) -
             log.warning("calibration %s is unreadable; probing again", path)
     started = time.perf_counter()
     figures = combine(config, runner.calibrate() if runner is not None else probe_ranks(config))
+    if figures.get("hosts"):
+        log.info("calibrated links on %d hosts: %s", len(set(figures["hosts"])), _host_links_text(figures))
     figures["probe_s"], figures["version"] = round(time.perf_counter() - started, 2), PROBE_VERSION
     with written_atomically(path) as temporary:
         temporary.write_text(json.dumps(figures, indent=2))
@@ -94,13 +106,29 @@ def machine_from_dict(figures: dict) -> Machine:
                    busy_latencies=tuple(sorted((int(size), float(seconds))
                                                for size, seconds in figures.get("busy_latencies", {}).items())),
                    cpu_cores=int(figures.get("cpu_cores", 0)), rank_threads=int(figures.get("rank_threads", 1)),
+                   rank_hosts=tuple(int(h) for h in figures.get("rank_hosts", ())),
+                   host_links=tuple((where, name, Link(**kinds[name]))
+                                    for where, kinds in figures.get("host_links", {}).items() for name in LINK_KINDS),
                    **links)
 
 
+def _host_links_text(figures: dict) -> str:
+    return "; ".join(f"{where}: all-reduce {kinds['all_reduce']['latency_s'] * 1e3:.3f} ms + "
+                     f"{kinds['all_reduce']['bytes_per_s'] / 1e9:.2f} GB/s"
+                     for where, kinds in figures.get("host_links", {}).items())
+
+
 def probe_ranks(config: ParallelConfig) -> list[dict]:
-    """Each rank's figures, measured on ``config.world`` fresh ranks on the pool's devices."""
+    """Each rank's figures, measured on ``config.world`` fresh ranks on the pool's devices (on a Ray pool: a
+    short-lived pool's actors, wherever Ray places them)."""
     from .distributed.spawn import spawn_ranks
 
+    if config.backend == "ray":
+        from .driver.pool import WorkerPool
+        from .driver.runner import PoolRunner
+
+        with WorkerPool(config) as pool:
+            return PoolRunner(pool).calibrate()
     cuda = config.rank_devices()[0].startswith("cuda")
     threads = max(1, (os.cpu_count() or 1) // config.world)
     with tempfile.TemporaryDirectory() as folder:
@@ -131,7 +159,17 @@ def combine(config: ParallelConfig, ranks: list[dict]) -> dict:
             **ranks[0]["group_links"].get(str(config.world), _no_links()), "group_links": ranks[0]["group_links"],
             "group_links_alone": ranks[0].get("group_links_alone", {}),
             "busy_latency_s": busy.get(str(config.world), 0.0), "busy_latencies": busy,
-            "cpu_cores": 0 if cuda else ranks[0]["cpu_cores"], "rank_threads": ranks[0]["threads"]}
+            "cpu_cores": 0 if cuda else ranks[0]["cpu_cores"], "rank_threads": ranks[0]["threads"],
+            **_hosts(ranks)}
+
+
+def _hosts(ranks: list[dict]) -> dict:
+    """On several hosts: each rank's host, its index (first seen first) and the pairs' links; else nothing."""
+    hosts = [rank.get("host", "") for rank in ranks]
+    if len(set(hosts)) < 2:
+        return {}
+    index = {host: number for number, host in enumerate(dict.fromkeys(hosts))}
+    return {"hosts": hosts, "rank_hosts": [index[host] for host in hosts], "host_links": ranks[0].get("host_links", {})}
 
 
 def _name_slow_ranks(ranks: list[dict], devices: list[str]) -> None:
@@ -179,12 +217,54 @@ def measure_rank(world: int, device: torch.device) -> dict:
     by_active = {active: 2 * tokens * dim * dim / seconds for active, seconds in matmul_s.items()}
     links, alone, busy = (_group_links(world, device, 20 if cuda else 9, lambda: a @ b) if world > 1
                           else ({}, {}, {}))
+    host = rank_host()
+    hosts = _gathered(host, world)
     return {"matmul_flops": by_active[world], "matmul_flops_alone": by_active[1],
             "matmul_flops_by_active": {str(active): flops for active, flops in by_active.items()},
             "attention_flops": 4 * q.shape[2] ** 2 * heads * head_dim / attention_s,
             "free_bytes": _free_bytes(device, world),
             "group_links": links, "group_links_alone": alone, "busy_latencies": busy, "cpu_cores": os.cpu_count() or 1,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "host": host,
+            "host_links": _host_pair_links(hosts, device, 20 if cuda else 9) if len(set(hosts)) > 1 else {}}
+
+
+def rank_host() -> str:
+    """The host this rank runs on: its Ray node's address in a Ray actor (hosts may share a name), else the
+    machine's name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return platform.node() or "machine"
+
+
+def _gathered(value, world: int) -> list:
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _host_pair_links(hosts: list[str], device: torch.device, repeats: int) -> dict[str, dict]:
+    """Each collective kind's price between rank 0 and the next rank of its own host ("inside", when it has one)
+    and between rank 0 and the first rank of another host ("across"), one pair at a time while the others wait;
+    every rank calls it (every rank creates every group)."""
+    import torch.distributed as dist
+
+    rank, prices = dist.get_rank(), {}
+    pairs = {"inside": next((r for r in range(1, len(hosts)) if hosts[r] == hosts[0]), None),
+             "across": next(r for r in range(1, len(hosts)) if hosts[r] != hosts[0])}
+    for where, peer in pairs.items():
+        if peer is None:
+            continue
+        group = dist.new_group([0, peer])
+        if rank in (0, peer):
+            prices[where] = _links([0, peer], group, device, repeats, lambda: dist.barrier(group=group))
+        dist.barrier()
+        dist.destroy_process_group(group)
+    return prices
 
 
 def _busy_latency(compute, device: torch.device, group) -> float:

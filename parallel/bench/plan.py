@@ -10,7 +10,10 @@ cores, since idle pools then disturb the measured one) each round starts every l
 times it and stops it, so one pool at a time holds the weights. The table prints the predicted and measured
 seconds per step (median, fastest..slowest), the Spearman rank correlation of the two, the layout ``auto`` chose
 and how far its measured time is from the best measured one. ``--json`` writes ``layouts`` (``layout``,
-``predicted_s``, ``measured_s``, spread, degrees) and ``chosen``; ``--plot`` draws predicted against measured.
+``predicted_s``, ``measured_s``, spread, degrees, ``cross_host``: the groups that cross hosts, null on one host)
+and ``chosen``; ``--plot`` draws predicted against measured. The auto layout's table of every candidate is printed
+first. ``--backend ray --ray-address HOST:PORT`` runs every
+pool (the calibration's too) as actors on that Ray cluster, placed by host as the Ray backend places them.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ..auto_layout import Job, ModelCost, Prediction, choose
+from ..auto_layout import CROSS_HOST_COLUMN, Job, ModelCost, Prediction, choose, explain
 from ..calibration import machine_for
 from ..config import ParallelConfig, latent_shape
 from ..driver.pool import WorkerPool
+from ..fields import BY_KEY
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
 from .common import Timing, check_repeats, measured_runs, model_config, model_path, time_interleaved, wall_seconds
@@ -41,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", type=Path, help="a tiny models tree (default: the cache's)")
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--devices", default="auto", help="auto, cpu, cuda or a list such as cuda:0,cuda:1")
+    parser.add_argument("--backend", choices=BY_KEY["backend"].choices, default=BY_KEY["backend"].default,
+                        help=BY_KEY["backend"].help)
+    parser.add_argument("--ray-address", default="", help=BY_KEY["ray_address"].help)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--height", type=int, default=256)
     parser.add_argument("--frames", type=int, default=17)
@@ -92,9 +99,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def run(args: argparse.Namespace) -> dict:
     path = model_path(args)
     job = Job(args.width, args.height, args.frames, steps=args.steps, guidance=args.cfg != 1.0)
-    base = ParallelConfig(world=args.world, devices=args.devices)
+    base = ParallelConfig(world=args.world, devices=args.devices, backend=args.backend,
+                          ray_address=args.ray_address or None)
     machine = machine_for(base, reprobe=args.reprobe)
     ranked = choose(args.world, ModelCost.from_file(path), job, machine)
+    print(explain(ranked, job, shown=len(ranked)), flush=True)  # the model's whole ranking, measured or not
     chosen = ranked[0]
     subset = measured_subset(ranked, args.max_layouts)
     text_dim = model_config(path)["text_dim"]
@@ -156,7 +165,8 @@ def report(args, subset: list[Prediction], chosen: Prediction, timings: dict, ma
     rows = [{"layout": p.layout.name(), "predicted_s": p.step_s, "measured_s": timings[p.layout.name()].median / args.steps,
              "min_s": timings[p.layout.name()].low / args.steps, "max_s": timings[p.layout.name()].high / args.steps,
              "tp": p.layout.tp, "ulysses": p.layout.ulysses, "ring": p.layout.ring,
-             "cfg_parallel": p.layout.cfg_parallel, "vae_patch": p.layout.vae_patch} for p in subset]
+             "cfg_parallel": p.layout.cfg_parallel, "vae_patch": p.layout.vae_patch,
+             "cross_host": list(p.cross_host) if p.cross_host is not None else None} for p in subset]
     best = min(rows, key=lambda row: row["measured_s"])
     chosen_row = next(row for row in rows if row["layout"] == chosen.layout.name())
     result = {"layouts": rows, "chosen": chosen.layout.name(), "best_measured": best["layout"],
@@ -176,11 +186,14 @@ def print_table(result: dict) -> None:
     job = result["job"]
     print(f"world {job['world']}, {job['width']}x{job['height']}, {job['frames']} frames, {job['steps']} steps per "
           f"sample, cfg {job['cfg']}")
-    print(f"  {'layout':<40} {'predicted s/step':>17} {'measured s/step':>16} {'min..max':>16}")
+    several = any(row.get("cross_host") is not None for row in result["layouts"])
+    print(f"  {'layout':<40} {'predicted s/step':>17} {'measured s/step':>16} {'min..max':>16}"
+          + (f"  {CROSS_HOST_COLUMN}" if several else ""))
     for row in sorted(result["layouts"], key=lambda r: r["measured_s"]):
         mark = "*" if row["layout"] == result["chosen"] else " "
+        crossing = f"  {', '.join(row['cross_host'] or ()) or 'none'}" if several else ""
         print(f"{mark} {row['layout']:<40} {row['predicted_s']:>17.4f} {row['measured_s']:>16.4f} "
-              f"{row['min_s']:>7.4f}..{row['max_s']:<8.4f}")
+              f"{row['min_s']:>7.4f}..{row['max_s']:<8.4f}{crossing}")
     print(f"auto chose: {result['chosen']} (*), measured {result['chosen_over_best']:.3f}x the best "
           f"({result['best_measured']}); Spearman rank correlation predicted/measured {result['spearman']:.2f}")
 

@@ -7,7 +7,9 @@ crosses that link and nothing leaves it. Ray runs in the foreground of ``ray sta
 each node with its own temporary folder. Teardown ends every process inside the two namespaces (signal, then
 kill: everything there was started here) and deletes them; it never runs ``ray stop``, which ends every Ray
 process of the machine by name, not only these. Runs as root in the test process; commands for a host are
-prefixed with :meth:`Host.exec`.
+prefixed with :meth:`Host.exec`. A test that takes the second host away (its raylet killed, its link down) can
+bring it back with :func:`revive_worker`: its processes ended, its link up, a fresh Ray worker node joined; a
+driver process inside the first namespace does so from :meth:`TwoHosts.to_dict`.
 """
 
 from __future__ import annotations
@@ -123,6 +125,31 @@ class TwoHosts:
     @property
     def hosts(self) -> tuple[Host, Host]:
         return self.head, self.worker
+
+    def to_dict(self) -> dict:
+        """What another process needs to act on these hosts (``from_dict``); not the Ray processes."""
+        fields = ("netns", "device", "address", "temp_dir")
+        return {"head": {f: getattr(self.head, f) for f in fields}, "worker": {f: getattr(self.worker, f) for f in fields},
+                "subnet": str(self.subnet), "env": self.env}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TwoHosts":
+        return cls(Host(**data["head"]), Host(**data["worker"]), ipaddress.ip_network(data["subnet"]), dict(data["env"]))
+
+
+def set_link(host: Host, up: bool) -> None:
+    """Take ``host``'s end of the veth pair down (every packet to the other host lost) or up again."""
+    _run(*host.exec("ip", "link", "set", host.device, "up" if up else "down"))
+
+
+def revive_worker(hosts: TwoHosts) -> None:
+    """Bring the second host back after a test took it away: every process there ended, its link up, a fresh
+    Ray worker node started and joined (the head then counts two live nodes again)."""
+    end_processes(hosts.worker)
+    set_link(hosts.worker, True)
+    hosts.worker.temp_dir = tempfile.mkdtemp(prefix="b", dir=Path(hosts.worker.temp_dir).parent)  # no stale socket
+    _start_ray(hosts, hosts.worker, "--address", hosts.address)
+    _wait_for_nodes(hosts, 2)
 
 
 def _make_namespaces(hosts: TwoHosts) -> None:
