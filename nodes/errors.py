@@ -32,6 +32,8 @@ def advice(error: WorkerError) -> str:
     if error.error_type == "PoolStopped":
         return "queue the prompt again when the server is back"
     if error.error_type in POOL_STOPPED:
+        if "pool was stopped" in error.message:  # the cause already says so (and that a fresh one starts)
+            return "queue the prompt again (details in the ComfyUI log)"
         return "the pool was stopped; queue the prompt again to start a fresh one (details in the ComfyUI log)"
     if "OutOfMemory" in error.error_type:
         return "lower the size or frame count, set a VAE tile size, or split the model over more ranks (tp)"

@@ -66,6 +66,15 @@ def test_a_stopped_pool_says_to_queue_again():
         NODE_CLASS_MAPPINGS["WanMeshVAEEncode"]().encode(ResidentModel(runner, "vae|x"), torch.zeros(5, 32, 32, 3))
 
 
+def test_a_cause_that_says_the_pool_stopped_is_not_said_twice():
+    cause = "host 10.0.0.2 was lost with ranks 2, 3 during sample; the pool was stopped and the next request starts a fresh one"
+    runner = FailingRunner(WorkerError(2, "WorkerDied", cause))
+    with pytest.raises(WanMeshWorkerError) as raised:
+        NODE_CLASS_MAPPINGS["WanMeshVAEEncode"]().encode(ResidentModel(runner, "vae|x"), torch.zeros(5, 32, 32, 3))
+    assert str(raised.value) == f"rank 2: WorkerDied: {cause} — queue the prompt again (details in the ComfyUI log)"
+    assert str(raised.value).count("pool was stopped") == 1
+
+
 def test_a_failed_decode_saves_the_latents_and_says_where(output_folder):
     runner = FailingRunner(WorkerError(0, "RuntimeError", "decode failed", TRACEBACK))
     latents = torch.randn(1, 16, 2, 4, 4)
