@@ -185,8 +185,9 @@ def check_vae_for_model(vae: ModelFileInfo, model_path: str | Path, vae_flag: st
     if vae_channels is not None and vae_channels != model_channels:
         names = {LATENT_CHANNELS: "the Wan 2.1 VAE (wan_2.1_vae.safetensors)",
                  WAN22_LATENT_CHANNELS: "the Wan 2.2 VAE (wan2.2_vae.safetensors)"}
-        raise ValueError(f"{vae_flag} {vae.path} is {names[vae_channels]}, but {model_flag} {model_path} works on "
-                         f"{model_channels}-channel latents: use {names[model_channels]} with it")
+        raise ValueError(f"{vae_flag} {Path(vae.path).name} is {names[vae_channels]}, but {model_flag} "
+                         f"{Path(model_path).name} works on {model_channels}-channel latents: use "
+                         f"{names[model_channels]} with it")
 
 
 def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
@@ -281,6 +282,17 @@ def check_text_encoder_for_model(text_encoder: str | Path, model: str | Path, te
     if shape is not None and text_dim is not None and shape[0] != int(text_dim):
         raise ValueError(f"{text_flag} {Path(text_encoder).name} gives {shape[0]}-wide text embeddings, but {model_flag} "
                          f"{Path(model).name} reads {text_dim}-wide ones: use the text encoder made for this model")
+
+
+def check_model_partners(model: str | Path, model_flag: str, *, vae: tuple[str | Path, str] | None = None,
+                         text_encoder: tuple[str | Path, str] | None = None) -> None:
+    """The files used with a transformer, from the headers before anything loads: the VAE's latent space and the
+    text encoder's width against the model's. ``vae`` and ``text_encoder``: (file, the input that named it). The
+    command line and the nodes' prompt check (``nodes/prompt_checks.py``) both call this."""
+    if vae is not None:
+        check_vae_for_model(inspect_model_file(vae[0], vae[1], VAE_KINDS), model, vae[1], model_flag)
+    if text_encoder is not None:
+        check_text_encoder_for_model(text_encoder[0], model, text_encoder[1], model_flag)
 
 
 def check_embedding_width(width: int, model: str | Path, model_flag: str, where: str) -> None:
@@ -477,14 +489,15 @@ def validate_generate(request: GenerateInputs, config: ParallelConfig) -> list[s
     if request.vace_module is not None:
         inspect_model_file(request.vace_module, "--vace-module", VACE_MODULE_KINDS)
     if request.vae is not None:
-        vae = inspect_model_file(request.vae, "--vae", VAE_KINDS)
-        if request.model is not None:
-            check_vae_for_model(vae, request.model, "--vae", "--model")
+        inspect_model_file(request.vae, "--vae", VAE_KINDS)
     if request.text_encoder is not None:
         text_encoder = inspect_model_file(request.text_encoder, "--text-encoder", TEXT_ENCODER_KINDS)
         check_text_encoder_split(text_encoder, config, "--text-encoder")
-        if request.model is not None:
-            check_text_encoder_for_model(request.text_encoder, request.model, "--text-encoder", "--model")
+    if request.model is not None:
+        check_model_partners(request.model, "--model",
+                             vae=None if request.vae is None else (request.vae, "--vae"),
+                             text_encoder=None if request.text_encoder is None else (request.text_encoder,
+                                                                                     "--text-encoder"))
     warnings = check_ranks(config)
     for what, prompt in zip(("prompt", "negative prompt"), request.prompts):
         warning = prompt_length_warning(prompt, request.text_encoder, what)

@@ -26,7 +26,7 @@ COMFYUI_SIDE = {
     "nodes.cache",
     "nodes.ti2v",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
-    "nodes.vae", "nodes.video", "nodes.input_checks", "nodes.shutdown",
+    "nodes.vae", "nodes.video", "nodes.input_checks", "nodes.shutdown", "nodes.prompt_checks",
     "parallel", "parallel.auto_layout", "parallel.cache_settings", "parallel.config", "parallel.errors", "parallel.fields",
     "parallel.image_to_video", "parallel.protocol",
     "parallel.pool_memory",
