@@ -72,6 +72,18 @@ class ModelFileInfo:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
+MAX_MESSAGE = 300  # a refusal is one line of at most this many characters; the details go to the log
+
+
+def shortest_fitting(*variants: str) -> str:
+    """The first of ``variants`` (most detailed first) that fits in ``MAX_MESSAGE`` characters, else the last cut
+    to it: long paths and tensor names must not push a refusal past one short line."""
+    for message in variants:
+        if len(message) <= MAX_MESSAGE:
+            return message
+    return variants[-1][:MAX_MESSAGE]
+
+
 def _refuse_pickle(path: Path, flag: str) -> None:
     """Legacy (pre-1.6, non-zip) PyTorch pickles cannot be loaded weights-only or memory-mapped: refuse them
     here with the fix, instead of the loader's mmap error. Zip-format checkpoints are read weights-only here
@@ -107,14 +119,14 @@ def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -
     except OSError as error:
         raise ValueError(f"{flag} {location} cannot be read ({error.strerror})") from None
     if info.kind in UNSUPPORTED_FAMILIES:
-        raise ValueError(f"{flag} {unsupported_family_error(location, info.kind)}")
+        raise ValueError(shortest_fitting(f"{flag} {unsupported_family_error(location, info.kind)}",
+                                          f"{flag} {unsupported_family_error(location.name, info.kind)}"))
     if info.kind not in expected:
         raise ValueError(kind_refusal(flag, location, info.kind, expected))
     check_fp8_scales(info, flag)
     return info
 
 
-MAX_MESSAGE = 300  # a refusal is one line of at most this many characters; the details go to the log
 
 
 def _kind_name(kind: str) -> str:
@@ -128,10 +140,8 @@ def kind_refusal(flag: str, location: Path, kind: str, expected: tuple[str, ...]
              " or ".join(KIND_DESCRIPTIONS[k] for k in expected))
     wanted = " or ".join(dict.fromkeys(_kind_name(k) for k in expected))
     hint = "; load a Wan T2V model and give this file as its VACE module" if kind == "vace_module" else ""
-    message = f"{flag} {location} looks like {_kind_name(kind)}; expected {wanted}{hint}"
-    if len(message) > MAX_MESSAGE:  # a long path: its name is enough
-        message = f"{flag} {location.name} looks like {_kind_name(kind)}; expected {wanted}{hint}"
-    return message[:MAX_MESSAGE]
+    return shortest_fitting(f"{flag} {location} looks like {_kind_name(kind)}; expected {wanted}{hint}",
+                            f"{flag} {location.name} looks like {_kind_name(kind)}; expected {wanted}{hint}")
 
 
 def _read_header(location: Path) -> ModelFileInfo:
@@ -200,10 +210,14 @@ def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
                if len(shape) == 2 and key.endswith(".weight") and info.dtypes.get(key, "").startswith(FP8_PREFIX)]
     unscaled = [key for key in linears if scale_key_for(key) not in info.shapes]
     if unscaled:
-        raise ValueError(
-            f"{flag} {info.path} has ComfyUI's {SCALED_FP8_MARKER} marker but its fp8 weight {unscaled[0]} has no "
-            f"{scale_key_for(unscaled[0])} ({len(unscaled)} of {len(linears)} fp8 "
-            "linear weights lack their scale): the file is incomplete; use the complete scaled-fp8 file")
+        missing = f"its fp8 weight {unscaled[0]} has no {scale_key_for(unscaled[0])}"
+        advice = "the file is incomplete; use the complete scaled-fp8 file"
+        raise ValueError(shortest_fitting(
+            f"{flag} {info.path} has ComfyUI's {SCALED_FP8_MARKER} marker but {missing} ({len(unscaled)} of "
+            f"{len(linears)} fp8 linear weights lack their scale): {advice}",
+            f"{flag} {info.path.name} has ComfyUI's {SCALED_FP8_MARKER} marker but {missing} ({len(unscaled)} of "
+            f"{len(linears)} lack one): {advice}",
+            f"{flag} {info.path.name} has ComfyUI's {SCALED_FP8_MARKER} marker but {missing}: {advice}"))
 
 
 def transformer_config(info: ModelFileInfo) -> dict | None:
@@ -213,7 +227,7 @@ def transformer_config(info: ModelFileInfo) -> dict | None:
         try:
             return infer_transformer_config(info.shapes, info.metadata)
         except ModelFileError as error:
-            raise ValueError(f"{info.path}: {error}") from None
+            raise ValueError(shortest_fitting(f"{info.path}: {error}", f"{info.path.name}: {error}")) from None
     config_file = info.path / "transformer" / "config.json"
     config_file = config_file if config_file.is_file() else info.path / "config.json"
     return json.loads(config_file.read_text()) if config_file.is_file() else None
