@@ -186,6 +186,19 @@ def vae_latent_channels(info: ModelFileInfo) -> int | None:
     return WAN22_LATENT_CHANNELS if is_wan22_vae(keys) else LATENT_CHANNELS
 
 
+VAE_NAMES = {LATENT_CHANNELS: "the Wan 2.1 VAE (wan_2.1_vae.safetensors)",
+             WAN22_LATENT_CHANNELS: "the Wan 2.2 VAE (wan2.2_vae.safetensors)"}
+
+
+def check_latents_for_vae(channels: int, vae_path: str | Path, latents_flag: str, vae_flag: str) -> None:
+    """Latents of ``channels`` channels are of the VAE's latent space (16: Wan 2.1's, 48: Wan 2.2's), from its
+    header: a decode of another model's latents is refused before the pool runs it."""
+    vae_channels = vae_latent_channels(inspect_model_file(vae_path, vae_flag, VAE_KINDS))
+    if vae_channels is not None and channels in VAE_NAMES and channels != vae_channels:
+        raise ValueError(f"{latents_flag} are {channels}-channel latents, but {vae_flag} {Path(vae_path).name} is "
+                         f"{VAE_NAMES[vae_channels]}: decode them with {VAE_NAMES[channels]}")
+
+
 def check_vae_for_model(vae: ModelFileInfo, model_path: str | Path, vae_flag: str, model_flag: str) -> None:
     """The VAE's latent space is the model's: the Wan 2.2 VAE (48 channels) for TI2V 5B, the Wan 2.1 VAE (16) for
     every other Wan model (Wan 2.1, Wan 2.2 A14B); a one-line error naming what to use instead."""
@@ -193,8 +206,7 @@ def check_vae_for_model(vae: ModelFileInfo, model_path: str | Path, vae_flag: st
     in_channels, kind = model_image_inputs(model_path, model_flag)
     model_channels = WAN22_LATENT_CHANNELS if kind == "first_frame" else LATENT_CHANNELS
     if vae_channels is not None and vae_channels != model_channels:
-        names = {LATENT_CHANNELS: "the Wan 2.1 VAE (wan_2.1_vae.safetensors)",
-                 WAN22_LATENT_CHANNELS: "the Wan 2.2 VAE (wan2.2_vae.safetensors)"}
+        names = VAE_NAMES
         raise ValueError(f"{vae_flag} {Path(vae.path).name} is {names[vae_channels]}, but {model_flag} "
                          f"{Path(model_path).name} works on {model_channels}-channel latents: use "
                          f"{names[model_channels]} with it")

@@ -73,3 +73,28 @@ def test_files_that_do_not_fit_are_refused_naming_both(workflow, loader, name, m
 
 def test_no_prompt_no_check():
     prompt_checks.check_prompt_files(None)  # a loader called outside ComfyUI's executor
+
+
+class NoRunner:
+    def __getattr__(self, name):
+        pytest.fail(f"the pool was asked to {name} latents of another latent space")
+
+
+@pytest.mark.parametrize("vae, channels, message", [
+    ("wan22_tiny_vae.safetensors", 16, "samples are 16-channel latents, but vae wan22_tiny_vae.safetensors is the Wan "
+                                       "2.2 VAE (wan2.2_vae.safetensors): decode them with the Wan 2.1 VAE"),
+    ("wan_tiny_vae.safetensors", 48, "samples are 48-channel latents, but vae wan_tiny_vae.safetensors is the Wan 2.1 "
+                                     "VAE (wan_2.1_vae.safetensors): decode them with the Wan 2.2 VAE"),
+])
+def test_the_decode_node_refuses_latents_of_another_vae(tiny_models_root, vae, channels, message):
+    """Latents reaching the decode from anywhere (a native sampler too): their channels against the VAE's header."""
+    import torch
+
+    from wanmesh.nodes.runtime import ResidentModel
+    from wanmesh.nodes.vae import WanMeshVAEDecode
+
+    loaded = ResidentModel(NoRunner(), "vae|x", path=str(tiny_models_root / "vae" / vae), kind="vae")
+    with pytest.raises(ValueError) as refused:
+        WanMeshVAEDecode().decode(loaded, {"samples": torch.zeros(1, channels, 2, 4, 4)})
+    line = str(refused.value)
+    assert message in line and "\n" not in line and len(line) <= MAX_MESSAGE, line
