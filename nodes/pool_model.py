@@ -24,6 +24,7 @@ import torch
 
 from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
 from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
+from ..parallel.validation import shortest_fitting
 from .pool_patches import (POOL_LORAS, add_lora_patches, check_model_patches, drop_torch_compile,
                            native_weight_shapes, skipped_blocks)
 from .runtime import ResidentModel, arrange, auto_layout_of, interrupted, raise_if_interrupted
@@ -131,9 +132,11 @@ def check_supported_inputs(control, extra: dict) -> None:
     given = {"control": control, **extra}
     refused = [f"{name} ({what})" for name, what in UNSUPPORTED_INPUTS.items() if given.get(name) is not None]
     if refused:
-        raise ValueError(f"the WanMesh MODEL does not take {', '.join(refused)} yet; it takes text, VACE "
-                         "conditioning (WanVaceToVideo, WanMesh VACE Encode) and image-to-video conditioning "
-                         "(WanImageToVideo, WanFirstLastFrameToVideo, WanMesh Image To Video)")
+        takes = ("it takes text, VACE conditioning (WanVaceToVideo, WanMesh VACE Encode) and image-to-video "
+                 "conditioning (WanImageToVideo, WanFirstLastFrameToVideo, WanMesh Image To Video)")
+        names = [name for name in UNSUPPORTED_INPUTS if given.get(name) is not None]
+        raise ValueError(shortest_fitting(f"the WanMesh MODEL does not take {', '.join(refused)} yet; {takes}",
+                                          f"the WanMesh MODEL does not take {', '.join(names)} yet; {takes}"))
 
 
 def vace_inputs(extra: dict) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..parallel import WorkerError, check_encode_frames
 from ..parallel.fields import node_input
+from ..parallel.validation import check_latents_for_vae
 from .convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
 from .errors import keep_latents, worker_error
 
@@ -28,6 +29,8 @@ class WanMeshVAEDecode:
 
     def decode(self, vae, samples, tile_px=0, overlap_px=64):
         latents = latent_to_tensor(samples)
+        if vae.path is not None and latents.ndim == 5:  # another model's latents: refused from the VAE's header
+            check_latents_for_vae(int(latents.shape[1]), vae.path, "samples", "vae")
         try:
             frames = vae.runner.decode(vae.handle, latents, **_tiles(tile_px, overlap_px))
         except WorkerError as error:  # the sampled latents are not lost with the decode

@@ -72,6 +72,18 @@ class ModelFileInfo:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
+MAX_MESSAGE = 300  # a refusal is one line of at most this many characters; the details go to the log
+
+
+def shortest_fitting(*variants: str) -> str:
+    """The first of ``variants`` (most detailed first) that fits in ``MAX_MESSAGE`` characters, else the last cut
+    to it: long paths and tensor names must not push a refusal past one short line."""
+    for message in variants:
+        if len(message) <= MAX_MESSAGE:
+            return message
+    return variants[-1][:MAX_MESSAGE]
+
+
 def _refuse_pickle(path: Path, flag: str) -> None:
     """Legacy (pre-1.6, non-zip) PyTorch pickles cannot be loaded weights-only or memory-mapped: refuse them
     here with the fix, instead of the loader's mmap error. Zip-format checkpoints are read weights-only here
@@ -107,14 +119,14 @@ def inspect_model_file(path: str | Path, flag: str, expected: tuple[str, ...]) -
     except OSError as error:
         raise ValueError(f"{flag} {location} cannot be read ({error.strerror})") from None
     if info.kind in UNSUPPORTED_FAMILIES:
-        raise ValueError(f"{flag} {unsupported_family_error(location, info.kind)}")
+        raise ValueError(shortest_fitting(f"{flag} {unsupported_family_error(location, info.kind)}",
+                                          f"{flag} {unsupported_family_error(location.name, info.kind)}"))
     if info.kind not in expected:
         raise ValueError(kind_refusal(flag, location, info.kind, expected))
     check_fp8_scales(info, flag)
     return info
 
 
-MAX_MESSAGE = 300  # a refusal is one line of at most this many characters; the details go to the log
 
 
 def _kind_name(kind: str) -> str:
@@ -128,10 +140,8 @@ def kind_refusal(flag: str, location: Path, kind: str, expected: tuple[str, ...]
              " or ".join(KIND_DESCRIPTIONS[k] for k in expected))
     wanted = " or ".join(dict.fromkeys(_kind_name(k) for k in expected))
     hint = "; load a Wan T2V model and give this file as its VACE module" if kind == "vace_module" else ""
-    message = f"{flag} {location} looks like {_kind_name(kind)}; expected {wanted}{hint}"
-    if len(message) > MAX_MESSAGE:  # a long path: its name is enough
-        message = f"{flag} {location.name} looks like {_kind_name(kind)}; expected {wanted}{hint}"
-    return message[:MAX_MESSAGE]
+    return shortest_fitting(f"{flag} {location} looks like {_kind_name(kind)}; expected {wanted}{hint}",
+                            f"{flag} {location.name} looks like {_kind_name(kind)}; expected {wanted}{hint}")
 
 
 def _read_header(location: Path) -> ModelFileInfo:
@@ -176,6 +186,19 @@ def vae_latent_channels(info: ModelFileInfo) -> int | None:
     return WAN22_LATENT_CHANNELS if is_wan22_vae(keys) else LATENT_CHANNELS
 
 
+VAE_NAMES = {LATENT_CHANNELS: "the Wan 2.1 VAE (wan_2.1_vae.safetensors)",
+             WAN22_LATENT_CHANNELS: "the Wan 2.2 VAE (wan2.2_vae.safetensors)"}
+
+
+def check_latents_for_vae(channels: int, vae_path: str | Path, latents_flag: str, vae_flag: str) -> None:
+    """Latents of ``channels`` channels are of the VAE's latent space (16: Wan 2.1's, 48: Wan 2.2's), from its
+    header: a decode of another model's latents is refused before the pool runs it."""
+    vae_channels = vae_latent_channels(inspect_model_file(vae_path, vae_flag, VAE_KINDS))
+    if vae_channels is not None and channels in VAE_NAMES and channels != vae_channels:
+        raise ValueError(f"{latents_flag} are {channels}-channel latents, but {vae_flag} {Path(vae_path).name} is "
+                         f"{VAE_NAMES[vae_channels]}: decode them with {VAE_NAMES[channels]}")
+
+
 def check_vae_for_model(vae: ModelFileInfo, model_path: str | Path, vae_flag: str, model_flag: str) -> None:
     """The VAE's latent space is the model's: the Wan 2.2 VAE (48 channels) for TI2V 5B, the Wan 2.1 VAE (16) for
     every other Wan model (Wan 2.1, Wan 2.2 A14B); a one-line error naming what to use instead."""
@@ -183,10 +206,10 @@ def check_vae_for_model(vae: ModelFileInfo, model_path: str | Path, vae_flag: st
     in_channels, kind = model_image_inputs(model_path, model_flag)
     model_channels = WAN22_LATENT_CHANNELS if kind == "first_frame" else LATENT_CHANNELS
     if vae_channels is not None and vae_channels != model_channels:
-        names = {LATENT_CHANNELS: "the Wan 2.1 VAE (wan_2.1_vae.safetensors)",
-                 WAN22_LATENT_CHANNELS: "the Wan 2.2 VAE (wan2.2_vae.safetensors)"}
-        raise ValueError(f"{vae_flag} {vae.path} is {names[vae_channels]}, but {model_flag} {model_path} works on "
-                         f"{model_channels}-channel latents: use {names[model_channels]} with it")
+        names = VAE_NAMES
+        raise ValueError(f"{vae_flag} {Path(vae.path).name} is {names[vae_channels]}, but {model_flag} "
+                         f"{Path(model_path).name} works on {model_channels}-channel latents: use "
+                         f"{names[model_channels]} with it")
 
 
 def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
@@ -199,10 +222,14 @@ def check_fp8_scales(info: ModelFileInfo, flag: str) -> None:
                if len(shape) == 2 and key.endswith(".weight") and info.dtypes.get(key, "").startswith(FP8_PREFIX)]
     unscaled = [key for key in linears if scale_key_for(key) not in info.shapes]
     if unscaled:
-        raise ValueError(
-            f"{flag} {info.path} has ComfyUI's {SCALED_FP8_MARKER} marker but its fp8 weight {unscaled[0]} has no "
-            f"{scale_key_for(unscaled[0])} ({len(unscaled)} of {len(linears)} fp8 "
-            "linear weights lack their scale): the file is incomplete; use the complete scaled-fp8 file")
+        missing = f"its fp8 weight {unscaled[0]} has no {scale_key_for(unscaled[0])}"
+        advice = "the file is incomplete; use the complete scaled-fp8 file"
+        raise ValueError(shortest_fitting(
+            f"{flag} {info.path} has ComfyUI's {SCALED_FP8_MARKER} marker but {missing} ({len(unscaled)} of "
+            f"{len(linears)} fp8 linear weights lack their scale): {advice}",
+            f"{flag} {info.path.name} has ComfyUI's {SCALED_FP8_MARKER} marker but {missing} ({len(unscaled)} of "
+            f"{len(linears)} lack one): {advice}",
+            f"{flag} {info.path.name} has ComfyUI's {SCALED_FP8_MARKER} marker but {missing}: {advice}"))
 
 
 def transformer_config(info: ModelFileInfo) -> dict | None:
@@ -212,7 +239,7 @@ def transformer_config(info: ModelFileInfo) -> dict | None:
         try:
             return infer_transformer_config(info.shapes, info.metadata)
         except ModelFileError as error:
-            raise ValueError(f"{info.path}: {error}") from None
+            raise ValueError(shortest_fitting(f"{info.path}: {error}", f"{info.path.name}: {error}")) from None
     config_file = info.path / "transformer" / "config.json"
     config_file = config_file if config_file.is_file() else info.path / "config.json"
     return json.loads(config_file.read_text()) if config_file.is_file() else None
@@ -281,6 +308,17 @@ def check_text_encoder_for_model(text_encoder: str | Path, model: str | Path, te
     if shape is not None and text_dim is not None and shape[0] != int(text_dim):
         raise ValueError(f"{text_flag} {Path(text_encoder).name} gives {shape[0]}-wide text embeddings, but {model_flag} "
                          f"{Path(model).name} reads {text_dim}-wide ones: use the text encoder made for this model")
+
+
+def check_model_partners(model: str | Path, model_flag: str, *, vae: tuple[str | Path, str] | None = None,
+                         text_encoder: tuple[str | Path, str] | None = None) -> None:
+    """The files used with a transformer, from the headers before anything loads: the VAE's latent space and the
+    text encoder's width against the model's. ``vae`` and ``text_encoder``: (file, the input that named it). The
+    command line and the nodes' prompt check (``nodes/prompt_checks.py``) both call this."""
+    if vae is not None:
+        check_vae_for_model(inspect_model_file(vae[0], vae[1], VAE_KINDS), model, vae[1], model_flag)
+    if text_encoder is not None:
+        check_text_encoder_for_model(text_encoder[0], model, text_encoder[1], model_flag)
 
 
 def check_embedding_width(width: int, model: str | Path, model_flag: str, where: str) -> None:
@@ -477,14 +515,15 @@ def validate_generate(request: GenerateInputs, config: ParallelConfig) -> list[s
     if request.vace_module is not None:
         inspect_model_file(request.vace_module, "--vace-module", VACE_MODULE_KINDS)
     if request.vae is not None:
-        vae = inspect_model_file(request.vae, "--vae", VAE_KINDS)
-        if request.model is not None:
-            check_vae_for_model(vae, request.model, "--vae", "--model")
+        inspect_model_file(request.vae, "--vae", VAE_KINDS)
     if request.text_encoder is not None:
         text_encoder = inspect_model_file(request.text_encoder, "--text-encoder", TEXT_ENCODER_KINDS)
         check_text_encoder_split(text_encoder, config, "--text-encoder")
-        if request.model is not None:
-            check_text_encoder_for_model(request.text_encoder, request.model, "--text-encoder", "--model")
+    if request.model is not None:
+        check_model_partners(request.model, "--model",
+                             vae=None if request.vae is None else (request.vae, "--vae"),
+                             text_encoder=None if request.text_encoder is None else (request.text_encoder,
+                                                                                     "--text-encoder"))
     warnings = check_ranks(config)
     for what, prompt in zip(("prompt", "negative prompt"), request.prompts):
         warning = prompt_length_warning(prompt, request.text_encoder, what)

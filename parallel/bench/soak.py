@@ -110,11 +110,13 @@ def server_process(url: str, pid: int | None):
     raise ValueError(f"no process on this machine listens on port {port}; give --server-pid")
 
 
-def worker_processes(server) -> list:
+def worker_processes(processes) -> list:
+    """The WanMesh workers among ``processes`` (psutil processes, e.g. a server's descendants): those whose command
+    line has ``--rank``; processes that ended meanwhile are left out."""
     import psutil
 
     found = []
-    for proc in server.children(recursive=True):
+    for proc in processes:
         try:
             if "--rank" in proc.cmdline():
                 found.append(proc)
@@ -125,7 +127,7 @@ def worker_processes(server) -> list:
 
 def sample(server) -> dict:
     """RSS (bytes), file descriptors and shared-memory segments now."""
-    workers = worker_processes(server)
+    workers = worker_processes(server.children(recursive=True))
     prefix = f"{SEGMENT_PREFIX}{server.pid}_"  # the server's pool's segments (named by the driver's process id)
     segments = [entry for entry in SHM.iterdir() if entry.name.startswith(prefix)] if SHM.is_dir() else []
     return {

@@ -24,7 +24,7 @@ from ..driver.stream_chunks import ChunkFolder, StreamChunk
 from ..image_to_video import stream_start_frame
 from ..protocol import StreamSample
 from ..tensor_files import save_tensors_atomic
-from ..validation import check_chunk_folder, check_model_file, check_output_path, check_text_encoder_for_model
+from ..validation import check_chunk_folder, check_model_file, check_model_partners, check_output_path
 from ..video_io import CONTAINERS, check_fps
 from .parser import add_stream_arguments as add_arguments  # noqa: F401 - the parser's
 from .generate import encode_prompts, pool_config
@@ -95,7 +95,8 @@ def check_stream_files(args, files: dict[str, str | None], config) -> None:
     """The validation pass's file checks (headers only) and output paths, before any pool starts."""
     for role, flag in (("model", "--model"), ("vae", "--vae"), ("text_encoder", "--text-encoder")):
         check_model_file(files[role], role, flag, config if role in ("model", "text_encoder") else None)
-    check_text_encoder_for_model(files["text_encoder"], files["model"], "--text-encoder", "--model")
+    check_model_partners(files["model"], "--model", vae=(files["vae"], "--vae"),
+                         text_encoder=(files["text_encoder"], "--text-encoder"))
     check_output_path(args.out, "--out", tuple(CONTAINERS))
     check_chunk_folder(args.chunk_dir, "--chunk-dir")
     if args.save_latents:

@@ -249,6 +249,7 @@ def _actor_class(ray):
                 diagnostics=self.settings.get("diagnostics"))
             self.session.start_heartbeats(lambda fields: self.queue.put_nowait({"kind": "heartbeat", "rank": self.rank,
                                                                                 **fields}))
+            self.session.preload_model_code()
             return {name: os.environ.get(name) for name in backend.SOCKET_IFNAME_VARIABLES}
 
         def execute(self, request_id: int, body: dict) -> dict:

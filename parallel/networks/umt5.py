@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sentencepiece
 import torch
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import UMT5EncoderModel
 
 from ..config import TEXT_TOKENS
@@ -17,22 +18,12 @@ from ..config import TEXT_TOKENS
 __all__ = ["EOS_ID", "PAD_ID", "TextEncoder", "clean_prompt"]
 
 PAD_ID = 0
-
-
 EOS_ID = 1
-
-
 MAX_LENGTH = TEXT_TOKENS
-
-
-
-
 
 
 def clean_prompt(text: str) -> str:
     """The prompt cleaning of diffusers' Wan pipelines (ftfy fix, HTML unescape, whitespace collapse)."""
-    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
     return prompt_clean(text)
 
 

@@ -230,9 +230,8 @@ def check_latent_channels(in_channels: int) -> None:
     if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(
             f"This transformer takes {in_channels} input channels (a camera or other conditioned model), which is "
-            f"not supported; use a T2V or VACE model ({WAN21_LATENT_CHANNELS} input channels), an image-to-video or "
-            f"Fun InP model ({I2V_IN_CHANNELS}), a Wan 2.1 Fun Control model or Wan 2.2 TI2V 5B "
-            f"({FUN_CONTROL_IN_CHANNELS}).")
+            f"not supported; supported: {WAN21_LATENT_CHANNELS} (T2V, VACE), {I2V_IN_CHANNELS} (image-to-video, "
+            f"Fun InP), {FUN_CONTROL_IN_CHANNELS} (Fun Control, Wan 2.2 TI2V 5B).")
 
 
 def image_inputs(config: Mapping) -> str | None:

@@ -1,8 +1,8 @@
 """The local worker process: one per device, started by the pool in a fresh interpreter (``--rank N``).
 
 It waits for the driver's word that the pool's temp folder exists, joins the pool's process group
-(``session.WorkerSession``, shared with the Ray actor), says hello, then serves requests from its connection
-until told to shut down. A receiver thread reads the connection so that a cancel arrives while a request runs,
+(``session.WorkerSession``, shared with the Ray actor), imports the model code it will run, says hello, then
+serves requests from its connection until told to shut down. A receiver thread reads the connection so that a cancel arrives while a request runs,
 and the worker exits as soon as the driver goes away (connection EOF, parent-death signal, or a changed parent
 pid), removing the pool's temp folder and shared memory, so no worker or file outlives its driver. SIGTERM or
 SIGINT sent to a rank whose driver lives ends that rank by the signal without a traceback.
@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     # removes its segments itself): remove the pool's leftovers only when the driver really is gone.
     worker = LocalWorker(session, conn, settings["shm_prefix"],
                          lambda: leftovers() if driver_gone(settings["parent_pid"]) else None)
+    # Before the hello: the pool's start (under its start timeout) waits for the imports, not its first request
+    # (which is watched by heartbeats that a worker busy importing would not send).
+    session.preload_model_code()
     worker.send({"kind": "hello", **session.health()})
     worker.serve()
     _leave_after_shutdown(worker)

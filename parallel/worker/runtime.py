@@ -8,7 +8,9 @@ Ray actor (``driver/ray_backend.py``) both drive it. Requests are dispatched to 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
 import os
 import sys
 import threading
@@ -23,6 +25,12 @@ from .. import protocol as P
 from ..distributed.mesh import ParallelContext
 
 THREADS_ENV = "WANMESH_WORKER_THREADS"
+# The model code a worker imports when it starts (``WorkerRuntime.preload_model_code``), besides its executor
+# (which pulls in diffusers' Wan transformer and VAE, umT5 and the sampling loop): what the first text-to-video
+# prompt imports otherwise, LoRA merging included.
+PRELOADED_MODULES = ("..networks.umt5", ".lora_merge")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -239,10 +247,23 @@ class WorkerRuntime:
         self._executor = None
         self._diagnostics = load_diagnostics(diagnostics)
 
+    def preload_model_code(self) -> None:
+        """Import the model code this rank will run (diffusers, transformers, the executor) now, when the
+        worker starts, rather than on the first request: a fresh worker then already holds the code it runs (so
+        ComfyUI's "unload models" brings a worker back to the size of a fresh one), and the first prompt does
+        not pay the imports. A failure is logged and left to the request that needs the code to report."""
+        try:
+            self.executor
+            for name in PRELOADED_MODULES:
+                importlib.import_module(name, __package__)
+        except Exception as exc:  # noqa: BLE001 - the request that needs the code raises it in full
+            log.warning("rank %d: could not import the model code at start (%s: %s)", self.rank,
+                        type(exc).__name__, exc)
+
     @property
     def executor(self):
         if self._executor is None:
-            from .executors import RankExecutor  # imported on first use: loading it pulls in diffusers
+            from .executors import RankExecutor  # imported by preload_model_code: loading it pulls in diffusers
 
             self._executor = RankExecutor(self.device, parallel=self.parallel)
         return self._executor

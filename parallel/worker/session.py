@@ -47,6 +47,9 @@ class WorkerSession:
     def health(self) -> dict[str, Any]:
         return self.runtime.health()
 
+    def preload_model_code(self) -> None:
+        self.runtime.preload_model_code()
+
     def start_heartbeats(self, send: Send) -> None:
         """A thread sending this rank's status while a request runs (silent ranks are how hangs are named)."""
         threading.Thread(target=beat_forever, args=(self.runtime.status, heartbeat_interval(self.config.worker_timeout),

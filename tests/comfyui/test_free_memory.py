@@ -2,8 +2,10 @@
 prompts in a row do not grow the workers' memory, and switching among model files keeps the workers' memory
 within the Pool node's memory budget.
 
-unload_models: the pool's models are unloaded while its workers stay up (logged); the next prompt loads what it
-needs again in the same workers. free_memory: the worker processes exit; the next prompt starts a fresh pool.
+unload_models: the pool's models are unloaded while its workers stay up (logged), and each worker's RSS comes
+back to within 64 MiB of a freshly started worker's (a pool of the same layout started by the test); the next
+prompt loads what it needs again in the same workers. free_memory: the worker processes exit; the next prompt
+starts a fresh pool.
 
 Switching: three model files of 67 MiB, A, B, C, A, B, C. With the Pool node's memory budget at about 1.5 files
 per rank the workers' RSS stays within one file each of its level after A, and the workers log each unload; the
@@ -24,7 +26,11 @@ import psutil
 import pytest
 from comfyui_server import ComfyUIServer
 from wide_models import MIB, wide_ffn_dim, write_wide_t2v
-from workflow_graph import load_workflow, with_fresh_seed, with_inputs
+from workflow_graph import load_workflow, node_of_type, with_fresh_seed, with_inputs
+
+from wanmesh.parallel.bench.soak import worker_processes
+from wanmesh.parallel.config import ParallelConfig
+from wanmesh.parallel.driver.pool import WorkerPool
 
 PROMPT_TIMEOUT_S = 300.0
 EXIT_DEADLINE_S = 60.0
@@ -39,7 +45,7 @@ SWITCH_BUDGET_GB = 1.5 * SWITCH_MODEL_MIB * 2**20 / 1e9
 # budget restarts the pool, tens of seconds); it is far above what the tiny models take.
 BUDGET_POOL = dict(memory_budget_gb=SWITCH_BUDGET_GB)
 UNLOAD_ROUNDS = 10
-UNLOADED_WITHIN_MIB = 64
+UNLOADED_WITHIN_MIB = 64  # of a fresh worker's RSS, and of the first unload's
 UNLOAD_LOG = "unloaded the worker pool's models (its workers stay up"
 EVICTION_LOG = "memory budget"  # the worker's warning when the budget unloads a model (residency.py)
 
@@ -61,14 +67,24 @@ def worker_rss(server: ComfyUIServer) -> int:
 
 
 def workers(server: ComfyUIServer) -> list[psutil.Process]:
-    found = []
-    for proc in server.descendants():
-        try:
-            if "--rank" in proc.cmdline():
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return found
+    return worker_processes(server.descendants())
+
+
+def rss_by_rank(processes: list[psutil.Process]) -> list[int]:
+    """Each worker's RSS, in rank order (the ``--rank N`` of its command line)."""
+    ranked = sorted(processes, key=lambda p: int(p.cmdline()[p.cmdline().index("--rank") + 1]))
+    return [p.memory_info().rss for p in ranked]
+
+
+def fresh_worker_rss() -> list[int]:
+    """Each rank's RSS in a freshly started pool of the workflow's layout (its Pool node's devices and world),
+    started from this process with the server's code: it has joined its process group and imported its model
+    code, and loaded nothing. The figure the workers must come back to after "unload models"."""
+    layout = node_of_type(quick_prompt(), "WanMeshPool")["inputs"]
+    config = ParallelConfig(devices=layout["devices"], world=layout["world"])
+    with WorkerPool(config, timeout_s=PROMPT_TIMEOUT_S) as pool:
+        pool.health()
+        return rss_by_rank([psutil.Process(pid) for pid in pool.pids()])
 
 
 def post_free(server: ComfyUIServer, **flags: bool) -> None:
@@ -148,22 +164,28 @@ def test_switching_models_without_a_budget_keeps_them_resident(comfyui_server: C
 
 def test_free_unloads_models_then_stops_workers(comfyui_server: ComfyUIServer) -> None:
     """UNLOAD_ROUNDS rounds of a prompt and "unload models": the workers stay up (the same processes, no pool
-    start: the log says so once per round) and their RSS after each unload comes back within UNLOADED_WITHIN_MIB
-    of the first unload's (nothing accumulates); the next prompt loads the weights again. Then "free memory"
-    stops the workers."""
+    start: the log says so once per round) and each rank's RSS after each unload comes back within
+    UNLOADED_WITHIN_MIB of a freshly started rank's (measured in this run) and of the first unload's (nothing
+    accumulates); the next prompt loads the weights again. Then "free memory" stops the workers."""
+    fresh = fresh_worker_rss()
     run_ok(comfyui_server, quick_prompt())
     pids = sorted(p.pid for p in workers(comfyui_server))
-    assert len(pids) == 2
-    unloaded = []
+    assert len(pids) == len(fresh) == 2
+    loaded, unloaded = [], []
     for index in range(UNLOAD_ROUNDS):
+        loaded.append(rss_by_rank(workers(comfyui_server)))
         post_free(comfyui_server, unload_models=True)
         wait_for_log(comfyui_server, UNLOAD_LOG, index + 1, EXIT_DEADLINE_S)
         assert sorted(p.pid for p in workers(comfyui_server)) == pids, "unload models restarted the workers"
-        unloaded.append([p.memory_info().rss for p in sorted(workers(comfyui_server), key=lambda p: p.pid)])
+        unloaded.append(rss_by_rank(workers(comfyui_server)))
         run_ok(comfyui_server, quick_prompt())  # cached loader handles: the same workers load the models again
         assert sorted(p.pid for p in workers(comfyui_server)) == pids, "a prompt after the unload restarted the pool"
-    report = "; ".join("/".join(f"{rss / MIB:.0f}" for rss in round_) for round_ in unloaded)
-    print(f"\nworker RSS after each of {UNLOAD_ROUNDS} unloads (MiB): {report}")
+    mib = lambda ranks: "/".join(f"{rss / MIB:.0f}" for rss in ranks)  # noqa: E731
+    report = (f"worker RSS per rank (MiB): fresh {mib(fresh)}; after the prompt / after the unload, per round: "
+              + "; ".join(f"{mib(before)} -> {mib(after)}" for before, after in zip(loaded, unloaded)))
+    print(f"\n{report}")
+    above_fresh = max(rss - first for round_ in unloaded for rss, first in zip(round_, fresh))
+    assert above_fresh <= UNLOADED_WITHIN_MIB * MIB, f"{above_fresh / MIB:.0f} MiB above a fresh worker: {report}"
     assert all(rss - first <= UNLOADED_WITHIN_MIB * MIB for round_ in unloaded for rss, first in zip(round_, unloaded[0])), report
 
     started = time.monotonic()

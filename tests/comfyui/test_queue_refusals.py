@@ -1,15 +1,19 @@
 """Bad widget values are refused when the prompt is queued: ``POST /prompt`` answers 400 naming the field in one
 line, as ComfyUI's own nodes do for their ranges, on the 2024 copy and on 0.3.75 (the nodes' ``VALIDATE_INPUTS``),
-and nothing runs. A good prompt still passes the same check (ComfyUI's own range checks of the other inputs too)."""
+and nothing runs. A good prompt still passes the same check (ComfyUI's own range checks of the other inputs too).
+A model, VAE and text encoder that do not fit together are refused when the prompt runs, by its first WanMesh
+loader, in one line naming both files, before any worker starts."""
 
 from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 
 from comfyui_server import RejectedPrompt
+from test_free_memory import post_free, workers
 
 MAX_MESSAGE = 300
 
@@ -59,3 +63,33 @@ def test_good_values_pass_the_queue_checks_and_run(server, t2v_prompt):
     result = server.run(_with(t2v_prompt, "WanMeshEmptyLatent", "length", 9), timeout_s=600)
     assert not isinstance(result, RejectedPrompt), result.error_text()
     assert result.status == "success", result.error_text()
+
+
+# Files that do not fit together: refused by the first WanMesh loader that runs, from the headers, before the pool
+# starts (nodes/prompt_checks.py). (case id, loader, its file input, the file swapped in, what the one line says)
+MISMATCHED_FILES = [
+    ("wan22-vae-with-wan21-model", "WanMeshVAELoader", "vae_name", "wan22_tiny_vae.safetensors",
+     "vae_name wan22_tiny_vae.safetensors is the Wan 2.2 VAE (wan2.2_vae.safetensors), but model_name "
+     "wan_tiny_t2v.safetensors works on 16-channel latents"),
+    ("wide-text-encoder", "WanMeshTextEncoderLoader", "text_encoder_name", "umt5_native.safetensors",
+     "text_encoder_name umt5_native.safetensors gives 4096-wide text embeddings, but model_name "
+     "wan_tiny_t2v.safetensors reads 64-wide ones"),
+]
+
+
+@pytest.mark.parametrize("case, loader, name, value, message", MISMATCHED_FILES, ids=[c[0] for c in MISMATCHED_FILES])
+def test_files_that_do_not_fit_are_refused_before_the_pool_starts(server, t2v_prompt, case, loader, name, value,
+                                                                  message):
+    post_free(server, free_memory=True)  # no pool: a load would start one
+    deadline = time.monotonic() + 60.0
+    while workers(server):
+        assert time.monotonic() < deadline, "the workers did not exit after free_memory"
+        time.sleep(0.25)
+    result = server.run(_with(t2v_prompt, loader, name, value), timeout_s=120)
+    assert not isinstance(result, RejectedPrompt) and result.status == "error", result.error_text()
+    errors = [data for event, data in result.messages if event == "execution_error"]
+    line = errors[0]["exception_message"].strip()
+    assert errors[0]["node_type"] in ("WanMeshModelLoader", "WanMeshVAELoader", "WanMeshTextEncoderLoader"), errors
+    assert message in line and "\n" not in line and len(line) <= MAX_MESSAGE, line
+    assert not workers(server), "a worker pool started for a prompt whose files do not fit"
+    print(f"\n{case}: {errors[0]['node_type']}: {line}")
