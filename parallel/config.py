@@ -538,6 +538,20 @@ def check_image_conditioning(image_latents, image_mask, latent_shape: tuple) -> 
                          f"most {frames} frames, h, w]")
 
 
+def check_reference_latent(reference, rows: int, raw: bool) -> None:
+    """A Wan 2.2 Fun reference latent for ``rows`` latent rows: as the conditioning holds it (``raw``: the encoded
+    image [1 or rows, C, frames, h, w], Wan22FunControlToVideo's ``reference_latents``), or as a model call takes it
+    ([rows, C, h, w]: ComfyUI's ``reference_latent`` model input, normalised, its first frame)."""
+    if reference is None:
+        return
+    shape = list(reference.shape)
+    if raw and (reference.ndim != 5 or shape[0] not in (1, rows)):
+        raise ValueError(f"the reference latent has shape {shape}; expected [1 or {rows}, channels, frames, h, w] "
+                         "(the encoded reference image, as Wan22FunControlToVideo makes it)")
+    if not raw and (reference.ndim != 4 or shape[0] != rows):
+        raise ValueError(f"the model call's reference latent has shape {shape}; expected [{rows}, channels, h, w]")
+
+
 def check_model_forward(latent, timestep, context, vace_context, vace_strengths: list, clip_fea=None) -> None:
     """One model call from a sampler in the driver's process: the timestep (one per row, or one per row and latent
     frame: Wan 2.2's per-frame timesteps of a noise mask), context, CLIP vision and VACE rows match the latent's

@@ -117,14 +117,14 @@ def image_concat(image_latents: torch.Tensor, mask: torch.Tensor | None, latent_
                  image_to_video: bool = True, mask_index: int = 0) -> torch.Tensor:
     """The ``extra_channels`` [B, extra, T, h, w] concatenated to a conditioned model's input, as ComfyUI's Wan
     ``concat_cond`` builds them: the image latents (each 16 channels normalised with the Wan latent ``mean``/``std``)
-    resized to the latent's size and batch; given as they are when they fill the extra channels (Wan 2.1 Fun
+    resized to the latent's size and batch (``mean``/``std`` of the model's latent: 16 or 48 channels); given as they are when they fill the extra channels (Wan 2.1 Fun
     Control: the control video's and the start image's latents), else after the mask of the given frames,
     inverted (1 where a frame is given) with one channel per frame of a latent frame (zeros without a mask), at
     channel ``mask_index`` (image-to-video: 4 mask and 16 image channels)."""
     batch, _, frames, h, w = latent_shape
     image = upscale_center(image_latents.float(), w, h)
-    chunks = [(image[:, i: i + LATENT_CHANNELS] - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
-              for i in range(0, image.shape[1], LATENT_CHANNELS)]
+    chunks = [(image[:, i: i + mean.numel()] - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+              for i in range(0, image.shape[1], mean.numel())]
     image = resize_to_batch(torch.cat(chunks, dim=1), batch)
     if extra_channels != image.shape[1] + MASK_CHANNELS and (not image_to_video or extra_channels == image.shape[1]):
         return image
