@@ -481,8 +481,10 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
 
 
 IMAGE_CONCAT_CHANNELS = 20  # image-to-video: a 4-channel mask of the given frames and their 16-channel latents
-# T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B
-MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS)
+# T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B and Wan 2.1 Fun Control; Wan
+# 2.2 Fun Control A14B (control latents, mask, start latents)
+MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS,
+                        2 * LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS)
 CLIP_VISION_WIDTH = 1280  # the CLIP vision (ViT-H/14) features Wan's image embedding takes
 
 
@@ -491,7 +493,8 @@ def check_model_input(latent) -> None:
     Wan 2.2 latent (48)."""
     if latent.ndim != 5 or latent.shape[1] not in MODEL_INPUT_CHANNELS or min(latent.shape) < 1:
         raise ValueError(f"the model input must be [B, C, T, h, w] with C 16 or 36 (Wan 2.1 latents, with the image "
-                         f"channels of image-to-video) or 48 (Wan 2.2 TI2V latents), got shape {list(latent.shape)}")
+                         f"channels of image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun Control) or 52 (Wan 2.2 "
+                         f"Fun Control), got shape {list(latent.shape)}")
 
 
 def check_noise_mask(noise_mask, latent_shape: tuple, sampler: str) -> None:
