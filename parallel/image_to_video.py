@@ -144,6 +144,34 @@ def image_concat(image_latents: torch.Tensor, mask: torch.Tensor | None, latent_
     return torch.cat([image[:, :mask_index], mask, image[:, mask_index:]], dim=1)
 
 
+# -- Fun Control: a control video, a start image (Wan 2.1) or a reference image (Wan 2.2) -----------------------------
+
+
+def fun_control_frames(images: torch.Tensor | None, width: int, height: int, length: int) -> torch.Tensor | None:
+    """The frames native WanFunControlToVideo / Wan22FunControlToVideo encode of a control video or start image:
+    at most ``length``, resized and center-cropped, RGB; None for none."""
+    return None if images is None else _fitted(images[:length].float(), width, height)[..., :3]
+
+
+def fun_control_latents(control: torch.Tensor | None, start: torch.Tensor | None, latent_shape: tuple,
+                        mean: torch.Tensor) -> torch.Tensor:
+    """The raw ``concat_latent_image`` [1, 2C, T, h, w] of the Fun Control nodes: the control video's latents in
+    the first C channels, the start image's in the last C, each over the frames it covers; the rest the latent
+    space's zero (its ``mean`` as raw latents)."""
+    channels, frames = mean.numel(), latent_shape[2]
+    concat = mean.view(1, -1, 1, 1, 1).expand(1, channels, *latent_shape[2:]).repeat(1, 2, 1, 1, 1)
+    for offset, encoded in ((0, control), (channels, start)):
+        if encoded is not None:
+            given = encoded[:, :, :frames]
+            concat[:, offset: offset + channels, : given.shape[2]] = given
+    return concat
+
+
+def fun22_control_mask(latent_shape: tuple) -> torch.Tensor:
+    """Wan22FunControlToVideo's ``concat_mask`` [1, 4, T, h, w]: ones (it takes no start image)."""
+    return torch.ones(1, MASK_CHANNELS, *latent_shape[2:])
+
+
 # -- Wan 2.2 TI2V 5B: the start image in the latent, a noise mask ------------------------------------------------------
 
 

@@ -18,8 +18,9 @@ import torch
 from comfyui_server import ComfyUIServer
 from model_kinds import FP8, Q8, relative_error
 from safetensors.torch import load_file
-from test_comfyui_server import run_successfully
+from test_comfyui_server import assert_video, run_successfully, saved_video
 from test_native_sampling import CFG, NATIVE_SHIFT, SEED, STEPS, TOLERANCE, largest_difference, pool_inputs, save_latent, saved
+from workflow_graph import load_workflow, node_of_type
 
 from wanmesh.parallel.tiny.files import TINY_FILES
 from wanmesh.parallel.tiny.fp8_write import write_fp8_file
@@ -147,3 +148,13 @@ def test_parallel_layout_equals_one_rank(latents, layout: str) -> None:
 def test_quantized_fun_files_stay_close_to_the_float_file(latents, kind: str) -> None:
     error = relative_error(latents["world1"][f"kind_{kind}"], latents["world1"]["ref_sampler"])
     assert 0 < error <= FILE_KINDS[kind][1], f"{kind}: relative error {error:.3g}"
+
+
+def test_the_fun22_control_workflow_runs_as_an_api_prompt(recent_comfyui_server: ComfyUIServer) -> None:
+    """The example workflow (native Wan22FunControlToVideo with a reference image into KSampler on the WanMesh
+    MODEL, Ulysses 2, native VAE decode) writes an MP4 of the latent's frames."""
+    prompt = load_workflow("native/api/fun22_control_native.json")
+    latent = node_of_type(prompt, "Wan22FunControlToVideo")["inputs"]
+    result = run_successfully(recent_comfyui_server, prompt)
+    assert_video(saved_video(recent_comfyui_server, result, prompt), latent["length"], latent["width"],
+                 latent["height"])
