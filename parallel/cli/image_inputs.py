@@ -32,10 +32,12 @@ KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "late
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
     """What the model of ``kind`` (``detect.image_inputs``) needs against what was given; one line each."""
     if kind is None:
+        if getattr(args, "control_video", None) is not None:
+            raise ValueError("--control-video was given but the model is text-to-video; a control video needs a Fun "
+                             "Control model (Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B)")
         if wants_image(args):
-            raise ValueError("--image/--last-image/--control-video were given but the model is text-to-video; use an "
-                             "image-to-video model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B, Fun Control for a control "
-                             "video) or leave the images out")
+            raise ValueError("--image/--last-image were given but the model is text-to-video; use an image-to-video "
+                             "model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B) or leave the images out")
         return
     name = KIND_NAMES[kind]
     if getattr(args, "control_video", None) is not None and kind != "fun_control":

@@ -145,7 +145,7 @@ class _NoPool:
 
 
 @pytest.mark.parametrize("model, flags, message", [
-    ("model_native", ["--control-video", "{media}/control"], "--image/--last-image/--control-video were given but"),
+    ("model_native", ["--control-video", "{media}/control"], "--control-video was given but the model is text-to-video"),
     ("i2v", ["--control-video", "{media}/control"], "--control-video was given but the model is Wan 2.1 I2V"),
     ("fun22_control", ["--control-video", "{media}/missing.mp4"], "--control-video {media}/missing.mp4 does not exist"),
     ("fun22_control", ["--image", "{media}/image.png", "--last-image", "{media}/image.png"],
