@@ -484,7 +484,8 @@ IMAGE_CONCAT_CHANNELS = 20  # image-to-video: a 4-channel mask of the given fram
 # T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B and Wan 2.1 Fun Control; Wan
 # 2.2 Fun Control A14B (control latents, mask, start latents)
 MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS,
-                        2 * LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS)
+                        2 * LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, 2 * WAN22_LATENT_CHANNELS + 4,
+                        3 * WAN22_LATENT_CHANNELS + 4)  # and Wan 2.2 Fun 5B (two or three 48-channel latents, a mask)
 CLIP_VISION_WIDTH = 1280  # the CLIP vision (ViT-H/14) features Wan's image embedding takes
 
 
@@ -493,8 +494,8 @@ def check_model_input(latent) -> None:
     Wan 2.2 latent (48)."""
     if latent.ndim != 5 or latent.shape[1] not in MODEL_INPUT_CHANNELS or min(latent.shape) < 1:
         raise ValueError(f"the model input must be [B, C, T, h, w] with C 16 or 36 (Wan 2.1 latents, with the image "
-                         f"channels of image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun Control) or 52 (Wan 2.2 "
-                         f"Fun Control), got shape {list(latent.shape)}")
+                         f"channels of image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun Control), 52 (Wan 2.2 "
+                         f"Fun Control) or 100 / 148 (Wan 2.2 Fun 5B), got shape {list(latent.shape)}")
 
 
 def check_noise_mask(noise_mask, latent_shape: tuple, sampler: str) -> None:

@@ -73,6 +73,8 @@ NATIVE_TI2V = dict(NATIVE_TRANSFORMER, in_channels=48, out_channels=48)
 # Wan 2.2 Fun Control A14B: 52 channels in (control latents, 4 mask channels, start latents), no image tokens, and
 # the reference image's ref_conv on 16-channel latents (REF_CONV_CHANNELS: not a diffusers config key)
 NATIVE_FUN22_CONTROL = dict(NATIVE_TRANSFORMER, in_channels=52, **{REF_CONV_CHANNELS: 16})
+# Wan 2.2 Fun 5B Control: TI2V 5B's 48-channel latents, 148 channels in, the reference on 48-channel latents
+NATIVE_FUN22_5B_CONTROL = dict(NATIVE_TI2V, in_channels=148, **{REF_CONV_CHANNELS: 48})
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])
 TINY_UMT5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
@@ -421,6 +423,7 @@ IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
     "i2v_low": (NATIVE_I2V_EXPERT, 13), "ti2v": (NATIVE_TI2V, 14), "fun_inp": (NATIVE_FUN_INP, 15),
     "fun_control": (NATIVE_FUN_CONTROL, 16),
     "fun22_control": (NATIVE_FUN22_CONTROL, 30),
+    "fun22_5b_control": (NATIVE_FUN22_5B_CONTROL, 31),
 }
 
 

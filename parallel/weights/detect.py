@@ -223,8 +223,11 @@ I2V_IN_CHANNELS = WAN21_LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS
 FUN_CONTROL_IN_CHANNELS = 3 * WAN21_LATENT_CHANNELS
 # Wan 2.2 Fun Control A14B: the noise, the control video's latents, the 4-channel mask, the start image's latents
 FUN22_CONTROL_IN_CHANNELS = FUN_CONTROL_IN_CHANNELS + I2V_IN_CHANNELS - WAN21_LATENT_CHANNELS - WAN21_LATENT_CHANNELS
+# Wan 2.2 Fun 5B on the 48-channel latent: the noise, the control (or start) latents and the mask, and the start
+# latents after them where the model takes both (ComfyUI's concat_cond fills either from Wan22FunControlToVideo)
+FUN22_5B_IN_CHANNELS = (2 * WAN22_TI2V_LATENT_CHANNELS + 4, 3 * WAN22_TI2V_LATENT_CHANNELS + 4)
 TRANSFORMER_IN_CHANNELS = (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS, WAN22_TI2V_LATENT_CHANNELS,
-                           FUN22_CONTROL_IN_CHANNELS)
+                           FUN22_CONTROL_IN_CHANNELS, *FUN22_5B_IN_CHANNELS)
 # The config entry (not a diffusers one) of a model with a reference-image convolution: its input channels.
 REF_CONV_CHANNELS = "ref_conv_in_channels"
 
@@ -233,14 +236,16 @@ def check_latent_channels(in_channels: int) -> None:
     """Transformers on the 16-channel Wan 2.1 latent load: text-to-video and VACE (16 input channels),
     image-to-video (36: Wan 2.1 I2V / FLF2V / Fun InP, both Wan 2.2 I2V A14B experts, Wan 2.2 Fun InP A14B), Wan 2.1
     Fun Control (48: control and start-image latents) and Wan 2.2 Fun Control A14B (52: control latents, mask,
-    start-image latents); so does Wan 2.2 TI2V 5B on the 48-channel Wan 2.2 latent (text- and
-    image-to-video: the start image is in the latent)."""
+    start-image latents); so do Wan 2.2 TI2V 5B on the 48-channel Wan 2.2 latent (text- and
+    image-to-video: the start image is in the latent) and Wan 2.2 Fun 5B (100 or 148: its conditioning latents and
+    mask concatenated)."""
     if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(
             f"This transformer takes {in_channels} input channels (a camera or other conditioned model), which is "
             f"not supported; use a T2V or VACE model ({WAN21_LATENT_CHANNELS} input channels), an image-to-video or "
             f"Fun InP model ({I2V_IN_CHANNELS}), a Wan 2.1 Fun Control model or Wan 2.2 TI2V 5B "
-            f"({FUN_CONTROL_IN_CHANNELS}), a Wan 2.2 Fun Control A14B model ({FUN22_CONTROL_IN_CHANNELS}).")
+            f"({FUN_CONTROL_IN_CHANNELS}), a Wan 2.2 Fun Control A14B model ({FUN22_CONTROL_IN_CHANNELS}) or a Wan "
+            f"2.2 Fun 5B model ({' or '.join(map(str, FUN22_5B_IN_CHANNELS))}).")
 
 
 def image_inputs(config: Mapping) -> str | None:
@@ -249,7 +254,8 @@ def image_inputs(config: Mapping) -> str | None:
     with a mask between them, and a reference image when it has a ``ref_conv``), "first_last" (Wan 2.1 FLF2V: two
     images' tokens), "clip_vision" (Wan 2.1 I2V and Fun InP: latents of the start image and CLIP vision tokens),
     "latents" (Wan 2.2 I2V A14B: image latents only), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or
-    image-to-video with the start image's latents kept in the latent by a noise mask), or None (text-to-video and
+    image-to-video with the start image's latents kept in the latent by a noise mask; Wan 2.2 Fun 5B: Wan22FunControlToVideo's
+    concatenated latents), or None (text-to-video and
     VACE)."""
     in_channels = config.get("in_channels", WAN21_LATENT_CHANNELS)
     out_channels = config.get("out_channels", WAN21_LATENT_CHANNELS)

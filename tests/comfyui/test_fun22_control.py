@@ -1,10 +1,16 @@
-"""Wan 2.2 Fun Control A14B in a real ComfyUI (recent): native ``Wan22FunControlToVideo`` conditioning (control
+"""Wan 2.2 Fun Control A14B (and the transformer of Wan 2.2 Fun 5B) in a real ComfyUI (recent): native ``Wan22FunControlToVideo`` conditioning (control
 video, with and without its reference image) sampled by native KSampler on ``UNETLoader``'s model, by KSampler on the
 WanMesh MODEL and by the WanMesh Sampler, on the tiny Fun Control file (52 input channels, a ``ref_conv``), as API
 prompts. All within 1e-4 of native; Ulysses 2 (whose sequence split then covers the reference tokens) and tp 2 x
 CFG parallel 2 equal one rank; the reference image changes the result. The same file as scaled fp8 and as a Q8_0
 GGUF loads through the Model Loader and stays within its error bar of the float file. The reference and control
 images have other sizes and aspects than the video, so resizing and cropping are compared too.
+
+Transformer calls: ComfyUI's own loader (``load_diffusion_model``, as UNETLoader) reads both tiny Fun files (the A14B
+Control one and the 5B Control one on 48-channel latents, 148 input channels, a 48-channel ``ref_conv``) with its
+model detection, in a subprocess inside the ComfyUI copy; one call with and one without a reference latent on
+each give the outputs of WanMesh's loader within 1e-4. (The 5B is not sampled here: the tiny Wan 2.2 VAE has
+widths native ``VAELoader`` does not build, and Wan22FunControlToVideo needs a native VAE.)
 """
 
 from __future__ import annotations
@@ -12,12 +18,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import subprocess
+import sys
+
 import gguf
 import pytest
 import torch
 from comfyui_server import ComfyUIServer
 from model_kinds import FP8, Q8, relative_error
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_comfyui_server import assert_video, run_successfully, saved_video
 from test_native_sampling import CFG, NATIVE_SHIFT, SEED, STEPS, TOLERANCE, largest_difference, pool_inputs, save_latent, saved
 from workflow_graph import load_workflow, node_of_type
@@ -25,6 +34,7 @@ from workflow_graph import load_workflow, node_of_type
 from wanmesh.parallel.tiny.files import TINY_FILES
 from wanmesh.parallel.tiny.fp8_write import write_fp8_file
 from wanmesh.parallel.tiny.gguf_write import write_wan_gguf
+from wanmesh.parallel.weights.loaders import load_transformer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -158,3 +168,60 @@ def test_the_fun22_control_workflow_runs_as_an_api_prompt(recent_comfyui_server:
     result = run_successfully(recent_comfyui_server, prompt)
     assert_video(saved_video(recent_comfyui_server, result, prompt), latent["length"], latent["width"],
                  latent["height"])
+
+
+# -- one transformer call against ComfyUI's own loader and model ----------------------------------------------------
+
+NATIVE_CALLS = r"""
+import sys
+io_file, paths = sys.argv[1], sys.argv[2:]
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import torch, comfy.sd
+from safetensors.torch import load_file, save_file
+given, out = load_file(io_file), {}
+for name, path in zip(("a14b", "5b"), paths):
+    model = comfy.sd.load_diffusion_model(path).model
+    network = model.diffusion_model
+    assert network.ref_conv is not None, "ComfyUI did not find the ref_conv"
+    out[f"{name}_config"] = torch.tensor(list(network.patch_embedding.weight.shape[:2]))
+    args = (given[f"{name}_x"].to(network.dtype), given["t"], given["context"].to(network.dtype))
+    with torch.no_grad():
+        out[f"{name}_ref"] = network(*args, reference_latent=given[f"{name}_ref"].to(network.dtype)).float()
+        out[f"{name}_plain"] = network(*args).float()
+save_file({key: value.contiguous() for key, value in out.items()}, io_file)
+"""
+CALL_SHAPES = {"a14b": ((1, 52, 3, 4, 6), (1, 16, 4, 6), "fun22_control"),
+               "5b": ((1, 148, 2, 2, 4), (1, 48, 2, 4), "fun22_5b_control")}
+
+
+@pytest.fixture(scope="module")
+def native_calls(recent_comfyui_dir: Path, tiny_models_dir: Path, tmp_path_factory):
+    generator = torch.Generator().manual_seed(3)
+    given = {"t": torch.tensor([700.0]), "context": torch.randn(1, 12, 4096, generator=generator)}
+    for name, (x, ref, _) in CALL_SHAPES.items():
+        given[f"{name}_x"], given[f"{name}_ref"] = torch.randn(x, generator=generator), torch.randn(ref, generator=generator)
+    io_file = tmp_path_factory.mktemp("fun22_calls") / "io.safetensors"
+    save_file(given, str(io_file))
+    paths = [str(tiny_models_dir / TINY_FILES[file]) for *_, file in CALL_SHAPES.values()]
+    done = subprocess.run([sys.executable, "-c", NATIVE_CALLS, str(io_file), *paths], cwd=recent_comfyui_dir,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return given, load_file(str(io_file))
+
+
+@pytest.mark.parametrize("name", list(CALL_SHAPES))
+def test_the_transformer_call_equals_comfyuis_model(native_calls, tiny_models_dir: Path, name: str) -> None:
+    given, native = native_calls
+    x_shape, _, file = CALL_SHAPES[name]
+    assert native[f"{name}_config"].tolist() == [256, x_shape[1]]
+    model = load_transformer(str(tiny_models_dir / TINY_FILES[file]))
+    args = dict(hidden_states=given[f"{name}_x"], timestep=given["t"], encoder_hidden_states=given["context"],
+                return_dict=False)
+    with torch.no_grad():
+        with_ref = model(**args, reference_latent=given[f"{name}_ref"])[0]
+        plain = model(**args)[0]
+    assert largest_difference(native[f"{name}_ref"], native[f"{name}_plain"]) > 100 * TOLERANCE
+    assert largest_difference(with_ref, native[f"{name}_ref"]) <= TOLERANCE
+    assert largest_difference(plain, native[f"{name}_plain"]) <= TOLERANCE
