@@ -1,8 +1,9 @@
 """Wan 2.2 Fun Control A14B (and the transformer of Wan 2.2 Fun 5B) in a real ComfyUI (recent): native ``Wan22FunControlToVideo`` conditioning (control
 video, with and without its reference image) sampled by native KSampler on ``UNETLoader``'s model, by KSampler on the
 WanMesh MODEL and by the WanMesh Sampler, on the tiny Fun Control file (52 input channels, a ``ref_conv``), as API
-prompts. All within 1e-4 of native; Ulysses 2 (whose sequence split then covers the reference tokens) and tp 2 x
-CFG parallel 2 equal one rank; the reference image changes the result. The same file as scaled fp8 and as a Q8_0
+prompts. All within 1e-4 of native; tp 2 x CFG parallel 2 equals one rank (Ulysses 2 and ring 2, whose sequence
+split covers the reference tokens: ``tests/distributed/test_fun22_pool.py``); the reference image changes the
+result; the example workflow (Ulysses 2) runs. The same file as scaled fp8 and as a Q8_0
 GGUF loads through the Model Loader and stays within its error bar of the float file. The reference and control
 images have other sizes and aspects than the video, so resizing and cropping are compared too.
 
@@ -43,8 +44,9 @@ MODEL = Path(TINY_FILES["fun22_control"]).name
 # the file kinds written from the float file: (file under diffusion_models/kinds, error bar against the float file)
 FILE_KINDS = {"fp8_scaled": ("fun22_kinds/wan22_tiny_fun_control_fp8_scaled.safetensors", FP8),
               "gguf_Q8_0": ("fun22_kinds/wan22_tiny_fun_control_Q8_0.gguf", Q8)}
-LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
-           "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True)}
+# Ulysses 2 and ring 2 with a reference against one device: tests/distributed/test_fun22_pool.py (and the example
+# workflow below runs Ulysses 2 here)
+LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True)}
 CONDITIONINGS = ("ref", "plain")  # with the reference image, without it
 SIDES = ("native", "model", "sampler")
 
