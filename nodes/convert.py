@@ -22,6 +22,9 @@ class Conditioning:
     image_latents: torch.Tensor | None = None  # concat_latent_image: raw latents of the conditioning video
     image_mask: torch.Tensor | None = None  # concat_mask: 0 where a frame is given
     clip_fea: torch.Tensor | None = None  # clip_vision_output's penultimate hidden states
+    # Wan 2.2 Fun (Wan22FunControlToVideo): where the mask goes among the image latents, the reference latent
+    image_mask_index: int = 0  # concat_mask_index
+    reference_latent: torch.Tensor | None = None  # the last of reference_latents (raw), as native WAN21 takes it
 
 
 def _tensor_or_none(value) -> torch.Tensor | None:
@@ -56,12 +59,17 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         image_latents=_tensor_or_none(options.get("concat_latent_image")),
         image_mask=_tensor_or_none(options.get("concat_mask")),
         clip_fea=clip_vision_tokens(options.get("clip_vision_output")),
+        image_mask_index=int(options.get("concat_mask_index", 0)),
+        reference_latent=_tensor_or_none((options.get("reference_latents") or [None])[-1]),
     )
 
 
 def check_same_image(positive: Conditioning, negative: Conditioning) -> None:
     """WanMesh applies one image-to-video conditioning to both guidance passes, as WanImageToVideo's outputs carry."""
-    for name in ("image_latents", "image_mask", "clip_fea"):
+    if positive.image_mask_index != negative.image_mask_index:
+        raise ValueError("positive and negative carry different concat_mask_index values; pass both through the "
+                         "same image-to-video node (WanMesh applies one image conditioning to both passes)")
+    for name in ("image_latents", "image_mask", "clip_fea", "reference_latent"):
         a, b = getattr(positive, name), getattr(negative, name)
         if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
             raise ValueError("positive and negative carry different image-to-video conditioning; pass both through "

@@ -34,7 +34,6 @@ log = logging.getLogger("wanmesh")
 # The model inputs ComfyUI's Wan conditioning can send that the pool's transformer does not take yet.
 UNSUPPORTED_INPUTS = {
     "time_dim_concat": "frames concatenated in time",
-    "reference_latent": "a reference latent",
     "control": "a ControlNet",
 }
 MERGE_REFUSAL = ("model merging (ModelMerge*, model key patches) cannot read a WanMesh MODEL's weights (they live in "
@@ -77,6 +76,7 @@ class PoolTransformer(torch.nn.Module):
             context=context.detach().float().cpu(), loras=[*self.resident.loras, *options.get(POOL_LORAS, ())],
             clip_fea=None if clip_fea is None else clip_fea.detach().float().cpu(), **vace_inputs(extra),
             skip_blocks=skipped_blocks(options), **cache_inputs(self.cache, timestep, options),
+            reference_latent=reference_input(extra.get("reference_latent")),
         )
         try:
             prediction = self.resident.runner.forward(request, should_stop=interrupted)
@@ -137,6 +137,12 @@ def check_supported_inputs(control, extra: dict) -> None:
         names = [name for name in UNSUPPORTED_INPUTS if given.get(name) is not None]
         raise ValueError(shortest_fitting(f"the WanMesh MODEL does not take {', '.join(refused)} yet; {takes}",
                                           f"the WanMesh MODEL does not take {', '.join(names)} yet; {takes}"))
+
+
+def reference_input(reference: torch.Tensor | None) -> torch.Tensor | None:
+    """ComfyUI's ``reference_latent`` model input (Wan 2.2 Fun's reference image, normalised, one row per latent
+    row) for ModelForward; the ranks run it through the model's ``ref_conv`` (or ignore it, as native, without)."""
+    return None if reference is None else reference.detach().float().cpu()
 
 
 def vace_inputs(extra: dict) -> dict:

@@ -158,6 +158,7 @@ class WanMeshSampler:
             add_noise=add_noise, timings=True, image_latents=conditional.image_latents,
             image_mask=conditional.image_mask, clip_fea=conditional.clip_fea,
             noise_mask=latent_noise_mask(latent_image), cache=cache,
+            image_mask_index=conditional.image_mask_index, reference_latent=conditional.reference_latent,
         )
         request.validate()  # before a layout auto rearranges the pool for it
         arrange_for_job(model, request.latent, steps, cfg)

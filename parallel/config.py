@@ -481,8 +481,11 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
 
 
 IMAGE_CONCAT_CHANNELS = 20  # image-to-video: a 4-channel mask of the given frames and their 16-channel latents
-# T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B
-MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS)
+# T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B and Wan 2.1 Fun Control; Wan
+# 2.2 Fun Control A14B (control latents, mask, start latents)
+MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS,
+                        2 * LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, 2 * WAN22_LATENT_CHANNELS + 4,
+                        3 * WAN22_LATENT_CHANNELS + 4)  # and Wan 2.2 Fun 5B (two or three 48-channel latents, a mask)
 CLIP_VISION_WIDTH = 1280  # the CLIP vision (ViT-H/14) features Wan's image embedding takes
 
 
@@ -491,7 +494,8 @@ def check_model_input(latent) -> None:
     Wan 2.2 latent (48)."""
     if latent.ndim != 5 or latent.shape[1] not in MODEL_INPUT_CHANNELS or min(latent.shape) < 1:
         raise ValueError(f"the model input must be [B, C, T, h, w] with C 16 or 36 (Wan 2.1 latents, with the image "
-                         f"channels of image-to-video) or 48 (Wan 2.2 TI2V latents), got shape {list(latent.shape)}")
+                         f"channels of image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun Control), 52 (Wan 2.2 "
+                         f"Fun Control) or 100 / 148 (Wan 2.2 Fun 5B), got shape {list(latent.shape)}")
 
 
 def check_noise_mask(noise_mask, latent_shape: tuple, sampler: str) -> None:
@@ -536,6 +540,20 @@ def check_image_conditioning(image_latents, image_mask, latent_shape: tuple) -> 
     if image_mask is not None and (image_mask.ndim != 5 or image_mask.shape[2] > frames):
         raise ValueError(f"the image-to-video mask has shape {list(image_mask.shape)}; expected [rows, 1 or 4, at "
                          f"most {frames} frames, h, w]")
+
+
+def check_reference_latent(reference, rows: int, raw: bool) -> None:
+    """A Wan 2.2 Fun reference latent for ``rows`` latent rows: as the conditioning holds it (``raw``: the encoded
+    image [1 or rows, C, frames, h, w], Wan22FunControlToVideo's ``reference_latents``), or as a model call takes it
+    ([rows, C, h, w]: ComfyUI's ``reference_latent`` model input, normalised, its first frame)."""
+    if reference is None:
+        return
+    shape = list(reference.shape)
+    if raw and (reference.ndim != 5 or shape[0] not in (1, rows)):
+        raise ValueError(f"the reference latent has shape {shape}; expected [1 or {rows}, channels, frames, h, w] "
+                         "(the encoded reference image, as Wan22FunControlToVideo makes it)")
+    if not raw and (reference.ndim != 4 or shape[0] != rows):
+        raise ValueError(f"the model call's reference latent has shape {shape}; expected [{rows}, channels, h, w]")
 
 
 def check_model_forward(latent, timestep, context, vace_context, vace_strengths: list, clip_fea=None) -> None:

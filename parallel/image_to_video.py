@@ -117,14 +117,14 @@ def image_concat(image_latents: torch.Tensor, mask: torch.Tensor | None, latent_
                  image_to_video: bool = True, mask_index: int = 0) -> torch.Tensor:
     """The ``extra_channels`` [B, extra, T, h, w] concatenated to a conditioned model's input, as ComfyUI's Wan
     ``concat_cond`` builds them: the image latents (each 16 channels normalised with the Wan latent ``mean``/``std``)
-    resized to the latent's size and batch; given as they are when they fill the extra channels (Wan 2.1 Fun
+    resized to the latent's size and batch (``mean``/``std`` of the model's latent: 16 or 48 channels); given as they are when they fill the extra channels (Wan 2.1 Fun
     Control: the control video's and the start image's latents), else after the mask of the given frames,
     inverted (1 where a frame is given) with one channel per frame of a latent frame (zeros without a mask), at
     channel ``mask_index`` (image-to-video: 4 mask and 16 image channels)."""
     batch, _, frames, h, w = latent_shape
     image = upscale_center(image_latents.float(), w, h)
-    chunks = [(image[:, i: i + LATENT_CHANNELS] - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
-              for i in range(0, image.shape[1], LATENT_CHANNELS)]
+    chunks = [(image[:, i: i + mean.numel()] - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+              for i in range(0, image.shape[1], mean.numel())]
     image = resize_to_batch(torch.cat(chunks, dim=1), batch)
     if extra_channels != image.shape[1] + MASK_CHANNELS and (not image_to_video or extra_channels == image.shape[1]):
         return image
@@ -142,6 +142,34 @@ def image_concat(image_latents: torch.Tensor, mask: torch.Tensor | None, latent_
             mask = mask.repeat(1, MASK_CHANNELS, 1, 1, 1)
         mask = resize_to_batch(mask, batch)
     return torch.cat([image[:, :mask_index], mask, image[:, mask_index:]], dim=1)
+
+
+# -- Fun Control: a control video, a start image (Wan 2.1) or a reference image (Wan 2.2) -----------------------------
+
+
+def fun_control_frames(images: torch.Tensor | None, width: int, height: int, length: int) -> torch.Tensor | None:
+    """The frames native WanFunControlToVideo / Wan22FunControlToVideo encode of a control video or start image:
+    at most ``length``, resized and center-cropped, RGB; None for none."""
+    return None if images is None else _fitted(images[:length].float(), width, height)[..., :3]
+
+
+def fun_control_latents(control: torch.Tensor | None, start: torch.Tensor | None, latent_shape: tuple,
+                        mean: torch.Tensor) -> torch.Tensor:
+    """The raw ``concat_latent_image`` [1, 2C, T, h, w] of the Fun Control nodes: the control video's latents in
+    the first C channels, the start image's in the last C, each over the frames it covers; the rest the latent
+    space's zero (its ``mean`` as raw latents)."""
+    channels, frames = mean.numel(), latent_shape[2]
+    concat = mean.view(1, -1, 1, 1, 1).expand(1, channels, *latent_shape[2:]).repeat(1, 2, 1, 1, 1)
+    for offset, encoded in ((0, control), (channels, start)):
+        if encoded is not None:
+            given = encoded[:, :, :frames]
+            concat[:, offset: offset + channels, : given.shape[2]] = given
+    return concat
+
+
+def fun22_control_mask(latent_shape: tuple) -> torch.Tensor:
+    """Wan22FunControlToVideo's ``concat_mask`` [1, 4, T, h, w]: ones (it takes no start image)."""
+    return torch.ones(1, MASK_CHANNELS, *latent_shape[2:])
 
 
 # -- Wan 2.2 TI2V 5B: the start image in the latent, a noise mask ------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
-                     check_vace_contexts, check_weights_mode)
+                     check_vace_contexts, check_weights_mode, check_reference_latent)
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 from .cache_settings import cache_settings, check_cache, check_stream_cache
 
@@ -177,6 +177,11 @@ class SampleRequest(Request):
     # Wan 2.2 latents only; each model call gets per-frame timesteps and the kept latent, as native KSampler does
     noise_mask: torch.Tensor | None = None  # [B, 1, T, h, w], [F, 1, H, W] or [F, H, W]; resized to the latent
     cache: dict[str, Any] | None = None  # step caching: CacheSettings' fields (sampling/step_cache.py); None: off
+    # Wan 2.2 Fun (Wan22FunControlToVideo): the channel the mask goes to among the image latents (concat_mask_index)
+    # and the raw reference image latent [1 or B, C, frames, h, w] (the last of reference_latents; its first frame
+    # runs through the model's ref_conv)
+    image_mask_index: int = 0
+    reference_latent: torch.Tensor | None = None
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -190,6 +195,7 @@ class SampleRequest(Request):
         check_image_conditioning(self.image_latents, self.image_mask, tuple(self.latent.shape))
         check_clip_vision_tokens(self.clip_fea, self.latent.shape[0])
         check_noise_mask(self.noise_mask, tuple(self.latent.shape), self.sampler)
+        check_reference_latent(self.reference_latent, self.latent.shape[0], raw=True)
         check_model_loras(self.model_loras)
         check_experts(boundary=self.boundary, guidance_scale_low=self.guidance_scale_low)
         check_step_range(self.start_step, self.end_step, self.steps)
@@ -216,9 +222,11 @@ class ModelForward(Request):
     cache: dict[str, Any] | None = None  # step caching over one sampler run's calls: CacheSettings' fields
     cache_step: int = -1  # the call's step (0-based) in the sampler's sigmas; -1: unknown (told by the timestep)
     cache_steps: int = 0  # the sampler's steps; 0: unknown
+    reference_latent: torch.Tensor | None = None  # [B, C, h, w]: Wan 2.2 Fun's normalised reference (ref_conv)
 
     def validate(self) -> None:
         check_cache(cache_settings(self.cache))
+        check_reference_latent(self.reference_latent, self.latent.shape[0], raw=False)
         check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths,
                             self.clip_fea)
         check_model_loras({self.handle: self.loras})

@@ -65,12 +65,11 @@ def model_path(args, tiny_name: str = "model") -> str:
 
 def model_config(path: str, vace_module: str | None = None) -> dict:
     """A transformer's full config (defaults included), from shapes and metadata only: no tensor is read."""
-    from ..weights.checkpoint import build_empty
-    from ..weights.loaders import transformer_weight_source
+    from ..weights.loaders import build_transformer, transformer_weight_source
 
     with contextlib.ExitStack() as stack:
         model_class, config, _ = transformer_weight_source(path, vace_module, stack)
-        return dict(build_empty(lambda: model_class.from_config(config)).config)
+        return dict(build_transformer(model_class, config).config)
 
 
 def mib(value: int | None, digits: int = 2) -> str:

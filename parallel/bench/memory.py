@@ -38,10 +38,10 @@ import torch.distributed as dist
 from ..config import TEXT_TOKENS, latent_shape
 from ..distributed.spawn import slowest_rank_seconds
 from ..distributed.tensor_parallel import check_tp_degree, tensor_parallel_plan, tp_size_and_rank
-from ..weights.checkpoint import SCALED_FP8_MARKER, build_empty, read_safetensors_header, scale_key_for
+from ..weights.checkpoint import SCALED_FP8_MARKER, read_safetensors_header, scale_key_for
 from ..weights.gguf_file import is_gguf_path
 from ..weights.sharded import load_transformer_tp
-from ..weights.loaders import transformer_weight_source
+from ..weights.loaders import build_transformer, transformer_weight_source
 from ..worker.memory import resident_bytes
 from ..worker.residency import DTYPES
 from .common import (PeakAnonymousMemory, Timing, mib, model_config, model_path, rank_device, run_world,
@@ -115,7 +115,7 @@ def file_slice_bytes(path: str, tp: int) -> int:
     """Bytes of one tensor-parallel rank's slices of the file (see the module)."""
     with contextlib.ExitStack() as stack:
         model_class, config, source = transformer_weight_source(path, None, stack)
-        sharded = tensor_parallel_plan(build_empty(lambda: model_class.from_config(config))).shard_dims()
+        sharded = tensor_parallel_plan(build_transformer(model_class, config)).shard_dims()
         stored = {file: stored_tensors(file) for file in {ref.file.path for ref in source.refs.values()}}
         total = 0
         for name, ref in source.refs.items():

@@ -1,12 +1,15 @@
-"""`wanmesh generate --image START [--last-image END] [--clip-vision FILE]`: image-to-video on the command line;
-runs in the CLI (driver) process.
+"""`wanmesh generate --image START [--last-image END] [--clip-vision FILE] [--control-video FILE]`: image-to-video
+and Fun Control on the command line; runs in the CLI (driver) process.
 
 The model's kind (its header) decides what is needed: Wan 2.1 I2V a start image and a CLIP vision file, FLF2V a
 start and an end image and a CLIP vision file, Wan 2.2 I2V A14B a start image only, Wan 2.2 TI2V 5B an optional
 start image (its latents kept in the first frames, as native Wan22ImageToVideoLatent); a text-to-video model takes
 no image. Every such mistake is a one-line error before the pool starts. The conditioning is what ComfyUI's native
 WanImageToVideo / WanFirstLastFrameToVideo make (``image_to_video.py``): the video is VAE-encoded on the pool; the
-CLIP vision encoder (one or two images) runs here, as ComfyUI runs it in its own process.
+CLIP vision encoder (one or two images) runs here, as ComfyUI runs it in its own process. Fun Control models take
+``--control-video`` and ``--image`` as the native nodes take them: Wan 2.1 Fun Control (48 input channels) as
+WanFunControlToVideo's control video and start image (with the start image's CLIP vision tokens), Wan 2.2 Fun
+Control (52) as Wan22FunControlToVideo's control video and reference image (``ref_image``).
 """
 
 from __future__ import annotations
@@ -16,27 +19,35 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import WAN22_VAE_SPATIAL_FACTOR, check_video_size
-from ..image_to_video import first_last_video, start_image_video, wan22_image_latent, wan22_start_frames
+from ..config import LATENT_CHANNELS, VAE_SPATIAL_FACTOR, WAN22_VAE_SPATIAL_FACTOR, check_video_size
+from ..image_to_video import (first_last_video, fun22_control_mask, fun_control_frames, fun_control_latents,
+                              latent_frame_count, start_image_video, wan22_image_latent, wan22_start_frames)
 from ..validation import model_image_inputs
 from .parser import IMAGE_FLAGS, add_image_arguments, wants_image  # noqa: F401 - the parser's
 
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
-              "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan 2.1 Fun Control"}
+              "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control"}
 
 
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
     """What the model of ``kind`` (``detect.image_inputs``) needs against what was given; one line each."""
     if kind is None:
+        if getattr(args, "control_video", None) is not None:
+            raise ValueError("--control-video was given but the model is text-to-video; a control video needs a Fun "
+                             "Control model (Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B)")
         if wants_image(args):
             raise ValueError("--image/--last-image were given but the model is text-to-video; use an image-to-video "
                              "model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B) or leave the images out")
         return
     name = KIND_NAMES[kind]
+    if getattr(args, "control_video", None) is not None and kind != "fun_control":
+        raise ValueError(f"--control-video was given but the model is {name}; a control video needs a Fun Control "
+                         "model (Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B)")
     if kind == "fun_control":
-        raise ValueError(f"the model is {name}, which takes a control video and a start image; the command line "
-                         "has no control-video input: run it in ComfyUI with WanFunControlToVideo (workflow "
-                         "native/fun_control_native)")
+        if args.last_image is not None:
+            raise ValueError(f"the model is {name}, which takes a control video and one image; --last-image needs a "
+                             "first-last-frame (FLF2V) model")
+        return
     if kind == "first_frame":  # text-to-video, or image-to-video from the start image's latents
         check_video_size(args.width, args.height, args.frames, WAN22_VAE_SPATIAL_FACTOR)
     elif args.image is None and not (kind == "first_last" and args.last_image is not None):
@@ -58,19 +69,27 @@ class ImageInputs:
     start: torch.Tensor | None
     end: torch.Tensor | None
     clip_vision: str | None
+    control: torch.Tensor | None = None  # a Fun Control model's control video [F, H, W, 3]
+    in_channels: int = 0  # the model's input channels (Fun Control: 48 Wan 2.1, 52 Wan 2.2)
 
     @classmethod
     def read(cls, args, files: dict) -> ImageInputs | None:
         from .media import read_image
 
-        _, kind = model_image_inputs(files["model"], "--model")
+        from .media import read_frames
+
+        in_channels, kind = model_image_inputs(files["model"], "--model")
         clip_vision = files.get("clip_vision")
         check_image_arguments(kind, args, clip_vision)
         if kind is None:
             return None
         start = None if args.image is None else read_image(args.image, "--image")
         end = None if args.last_image is None else read_image(args.last_image, "--last-image")
-        return cls(kind, start, end, clip_vision if kind in ("clip_vision", "first_last") else None)
+        control = None if getattr(args, "control_video", None) is None else read_frames(args.control_video,
+                                                                                         "--control-video")
+        takes_tokens = kind in ("clip_vision", "first_last") or (kind == "fun_control" and _fun21(in_channels)
+                                                                 and start is not None)
+        return cls(kind, start, end, clip_vision if takes_tokens else None, control, in_channels)
 
     def sample_fields(self, runner, vae: str, args) -> dict:
         """The SampleRequest's image fields: the video encoded on the pool, its mask, the CLIP vision tokens; for
@@ -81,12 +100,34 @@ class ImageInputs:
                                                                  overlap_px=args.vae_overlap)
             latent = wan22_image_latent(encoded, args.width, args.height, args.frames, 1)
             return {"latent": latent["samples"], "noise_mask": latent.get("noise_mask")}
+        if self.kind == "fun_control":
+            return self._fun_control_fields(runner, vae, args)
         if self.kind == "first_last":
             video, mask = first_last_video(self.start, self.end, args.width, args.height, args.frames)
         else:
             video, mask = start_image_video(self.start, args.width, args.height, args.frames)
         latents = runner.encode(vae, video, tile_px=args.vae_tile, overlap_px=args.vae_overlap)
         return {"image_latents": latents, "image_mask": mask, "clip_fea": self._clip_tokens()}
+
+    def _fun_control_fields(self, runner, vae: str, args) -> dict:
+        """WanFunControlToVideo's (Wan 2.1) or Wan22FunControlToVideo's (Wan 2.2) conditioning of the control video
+        and the image: the raw concatenated latents, the Wan 2.2 mask and mask channel, its reference latent."""
+        from ..sampling.latents import LATENTS_MEAN
+
+        def encode(images):
+            frames = fun_control_frames(images, args.width, args.height, args.frames)
+            return None if frames is None else runner.encode(vae, frames, tile_px=args.vae_tile,
+                                                             overlap_px=args.vae_overlap)
+
+        shape = (1, LATENT_CHANNELS, latent_frame_count(args.frames), args.height // VAE_SPATIAL_FACTOR,
+                 args.width // VAE_SPATIAL_FACTOR)
+        if _fun21(self.in_channels):
+            latents = fun_control_latents(encode(self.control), encode(self.start), shape, LATENTS_MEAN.flatten())
+            return {"image_latents": latents, "clip_fea": self._clip_tokens()}
+        reference = None if self.start is None else encode(self.start[:1])
+        return {"image_latents": fun_control_latents(encode(self.control), None, shape, LATENTS_MEAN.flatten()),
+                "image_mask": fun22_control_mask(shape), "image_mask_index": LATENT_CHANNELS,
+                "reference_latent": reference}
 
     def _clip_tokens(self) -> torch.Tensor | None:
         if self.clip_vision is None:
@@ -98,3 +139,8 @@ class ImageInputs:
         images = [image for image in (self.start, self.end) if image is not None]
         return torch.cat([encode_images(encoder, image[..., :3]).penultimate_hidden_states for image in images],
                          dim=-2)
+
+
+def _fun21(in_channels: int) -> bool:
+    """Wan 2.1 Fun Control (48 input channels: no mask, CLIP vision tokens), not Wan 2.2's (52)."""
+    return in_channels == 3 * LATENT_CHANNELS

@@ -218,7 +218,8 @@ def wants_vace(args) -> bool:
     return any(getattr(args, name, None) is not None for name in VACE_FLAGS)
 
 
-IMAGE_FLAGS = {"image": "--image", "last_image": "--last-image", "clip_vision": "--clip-vision"}
+IMAGE_FLAGS = {"image": "--image", "last_image": "--last-image", "clip_vision": "--clip-vision",
+               "control_video": "--control-video"}
 
 
 def add_image_arguments(parser) -> None:
@@ -226,9 +227,12 @@ def add_image_arguments(parser) -> None:
     group.add_argument("--image", help="the start image (image-to-video and first-last-frame models)")
     group.add_argument("--last-image", help="the end image (first-last-frame models)")
     group.add_argument("--clip-vision", help="CLIP vision file, e.g. clip_vision_h.safetensors (Wan 2.1 I2V / FLF2V)")
+    group.add_argument("--control-video", help="the control video (Fun Control models: an MP4 or other video, an "
+                                               "image or a folder of frames); with Wan 2.2 Fun Control, --image is "
+                                               "the reference image")
 
 
 def wants_image(args) -> bool:
-    return getattr(args, "image", None) is not None or getattr(args, "last_image", None) is not None
+    return any(getattr(args, name, None) is not None for name in ("image", "last_image", "control_video"))
 
 

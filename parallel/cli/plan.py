@@ -75,8 +75,8 @@ def _tree_names(args) -> dict[str, str]:
              "text_encoder": "text_encoder"}
     if args.command == "generate" and wants_image(args):  # (streaming from an image runs the T2V model)
         # the tiny image-to-video models take the native-width text encoder and CLIP vision
-        names.update(model="flf2v" if args.last_image else "i2v", text_encoder="text_encoder_native",
-                     clip_vision="clip_vision")
+        model = "fun_control" if getattr(args, "control_video", None) else "flf2v" if args.last_image else "i2v"
+        names.update(model=model, text_encoder="text_encoder_native", clip_vision="clip_vision")
     return names
 
 

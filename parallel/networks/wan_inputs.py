@@ -2,8 +2,9 @@
 
 Forward hooks on diffusers' ``WanTransformer3DModel`` (and the VACE model): latents of any size are padded to the
 patch grid and the output cropped back; image-to-video models get native text lengths and first-last-frame image
-tokens, and without CLIP vision tokens attend to the text in their image cross-attention as native Wan does.
-Applied by the loaders after the weights are in.
+tokens, and without CLIP vision tokens attend to the text in their image cross-attention as native Wan does; a
+model with a ``ref_conv`` (Wan 2.2 Fun) takes a reference latent (``reference.py``). Applied by the loaders after
+the weights are in.
 """
 
 from __future__ import annotations
@@ -11,12 +12,17 @@ from __future__ import annotations
 import torch
 
 from ..config import TEXT_TOKENS
+from .reference import drop_reference, install_reference_hooks
 
 
 def with_native_inputs(model: torch.nn.Module) -> torch.nn.Module:
     """The loaded transformer taking its inputs as native Wan takes them: latents of any size (padded to patches)
     and, for models with image tokens, native text lengths and first-last-frame tokens. In place; returns it."""
     pad_inputs_to_patches(model)
+    if hasattr(model, "ref_conv"):
+        install_reference_hooks(model)
+    else:
+        drop_reference(model)
     if getattr(model.config, "image_dim", None):
         pad_text_for_image_tokens(model)
         text_as_missing_image_tokens(model)

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from ..networks.reference import REFERENCE_KEYWORD
 from ..protocol import ModelForward
 from ..vace.context import default_vace_context
 from ..config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
@@ -121,8 +122,10 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
         raise ValueError(f"the model call gives {latents.shape[1]} input channels but this model takes "
                          f"{in_channels}; use image-to-video conditioning with image-to-video models only, and the "
                          "latent made for the model (48 channels: Wan 2.2 TI2V 5B only)")
-    # the input holds its image channels already: only the CLIP vision tokens are added
+    # the input holds its image channels already: only the CLIP vision tokens (and a Fun reference) are added
     extra.update(image_token_inputs(model, request.clip_fea, rows, request.latent.shape[0], dtype, device))
+    if request.reference_latent is not None:
+        extra[REFERENCE_KEYWORD] = request.reference_latent[rows.start : rows.stop].to(device=device, dtype=dtype)
     with skipping_blocks(model, request.skip_blocks):
         return flow_prediction(model, latents, timestep, context, extra).float().cpu()
 

@@ -32,8 +32,9 @@ from .forward import check_latent_for_model, image_inputs, latent_channels, vace
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
-from .latents import (LATENTS_MEAN, LATENTS_STD, check_finite, denormalize_latents, model_space_latents,
-                      normalize_latents, seeded_noise)
+from .latents import (LATENTS_MEAN, LATENTS_STD, WAN22_MEAN, WAN22_STD, check_finite, denormalize_latents,
+                      model_space_latents, normalize_latents, seeded_noise)
+from ..networks.reference import REFERENCE_KEYWORD
 
 
 
@@ -283,14 +284,35 @@ def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, devic
     """The model inputs beside latents, timestep and text: VACE contexts and image-to-video inputs."""
     shape = tuple(request.latent.shape)
     concat = None
+    mean, std = model_latent_stats(model)
     if request.image_latents is not None:
         config = getattr(model, "config", None)
         extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - latent_channels(model)
-        concat = image_concat(request.image_latents, request.image_mask, shape, LATENTS_MEAN.flatten(),
-                              LATENTS_STD.flatten(), extra_channels=extra_channels,
-                              image_to_video=bool(getattr(config, "image_dim", None)))
+        # ComfyUI's WAN21 of an image-token model and its WAN22 (48-channel latents) are image-to-video models
+        image_to_video = bool(getattr(config, "image_dim", None)) or latent_channels(model) != LATENT_CHANNELS
+        concat = image_concat(request.image_latents, request.image_mask, shape, mean, std,
+                              extra_channels=extra_channels, image_to_video=image_to_video,
+                              mask_index=request.image_mask_index)
     return {**vace_model_inputs(model, request, rows, dtype, device),
-            **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device)}
+            **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device),
+            **reference_input(request.reference_latent, mean, std, rows, shape[0], dtype, device)}
+
+
+def model_latent_stats(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and std (flat) of the latent space the model samples: Wan 2.1's (16 channels) or Wan 2.2's (48)."""
+    if latent_channels(model) == LATENT_CHANNELS:
+        return LATENTS_MEAN.flatten(), LATENTS_STD.flatten()
+    return WAN22_MEAN.flatten(), WAN22_STD.flatten()
+
+
+def reference_input(reference: torch.Tensor | None, mean, std, rows: range, batch: int, dtype, device) -> dict:
+    """The Wan 2.2 Fun reference of the given rows as ComfyUI's WAN21 hands it to the model: the raw reference
+    latent normalised, its first frame, repeated to the batch (``repeat_to_batch_size``); none without one."""
+    if reference is None:
+        return {}
+    first = (reference[:, :, 0].float() - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+    first = first.repeat(-(-batch // first.shape[0]), 1, 1, 1)[:batch]
+    return {REFERENCE_KEYWORD: first[rows.start : rows.stop].to(device=device, dtype=dtype)}
 
 
 def vace_model_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:

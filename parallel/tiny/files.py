@@ -30,6 +30,10 @@ TINY_FILES = {
     "fun_control": "diffusion_models/wan_tiny_fun_control.safetensors",  # Wan 2.1 Fun Control-like: 48 channels in
     "vae22": "vae/wan22_tiny_vae.safetensors",  # its tiny Wan 2.2 VAE (48 channels; tiny/vae22.py writes it)
     "clip_vision": "clip_vision/clip_vision_tiny.safetensors",
+    # Wan 2.2 Fun Control A14B-like: 52 channels in (control latents, mask, start latents), a reference ref_conv
+    "fun22_control": "diffusion_models/wan22_tiny_fun_control.safetensors",
+    # Wan 2.2 Fun 5B Control-like: 48-channel latents, 148 channels in (control, mask, start), a 48-channel ref_conv
+    "fun22_5b_control": "diffusion_models/wan22_tiny_fun_5b_control.safetensors",
 }
 
 # `wanmesh make-tiny DIR --preset medium`: a ~150M-parameter T2V transformer in the formats users have, with the

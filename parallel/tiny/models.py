@@ -37,6 +37,8 @@ from transformers.utils import logging as transformers_logging
 
 from ..weights.checkpoint import rename_map
 from ..weights.loaders import convert_wan_transformer_keys
+from ..weights.detect import REF_CONV_CHANNELS
+from ..networks.reference import add_reference_conv
 from ..weights.umt5_files import SPIECE_FILENAME, SPIECE_KEY
 from ..tensor_files import save_tensors_atomic
 from .files import MEDIUM_FILES, TINY_FILES
@@ -68,6 +70,11 @@ NATIVE_FUN_INP = NATIVE_I2V
 NATIVE_FUN_CONTROL = dict(NATIVE_I2V, in_channels=48)
 # Wan 2.2 TI2V 5B, native-loadable: the 48-channel Wan 2.2 latent in and out (text- and image-to-video)
 NATIVE_TI2V = dict(NATIVE_TRANSFORMER, in_channels=48, out_channels=48)
+# Wan 2.2 Fun Control A14B: 52 channels in (control latents, 4 mask channels, start latents), no image tokens, and
+# the reference image's ref_conv on 16-channel latents (REF_CONV_CHANNELS: not a diffusers config key)
+NATIVE_FUN22_CONTROL = dict(NATIVE_TRANSFORMER, in_channels=52, **{REF_CONV_CHANNELS: 16})
+# Wan 2.2 Fun 5B Control: TI2V 5B's 48-channel latents, 148 channels in, the reference on 48-channel latents
+NATIVE_FUN22_5B_CONTROL = dict(NATIVE_TI2V, in_channels=148, **{REF_CONV_CHANNELS: 48})
 TINY_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])
 TINY_UMT5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
@@ -211,6 +218,8 @@ def original_transformer_names(config: dict) -> list[str]:
         names += _pairs(f"vace_blocks.{index}.before_proj") if index == 0 else []
     if "vace_layers" in config:
         names += _pairs("vace_patch_embedding")
+    if REF_CONV_CHANNELS in config:
+        names += _pairs("ref_conv")
     return names
 
 
@@ -413,7 +422,17 @@ IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
     "i2v": (NATIVE_I2V, 10), "flf2v": (NATIVE_FLF2V, 11), "i2v_high": (NATIVE_I2V_EXPERT, 12),
     "i2v_low": (NATIVE_I2V_EXPERT, 13), "ti2v": (NATIVE_TI2V, 14), "fun_inp": (NATIVE_FUN_INP, 15),
     "fun_control": (NATIVE_FUN_CONTROL, 16),
+    "fun22_control": (NATIVE_FUN22_CONTROL, 30),
+    "fun22_5b_control": (NATIVE_FUN22_5B_CONTROL, 31),
 }
+
+
+def tiny_transformer(config: dict) -> WanTransformer3DModel:
+    """diffusers' Wan transformer of a tiny config, with the reference ``ref_conv`` its config may name."""
+    config = dict(config)
+    ref_channels = config.pop(REF_CONV_CHANNELS, None)
+    model = WanTransformer3DModel(**config)
+    return model if ref_channels is None else add_reference_conv(model, ref_channels)
 
 
 def make_image_to_video_models(root: Path, seed: int = SEED) -> dict[str, Path]:
@@ -425,7 +444,7 @@ def make_image_to_video_models(root: Path, seed: int = SEED) -> dict[str, Path]:
 
     paths = {}
     for name, (config, offset) in IMAGE_TO_VIDEO_MODELS.items():
-        model = WanTransformer3DModel(**config)
+        model = tiny_transformer(config)
         randomise_(model, seed + offset)
         paths[name] = root / TINY_FILES[name]
         save_tensors_atomic(_transformer_state(model.eval(), config), paths[name], metadata=_head_metadata(config))

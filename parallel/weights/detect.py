@@ -68,7 +68,7 @@ def unsupported_family_error(location, kind: str) -> str:
     family, telltale = UNSUPPORTED_FAMILIES[kind]
     return (f"{location} is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not "
             "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B, VACE, Wan 2.1 Fun InP and Fun Control "
-            "transformers")
+            "transformers, Wan 2.2 Fun Control / InP A14B")
 
 
 def detect_kind(keys: Iterable[str]) -> str:
@@ -195,6 +195,8 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
         "eps": 1e-6,
     }
     config.update(_image_embedding_config(shapes))
+    if "ref_conv.weight" in shapes:  # Wan 2.2 Fun: the reference image's embedding (networks/reference.py)
+        config[REF_CONV_CHANNELS] = shapes["ref_conv.weight"][1]
     vace_count = _block_count(shapes, "vace_blocks.")
     if vace_count:
         config["vace_layers"] = [i * num_layers // vace_count for i in range(vace_count)]
@@ -219,33 +221,46 @@ WAN22_TI2V_LATENT_CHANNELS = WAN22_LATENT_CHANNELS
 I2V_IN_CHANNELS = WAN21_LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS
 # Wan 2.1 Fun Control: the noise, then the control video's and the start image's latents (16 channels each)
 FUN_CONTROL_IN_CHANNELS = 3 * WAN21_LATENT_CHANNELS
-TRANSFORMER_IN_CHANNELS = (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS, WAN22_TI2V_LATENT_CHANNELS)
+# Wan 2.2 Fun Control A14B: the noise, the control video's latents, the 4-channel mask, the start image's latents
+FUN22_CONTROL_IN_CHANNELS = FUN_CONTROL_IN_CHANNELS + I2V_IN_CHANNELS - WAN21_LATENT_CHANNELS - WAN21_LATENT_CHANNELS
+# Wan 2.2 Fun 5B on the 48-channel latent: the noise, the control (or start) latents and the mask, and the start
+# latents after them where the model takes both (ComfyUI's concat_cond fills either from Wan22FunControlToVideo)
+FUN22_5B_IN_CHANNELS = (2 * WAN22_TI2V_LATENT_CHANNELS + 4, 3 * WAN22_TI2V_LATENT_CHANNELS + 4)
+TRANSFORMER_IN_CHANNELS = (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS, WAN22_TI2V_LATENT_CHANNELS,
+                           FUN22_CONTROL_IN_CHANNELS, *FUN22_5B_IN_CHANNELS)
+# The config entry (not a diffusers one) of a model with a reference-image convolution: its input channels.
+REF_CONV_CHANNELS = "ref_conv_in_channels"
 
 
 def check_latent_channels(in_channels: int) -> None:
     """Transformers on the 16-channel Wan 2.1 latent load: text-to-video and VACE (16 input channels),
-    image-to-video (36: Wan 2.1 I2V / FLF2V / Fun InP, both Wan 2.2 I2V A14B experts) and Wan 2.1 Fun Control (48:
-    control and start-image latents); so does Wan 2.2 TI2V 5B on the 48-channel Wan 2.2 latent (text- and
-    image-to-video: the start image is in the latent)."""
+    image-to-video (36: Wan 2.1 I2V / FLF2V / Fun InP, both Wan 2.2 I2V A14B experts, Wan 2.2 Fun InP A14B), Wan 2.1
+    Fun Control (48: control and start-image latents) and Wan 2.2 Fun Control A14B (52: control latents, mask,
+    start-image latents); so do Wan 2.2 TI2V 5B on the 48-channel Wan 2.2 latent (text- and
+    image-to-video: the start image is in the latent) and Wan 2.2 Fun 5B (100 or 148: its conditioning latents and
+    mask concatenated)."""
     if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(
             f"This transformer takes {in_channels} input channels (a camera or other conditioned model), which is "
             f"not supported; supported: {WAN21_LATENT_CHANNELS} (T2V, VACE), {I2V_IN_CHANNELS} (image-to-video, "
-            f"Fun InP), {FUN_CONTROL_IN_CHANNELS} (Fun Control, Wan 2.2 TI2V 5B).")
+            f"Fun InP), {FUN_CONTROL_IN_CHANNELS} (Fun Control, Wan 2.2 TI2V 5B), {FUN22_CONTROL_IN_CHANNELS} (Wan 2.2 "
+            f"Fun A14B), {' or '.join(map(str, FUN22_5B_IN_CHANNELS))} (Wan 2.2 Fun 5B).")
 
 
 def image_inputs(config: Mapping) -> str | None:
     """What image conditioning a transformer config takes: "fun_control" (Wan 2.1 Fun Control: the control video's
-    and start image's latents, CLIP vision tokens when it has an image embedding), "first_last" (Wan 2.1 FLF2V: two
+    and start image's latents, CLIP vision tokens when it has an image embedding; Wan 2.2 Fun Control A14B: the same
+    with a mask between them, and a reference image when it has a ``ref_conv``), "first_last" (Wan 2.1 FLF2V: two
     images' tokens), "clip_vision" (Wan 2.1 I2V and Fun InP: latents of the start image and CLIP vision tokens),
     "latents" (Wan 2.2 I2V A14B: image latents only), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or
-    image-to-video with the start image's latents kept in the latent by a noise mask), or None (text-to-video and
+    image-to-video with the start image's latents kept in the latent by a noise mask; Wan 2.2 Fun 5B: Wan22FunControlToVideo's
+    concatenated latents), or None (text-to-video and
     VACE)."""
     in_channels = config.get("in_channels", WAN21_LATENT_CHANNELS)
     out_channels = config.get("out_channels", WAN21_LATENT_CHANNELS)
     if out_channels == WAN22_TI2V_LATENT_CHANNELS:
         return "first_frame"
-    if in_channels == FUN_CONTROL_IN_CHANNELS:
+    if in_channels in (FUN_CONTROL_IN_CHANNELS, FUN22_CONTROL_IN_CHANNELS):
         return "fun_control"
     if config.get("pos_embed_seq_len"):
         return "first_last"

@@ -36,9 +36,11 @@ from .checkpoint import (
 )
 from .gguf_file import open_files
 from .vae22_keys import WAN22_LATENT_CHANNELS, check_wan22_folder_config, convert_wan22_vae_keys, is_wan22_vae
+from ..networks.reference import add_reference_conv
 from ..networks.wan_inputs import with_native_inputs
 from ..networks.wan_vace import WanVaceMultiContext
 from .detect import (
+    REF_CONV_CHANNELS,
     UNSUPPORTED_FAMILIES,
     WAN21_LATENT_CHANNELS,
     check_latent_channels,
@@ -49,7 +51,7 @@ from .detect import (
     unsupported_family_error,
 )
 
-__all__ = ["load_transformer", "load_vae", "transformer_weight_source"]
+__all__ = ["build_transformer", "load_transformer", "load_vae", "transformer_weight_source"]
 
 # diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support.
 TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext}
@@ -172,6 +174,15 @@ def _add_vace_config(config: dict, base_shapes: dict | None, module_shapes: dict
             "vace_in_channels": module_shapes["vace_patch_embedding.weight"][1]}
 
 
+def build_transformer(model_class: type, config: dict) -> torch.nn.Module:
+    """The empty (meta) transformer of a config from ``transformer_weight_source``: diffusers' class, plus the
+    reference-image convolution of a Wan 2.2 Fun file (its entry is not a diffusers config key)."""
+    config = dict(config)
+    ref_channels = config.pop(REF_CONV_CHANNELS, None)
+    model = build_empty(lambda: model_class.from_config(config))
+    return model if ref_channels is None else add_reference_conv(model, ref_channels)
+
+
 def load_transformer(
     path: str,
     *,
@@ -184,7 +195,7 @@ def load_transformer(
     quantized block linears as stored (``quantized.py``), "dequantize" expands them to ``dtype``."""
     with contextlib.ExitStack() as stack:
         model_class, config, source = transformer_weight_source(path, vace_module, stack)
-        model = build_empty(lambda: model_class.from_config(config))
+        model = build_transformer(model_class, config)
         model = load_weights_into(model, source, dtype=dtype, device=device, keep_quantized=weights == "keep")
         return with_native_inputs(model)
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import TensorSlice, WeightSource, build_empty, load_weights_into
+from .checkpoint import TensorSlice, WeightSource, load_weights_into
 from .quantized import StoredTensor, logical_name
-from .loaders import transformer_weight_source
+from .loaders import build_transformer, transformer_weight_source
 from ..networks.wan_inputs import with_native_inputs
 from ..distributed.tensor_parallel import (
     TensorParallelPlan,
@@ -85,7 +85,7 @@ def load_transformer_shard(
         raise ValueError(f"tp_rank must be in [0, {tp_size - 1}] for tp_size={tp_size}, got {tp_rank}")
     with contextlib.ExitStack() as stack:
         model_class, config, source = transformer_weight_source(path, vace_module, stack)
-        model = build_empty(lambda: model_class.from_config(config))
+        model = build_transformer(model_class, config)
         check_tp_degree(model.config.num_attention_heads, model.config.ffn_dim, tp_size)
         if tp_size > 1:
             plan = tensor_parallel_plan(model)

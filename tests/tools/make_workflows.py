@@ -563,6 +563,29 @@ def fun_inp_native(info: dict[str, Any]) -> WorkflowBuilder:
                             ("end_image",), cfg_parallel=True)
 
 
+def fun22_control_native(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.2 Fun Control A14B: native Wan22FunControlToVideo (a control video and a reference image) into
+    KSampler on the WanMesh MODEL, Ulysses on two CPU ranks (the sequence split covers the reference tokens)."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, ulysses=2)
+    positive, negative, model = text_and_model(w, pool_id, I2V_PROMPT, "wan22_tiny_fun_control.safetensors",
+                                               text_encoder="umt5_native.safetensors")
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    reference, other = load_image(w, "ref_circle.png", 860), load_image(w, "ref_texture.png", 1200)
+    control = w.node("RepeatImageBatch", [COLUMNS[3], 1200], {"amount": 9}, {"image": (other, 0)},
+                     title="Control video")
+    links: dict[str, Output] = {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0),
+                                "ref_image": (reference, 0), "control_video": (control, 0)}
+    conditioning = w.node("Wan22FunControlToVideo", [COLUMNS[3], 460], dict(I2V_SIZE), links, size=[320, 260])
+    sampled = w.node("KSampler", [COLUMNS[4], 40],
+                     {"seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+                      "denoise": 1.0},
+                     {"model": (native_model(w, model, 620), 0), "positive": (conditioning, 0),
+                      "negative": (conditioning, 1), "latent_image": (conditioning, 2)})
+    native_tail(w, sampled, vae, "fun22_control_native")
+    return w
+
+
 # (sub-folder of workflows/, name, which /object_info, builder)
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
@@ -591,6 +614,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("native", "t2v_easycache", "recent", t2v_easycache),
     ("native", "fun_control_native", "recent", fun_control_native),
     ("native", "fun_inp_native", "recent", fun_inp_native),
+    ("native", "fun22_control_native", "recent", fun22_control_native),
 ]
 
 

@@ -120,7 +120,8 @@ class _NoPool:
     ("ti2v", ["--image", "{images}/start.png", "--width", "72"], "width 72 is not a positive multiple of 16"),
     ("ti2v", ["--vae", "{vae}"], "is the Wan 2.1 VAE (wan_2.1_vae.safetensors), but --model"),
     ("model_native", ["--vae", "{vae22}"], "is the Wan 2.2 VAE (wan2.2_vae.safetensors), but --model"),
-    ("fun_control", ["--image", "{images}/start.png"], "the model is Wan 2.1 Fun Control, which takes a control video"),
+    ("fun_control", ["--image", "{images}/start.png", "--last-image", "{images}/end.png"],
+     "the model is Wan Fun Control, which takes a control video and one image"),
 ])
 def test_bad_image_input_exits_2_with_one_line_before_any_pool(tiny_models, images, tmp_path, monkeypatch, capsys,
                                                                 model, flags, message):

@@ -40,7 +40,7 @@ NODE_ONLY = {
 FLAG_ONLY = {"--models", "--model", "--vae", "--text-encoder", "--vace-module", "--model-low", "--prompt",
              "--negative", "--device", "--out", "--save-latents", "--save-frames", "--lora", "--vace-video",
              "--vace-mask", "--vace-ref", "--outpaint", "--extend-keep", "--save-vace", "--no-kv-cache",
-             "--chunk-dir", "--image", "--last-image", "--clip-vision", "--quiet", "-q", "--help", "-h"}
+             "--chunk-dir", "--image", "--last-image", "--clip-vision", "--control-video", "--quiet", "-q", "--help", "-h"}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers
                  "t2v_gguf_q8_0", "t2v_gguf_q4_k", "t2v_fp8_scaled",
                  "lora_comfy", "lora_peft", "lora_kohya", "lora_diff", "t2v_low",
                  "model_native", "vace_native", "text_encoder_native", "i2v", "flf2v", "i2v_high", "i2v_low", "clip_vision",
-                 "ti2v", "vae22", "fun_inp", "fun_control"}
+                 "ti2v", "vae22", "fun_inp", "fun_control", "fun22_control",
+                 "fun22_5b_control"}
 WAN_LATENTS_MEAN_FIRST = -0.7571
 WAN_LATENTS_STD_FIRST = 2.8184
 
@@ -211,7 +212,8 @@ def test_medium_preset_writes_every_format(tmp_path, monkeypatch, tiny_models):
 
 
 @pytest.mark.parametrize("name, image_kind, in_channels", [
-    ("fun_inp", "clip_vision", 36), ("fun_control", "fun_control", 48), ("ti2v", "first_frame", 48)])
+    ("fun_inp", "clip_vision", 36), ("fun_control", "fun_control", 48), ("ti2v", "first_frame", 48),
+    ("fun22_control", "fun_control", 52), ("fun22_5b_control", "first_frame", 148)])
 def test_fun_files_are_told_by_their_tensors(tiny_models, name, image_kind, in_channels):
     """Fun Control's 48 input channels are not TI2V 5B's (its output has 16); Fun InP is Wan 2.1 I2V's layout."""
     from wanmesh.parallel.validation import model_image_inputs

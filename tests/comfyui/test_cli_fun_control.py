@@ -1,0 +1,162 @@
+"""`wanmesh generate --control-video` against the native Fun Control conditioning, on the tiny files.
+
+The conditioning the command line builds from a control video and an image (resized and center-cropped: they have
+other sizes and aspects than the video, and the control video is shorter) equals what native
+``WanFunControlToVideo`` (Wan 2.1 Fun Control: control video and start image) and ``Wan22FunControlToVideo`` (Wan
+2.2 Fun Control: control video and reference image) build from the same frames on the same VAE file, run in a
+subprocess inside the recent ComfyUI copy. The command itself (Wan 2.2 Fun Control, a control video file) saves the
+latents of a SampleRequest built here from that conditioning. Mistakes are one line and exit code 2 before any pool.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_native_sampling import TOLERANCE, largest_difference
+
+from wanmesh.parallel.cli import generate as generate_module
+from wanmesh.parallel.cli import main
+from wanmesh.parallel.cli.image_inputs import ImageInputs
+from wanmesh.parallel.cli.media import read_frames, read_image
+from wanmesh.parallel.protocol import SampleRequest
+from wanmesh.parallel.tiny.files import TINY_FILES
+from wanmesh.parallel.worker.executors import RankExecutor
+
+WIDTH, HEIGHT, FRAMES, STEPS, SEED = 48, 32, 9, 2, 3
+FUN21, FUN22 = 48, 52  # the models' input channels
+
+NATIVE = r"""
+import sys
+vae_file, io_file, width, height, length = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import torch, comfy.sd, comfy.utils
+from comfy_extras.nodes_wan import WanFunControlToVideo, Wan22FunControlToVideo
+from safetensors.torch import load_file, save_file
+vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(vae_file))
+given = load_file(io_file)
+conditioning = [[torch.zeros(1, 1, 8), {}]]
+positive, _, _ = WanFunControlToVideo.execute(conditioning, conditioning, vae, width, height, length, 1,
+                                              start_image=given["image"], control_video=given["control"]).result
+positive22, _, _ = Wan22FunControlToVideo.execute(conditioning, conditioning, vae, width, height, length, 1,
+                                                  ref_image=given["image"], control_video=given["control"]).result
+options, options22 = positive[0][1], positive22[0][1]
+save_file({"fun21_latents": options["concat_latent_image"].contiguous(),
+           "fun22_latents": options22["concat_latent_image"].contiguous(),
+           "fun22_mask": options22["concat_mask"].contiguous(),
+           "fun22_mask_index": torch.tensor(options22["concat_mask_index"]),
+           "fun22_reference": options22["reference_latents"][-1].contiguous()}, io_file)
+"""
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> Path:
+    """A start / reference image and a control video of 6 frames (a folder of images), other sizes and aspects."""
+    folder = tmp_path_factory.mktemp("fun_control_media")
+    rng = np.random.default_rng(11)
+    cv2.imwrite(str(folder / "image.png"), rng.integers(0, 256, (40, 72, 3), dtype=np.uint8))
+    (folder / "control").mkdir()
+    for index in range(6):
+        cv2.imwrite(str(folder / "control" / f"{index:03d}.png"), rng.integers(0, 256, (50, 40, 3), dtype=np.uint8))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def native(recent_comfyui_dir: Path, tiny_models_dir: Path, media: Path, tmp_path_factory) -> dict[str, torch.Tensor]:
+    io_file = tmp_path_factory.mktemp("native_fun_control") / "io.safetensors"
+    save_file({"image": read_image(media / "image.png")[..., :3].contiguous(),
+               "control": read_frames(media / "control").contiguous()}, str(io_file))
+    done = subprocess.run([sys.executable, "-c", NATIVE, str(tiny_models_dir / TINY_FILES["vae"]), str(io_file),
+                           str(WIDTH), str(HEIGHT), str(FRAMES)],
+                          cwd=recent_comfyui_dir, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_file(str(io_file))
+
+
+@pytest.fixture(scope="module")
+def engine_and_vae(tiny_models_dir: Path):
+    engine = RankExecutor("cpu")
+    return engine, engine.load_vae(str(tiny_models_dir / TINY_FILES["vae"]))
+
+
+def cli_fields(engine_and_vae, media: Path, in_channels: int) -> dict:
+    """The SampleRequest fields the command line builds (ImageInputs, the VAE encodes on one in-process rank)."""
+    engine, vae = engine_and_vae
+    inputs = ImageInputs("fun_control", read_image(media / "image.png"), None, None,
+                         read_frames(media / "control"), in_channels)
+    args = SimpleNamespace(width=WIDTH, height=HEIGHT, frames=FRAMES, vae_tile=None, vae_overlap=None)
+    return inputs.sample_fields(engine, vae, args)
+
+
+def test_wan21_control_video_equals_native_wan_fun_control_to_video(native, engine_and_vae, media) -> None:
+    fields = cli_fields(engine_and_vae, media, FUN21)
+    assert native["fun21_latents"][:, 16:, :1].std() > 0.05 and native["fun21_latents"][:, :16, :2].std() > 0.05
+    assert largest_difference(fields["image_latents"], native["fun21_latents"]) <= TOLERANCE
+    assert "image_mask" not in fields and "reference_latent" not in fields
+
+
+def test_wan22_control_video_equals_native_wan22_fun_control_to_video(native, engine_and_vae, media) -> None:
+    fields = cli_fields(engine_and_vae, media, FUN22)
+    assert largest_difference(fields["image_latents"], native["fun22_latents"]) <= TOLERANCE
+    assert torch.equal(fields["image_mask"], native["fun22_mask"])
+    assert fields["image_mask_index"] == int(native["fun22_mask_index"])
+    assert native["fun22_reference"].std() > 0.05
+    assert largest_difference(fields["reference_latent"], native["fun22_reference"]) <= TOLERANCE
+
+
+COMMON = ["--prompt", "a fox turns", "--negative", "blurry", "--width", str(WIDTH), "--height", str(HEIGHT),
+          "--frames", str(FRAMES), "--steps", str(STEPS), "--seed", str(SEED), "--sampler", "euler", "--device", "cpu"]
+
+
+def _files(tree: Path, model: str) -> list[str]:
+    return ["--model", str(tree / TINY_FILES[model]), "--text-encoder", str(tree / TINY_FILES["text_encoder_native"]),
+            "--vae", str(tree / TINY_FILES["vae"])]
+
+
+def test_generate_with_a_control_video_samples_the_native_conditioning(tiny_models_dir, media, engine_and_vae,
+                                                                       tmp_path) -> None:
+    latents = tmp_path / "latents.safetensors"
+    code = main(["generate", *_files(tiny_models_dir, "fun22_control"), *COMMON, "--out", str(tmp_path / "x.mp4"),
+                 "--save-latents", str(latents), "--control-video", str(media / "control"),
+                 "--image", str(media / "image.png")])
+    assert code == 0
+    engine, _ = engine_and_vae
+    text = engine.load_text_encoder(str(tiny_models_dir / TINY_FILES["text_encoder_native"]))
+    model = engine.load_model(str(tiny_models_dir / TINY_FILES["fun22_control"]))
+    request = SampleRequest(handle=model, latent=torch.zeros(1, 16, 3, HEIGHT // 8, WIDTH // 8),
+                            positive=engine.encode_text(text, ["a fox turns"]),
+                            negative=engine.encode_text(text, ["blurry"]), seed=SEED, steps=STEPS, guidance_scale=5.0,
+                            shift=3.0, sampler="euler", **cli_fields(engine_and_vae, media, FUN22))
+    torch.testing.assert_close(load_file(latents)["latents"], engine.sample(request), rtol=0, atol=1e-5)
+
+
+class _NoPool:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("a worker pool was started for bad input")
+
+
+@pytest.mark.parametrize("model, flags, message", [
+    ("model_native", ["--control-video", "{media}/control"], "--control-video was given but the model is text-to-video"),
+    ("i2v", ["--control-video", "{media}/control"], "--control-video was given but the model is Wan 2.1 I2V"),
+    ("fun22_control", ["--control-video", "{media}/missing.mp4"], "--control-video {media}/missing.mp4 does not exist"),
+    ("fun22_control", ["--image", "{media}/image.png", "--last-image", "{media}/image.png"],
+     "the model is Wan Fun Control, which takes a control video and one image; --last-image needs"),
+])
+def test_bad_control_video_input_exits_2_with_one_line_before_any_pool(tiny_models_dir, media, tmp_path, monkeypatch,
+                                                                       capsys, model, flags, message) -> None:
+    monkeypatch.setattr(generate_module, "WorkerPool", _NoPool)
+    flags = [flag.format(media=media) for flag in flags]
+    code = main(["generate", *_files(tiny_models_dir, model), *COMMON, "--out", str(tmp_path / "x.mp4"), *flags])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert error.startswith("wanmesh: error: ") and error.count("\n") == 1 and "Traceback" not in error
+    assert message.format(media=media) in error
