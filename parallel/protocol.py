@@ -218,6 +218,8 @@ class ModelForward(Request):
     vace_strengths: list[float] = field(default_factory=list)  # one per VACE context
     loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA file, strength), merged before the call
     clip_fea: torch.Tensor | None = None  # [B, tokens, 1280]: CLIP vision tokens (Wan 2.1 I2V / FLF2V)
+    pose_latents: torch.Tensor | None = None  # [B, 16, T', h, w]: Wan 2.2 Animate's normalised pose video latents
+    face_pixels: torch.Tensor | None = None  # [B, 3, F, 512, 512]: Wan 2.2 Animate's face video in [-1, 1]
     skip_blocks: list[int] = field(default_factory=list)  # transformer blocks this call skips (skip layer guidance)
     cache: dict[str, Any] | None = None  # step caching over one sampler run's calls: CacheSettings' fields
     cache_step: int = -1  # the call's step (0-based) in the sampler's sigmas; -1: unknown (told by the timestep)

@@ -35,6 +35,7 @@ MOTION_DIM = 20
 STYLE_DIM = 512
 FACE_ENCODER_HIDDEN = 1024
 FACE_ENCODER_HEADS = 4
+FACE_CACHE_SIZE = 2  # face videos whose tokens are kept: a guided sampler's conditional and unconditional ones
 MOTION_ENCODER_BATCH = 8  # frames through the motion encoder at a time, as native encodes them
 LEAKY_SLOPE = 0.2
 BLUR_KERNEL = (1.0, 3.0, 3.0, 1.0)
@@ -266,12 +267,30 @@ class WanAnimateTransformer(WanTransformer3DModel):
                 face_pixel_values=None, **kwargs):
         frames, height, width = hidden_states.shape[-3:]
         p_t, p_h, p_w = self.config.patch_size
-        face = None if face_pixel_values is None else self.face_tokens(face_pixel_values, frames // p_t)
+        face = None if face_pixel_values is None else self.cached_face_tokens(face_pixel_values, frames // p_t)
         self.animate_call = AnimateCall(pose_latents, face, (height // p_h) * (width // p_w))
         try:
             return super().forward(hidden_states, timestep, encoder_hidden_states, *args, **kwargs)
         finally:
             self.animate_call = None
+
+    def cached_face_tokens(self, pixels: torch.Tensor, frames: int) -> torch.Tensor:
+        """``face_tokens``, reused while the same face video comes again (a sampler sends it at every step, and the
+        encoders do not depend on the step): the last ``FACE_CACHE_SIZE`` videos are kept with the version of the
+        encoders' weights they were made with (a LoRA merge or reload changes it), and compared exactly."""
+        version = sum(parameter._version for parameter in self._face_parameters())
+        cache = self.__dict__.setdefault("_face_cache", [])
+        for entry in cache:
+            if entry[1:3] == (frames, version) and entry[0].shape == pixels.shape and torch.equal(entry[0], pixels):
+                return entry[3]
+        tokens = self.face_tokens(pixels, frames)
+        cache.insert(0, (pixels.detach().clone(), frames, version, tokens))
+        del cache[FACE_CACHE_SIZE:]
+        return tokens
+
+    def _face_parameters(self):
+        yield from self.motion_encoder.parameters()
+        yield from self.face_encoder.parameters()
 
     def face_tokens(self, pixels: torch.Tensor, frames: int) -> torch.Tensor:
         """The face tokens [B, frames, 5, dim] of a face video [B, 3, F, 512, 512]: motion vectors frame by frame,
