@@ -1,7 +1,8 @@
 """Wan 2.2 Animate in a real ComfyUI (0.3.75): native ``WanAnimateToVideo`` conditioning (reference image, pose video,
 face video, CLIP vision tokens of the reference) sampled by native KSampler on ``UNETLoader``'s model and by KSampler
 on the WanMesh MODEL of the same tiny Animate file, as API prompts: within 1e-4 of native on one rank, and tp 2 x
-CFG parallel 2 and Ulysses 2 equal to one rank. The WanMesh Sampler refuses the Animate conditioning in one line.
+CFG parallel 2 and Ulysses 2 equal to one rank. The WanMesh Sampler refuses the Animate conditioning in one line, and
+the example workflow ``native/animate_native`` runs.
 
 The motion encoder reads 512x512 face frames whatever the model's size, so the face video is one frame and the
 sampling two steps: native encodes it at every model call, the pool once per sampling run.
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 from comfyui_server import ComfyUIServer, PromptResult
-from test_comfyui_server import run_successfully
+from test_comfyui_server import assert_video, run_successfully, saved_video
+from workflow_graph import load_workflow, node_of_type
 from test_native_sampling import CFG, SEED, TOLERANCE, largest_difference, pool_inputs, save_latent, saved
 
 MODEL_FILE = "wan22_tiny_animate.safetensors"
@@ -100,3 +102,11 @@ def test_the_wanmesh_sampler_refuses_animate_conditioning_in_one_line(recent_com
     message = error["exception_message"].strip()
     assert "Wan 2.2 Animate inputs" in message and "KSampler on the WanMesh MODEL" in message, message
     assert "\n" not in message and len(message) <= 300, message
+
+
+def test_the_animate_workflow_runs(recent_comfyui_server: ComfyUIServer) -> None:
+    """``native/animate_native`` (tensor parallel, the reference frame trimmed off) writes the video's frames."""
+    prompt = load_workflow("native/api/animate_native.json")
+    size = node_of_type(prompt, "WanAnimateToVideo")["inputs"]
+    result = run_successfully(recent_comfyui_server, prompt)
+    assert_video(saved_video(recent_comfyui_server, result, prompt), size["length"], size["width"], size["height"])
