@@ -91,3 +91,38 @@ def test_the_model_takes_the_sequence_slice_of_its_context_parallel_shard() -> N
     assert frames.tolist() == [1, 1, 1, 2, 2]
     model.context_parallel = None
     assert WanAnimateTransformer._token_frames(model, 5, call).tolist() == [0, 0, 0, 0, 1]
+
+
+def test_scaled_fp8_and_gguf_animate_files_load_and_run(tmp_path) -> None:
+    """The tiny Animate file as ComfyUI scaled fp8 and as a Q8_0 GGUF: recognised from the header, loaded by the
+    rank loader (block linears kept quantized, the Animate modules as stored) and within the quantization's error
+    of the float file (with pose latents; the face path is the float file's: tests/comfyui/test_animate.py)."""
+    from gguf import GGMLQuantizationType
+
+    from wanmesh.parallel.tensor_files import save_tensors_atomic
+    from wanmesh.parallel.tiny.fp8_write import write_fp8_file
+    from wanmesh.parallel.tiny.gguf_write import write_wan_gguf
+    from wanmesh.parallel.tiny.models import SEED, animate_state
+    from wanmesh.parallel.weights.detect import safetensors_kind
+    from wanmesh.parallel.weights.loaders import load_transformer
+
+    state = animate_state(NATIVE_ANIMATE, SEED + 35)
+    paths = {"float": tmp_path / "animate.safetensors", "fp8_scaled": tmp_path / "animate_fp8_scaled.safetensors",
+             "Q8_0": tmp_path / "animate_Q8_0.gguf"}
+    save_tensors_atomic(state, paths["float"], metadata={"num_heads": "2"})
+    write_fp8_file(state, paths["fp8_scaled"], torch.float8_e4m3fn, scaled=True, metadata={"num_heads": "2"})
+    write_wan_gguf(state, paths["Q8_0"], GGMLQuantizationType.Q8_0, num_heads=2)
+    del state
+    torch.manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 36, 2, 4, 6), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=torch.randn(1, 512, 4096), pose_latents=torch.randn(1, 16, 1, 4, 6))
+    outputs = {}
+    for kind, path in paths.items():
+        assert safetensors_kind(str(path)) == "wan_animate", kind
+        model = load_transformer(str(path))
+        assert isinstance(model, WanAnimateTransformer)
+        with torch.no_grad():
+            outputs[kind] = model(**inputs, return_dict=False)[0]
+    for kind in ("fp8_scaled", "Q8_0"):
+        error = ((outputs[kind] - outputs["float"]).norm() / outputs["float"].norm()).item()
+        assert 0 < error < 0.05, f"{kind}: relative error {error:.3g}"
