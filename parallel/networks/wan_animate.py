@@ -278,7 +278,7 @@ class WanAnimateTransformer(WanTransformer3DModel):
         """``face_tokens``, reused while the same face video comes again (a sampler sends it at every step, and the
         encoders do not depend on the step): the last ``FACE_CACHE_SIZE`` videos are kept with the version of the
         encoders' weights they were made with (a LoRA merge or reload changes it), and compared exactly."""
-        version = sum(parameter._version for parameter in self._face_parameters())
+        version = self._face_weights_version()
         cache = self.__dict__.setdefault("_face_cache", [])
         for entry in cache:
             if entry[1:3] == (frames, version) and entry[0].shape == pixels.shape and torch.equal(entry[0], pixels):
@@ -288,9 +288,13 @@ class WanAnimateTransformer(WanTransformer3DModel):
         del cache[FACE_CACHE_SIZE:]
         return tokens
 
-    def _face_parameters(self):
-        yield from self.motion_encoder.parameters()
-        yield from self.face_encoder.parameters()
+    def _face_weights_version(self) -> tuple:
+        """What changes when the encoders' weights change: their tensors' identities and in-place versions."""
+        parameters = [*self.motion_encoder.parameters(), *self.face_encoder.parameters()]
+        try:
+            return tuple((id(parameter), parameter._version) for parameter in parameters)
+        except RuntimeError:  # inference tensors keep no version: they cannot change in place
+            return tuple(id(parameter) for parameter in parameters)
 
     def face_tokens(self, pixels: torch.Tensor, frames: int) -> torch.Tensor:
         """The face tokens [B, frames, 5, dim] of a face video [B, 3, F, 512, 512]: motion vectors frame by frame,

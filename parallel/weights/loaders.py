@@ -135,7 +135,7 @@ def transformer_weight_source(
     """
     location = resolve_model_location(path, "transformer")
     if location.is_dir():
-        config = _read_folder_config(location, set(TRANSFORMER_CLASSES), "Wan transformer")
+        config = _read_folder_config(location, set(TRANSFORMER_CLASSES) - {ANIMATE_CLASS}, "Wan transformer")
         check_latent_channels(config.get("in_channels", WAN21_LATENT_CHANNELS))
         source = _identity_source(location, stack, DIFFUSERS_WEIGHTS_NAME)
         shapes = None
