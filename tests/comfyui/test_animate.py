@@ -21,8 +21,9 @@ from test_native_sampling import CFG, SEED, TOLERANCE, largest_difference, pool_
 
 MODEL_FILE = "wan22_tiny_animate.safetensors"
 WIDTH, HEIGHT, LENGTH, STEPS = 48, 32, 5, 2
-LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True),
-           "ulysses2": dict(devices="cpu:2", world=2, ulysses=2)}
+# One rank last: the refusal test's prompt then finds that pool and every node before the sampler cached.
+LAYOUTS = {"tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True),
+           "ulysses2": dict(devices="cpu:2", world=2, ulysses=2), "world1": dict(devices="cpu:1", world=1)}
 
 
 def ksampler(model: str) -> dict[str, Any]:
