@@ -17,6 +17,7 @@ import torch
 from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode, check_reference_latent)
+from .config import check_animate_inputs
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 from .cache_settings import cache_settings, check_cache, check_stream_cache
 
@@ -231,6 +232,7 @@ class ModelForward(Request):
         check_reference_latent(self.reference_latent, self.latent.shape[0], raw=False)
         check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths,
                             self.clip_fea)
+        check_animate_inputs(self.pose_latents, self.face_pixels, tuple(self.latent.shape))
         check_model_loras({self.handle: self.loras})
 
 

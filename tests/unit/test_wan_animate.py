@@ -126,3 +126,22 @@ def test_scaled_fp8_and_gguf_animate_files_load_and_run(tmp_path) -> None:
     for kind in ("fp8_scaled", "Q8_0"):
         error = ((outputs[kind] - outputs["float"]).norm() / outputs["float"].norm()).item()
         assert 0 < error < 0.05, f"{kind}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("field, shape, named", [
+    ("face_pixels", (2, 3, 5, 256, 256), "the face video has shape [2, 3, 5, 256, 256]; expected [2, 3, frames, 512, 512]"),
+    ("pose_latents", (2, 16, 2, 8, 8), "the pose video latents have shape [2, 16, 2, 8, 8]; expected [2, 16, frames, 4, 6]"),
+])
+def test_a_model_call_with_animate_inputs_of_the_wrong_shape_is_one_line(field, shape, named) -> None:
+    from wanmesh.parallel.protocol import ModelForward
+
+    request = ModelForward(handle="m", latent=torch.zeros(2, 36, 3, 4, 6), timestep=torch.zeros(2),
+                           context=torch.zeros(2, 512, 4096), **{field: torch.zeros(shape)})
+    with pytest.raises(ValueError) as refused:
+        request.validate()
+    message = str(refused.value)
+    assert message.startswith(named) and "\n" not in message and len(message) <= 300, message
+    fine = ModelForward(handle="m", latent=torch.zeros(2, 36, 3, 4, 6), timestep=torch.zeros(2),
+                        context=torch.zeros(2, 512, 4096), pose_latents=torch.zeros(1, 16, 2, 4, 6),
+                        face_pixels=torch.zeros(2, 3, 1, 512, 512))
+    fine.validate()
