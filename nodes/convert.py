@@ -49,6 +49,7 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         raise ValueError(f"{name} holds {len(conditioning)} entries (from ConditioningCombine); WanMesh samples one "
                          "entry per conditioning: use ConditioningConcat or a single prompt")
     tensor, options = conditioning[0][0], conditioning[0][1]
+    refuse_animate_conditioning(options, name)
     if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3:
         raise ValueError(f"{name} tensor must be [batch, tokens, width], got {getattr(tensor, 'shape', tensor)}")
     return Conditioning(
@@ -62,6 +63,18 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         image_mask_index=int(options.get("concat_mask_index", 0)),
         reference_latent=_tensor_or_none((options.get("reference_latents") or [None])[-1]),
     )
+
+
+ANIMATE_KEYS = ("pose_video_latent", "face_video_pixels")  # what WanAnimateToVideo adds to the conditioning
+
+
+def refuse_animate_conditioning(options: dict, name: str) -> None:
+    """Wan 2.2 Animate's pose and face videos run on the WanMesh MODEL (KSampler), not in the WanMesh Sampler."""
+    given = [key for key in ANIMATE_KEYS if options.get(key) is not None]
+    if given:
+        raise ValueError(f"{name} carries Wan 2.2 Animate inputs ({', '.join(given)}, from WanAnimateToVideo), which "
+                         "the WanMesh Sampler does not take; sample it with KSampler on the WanMesh MODEL "
+                         "(WanMesh Native Model)")
 
 
 def check_same_image(positive: Conditioning, negative: Conditioning) -> None:

@@ -75,6 +75,7 @@ class PoolTransformer(torch.nn.Module):
             handle=self.resident.handle, latent=x.detach().float().cpu(), timestep=call_timesteps(timestep, x),
             context=context.detach().float().cpu(), loras=[*self.resident.loras, *options.get(POOL_LORAS, ())],
             clip_fea=None if clip_fea is None else clip_fea.detach().float().cpu(), **vace_inputs(extra),
+            **animate_inputs(extra),
             skip_blocks=skipped_blocks(options), **cache_inputs(self.cache, timestep, options),
             reference_latent=reference_input(extra.get("reference_latent")),
         )
@@ -143,6 +144,13 @@ def reference_input(reference: torch.Tensor | None) -> torch.Tensor | None:
     """ComfyUI's ``reference_latent`` model input (Wan 2.2 Fun's reference image, normalised, one row per latent
     row) for ModelForward; the ranks run it through the model's ``ref_conv`` (or ignore it, as native, without)."""
     return None if reference is None else reference.detach().float().cpu()
+
+
+def animate_inputs(extra: dict) -> dict:
+    """The ModelForward fields of Wan 2.2 Animate's model inputs (WAN22_Animate's extra_conds: the normalised pose
+    video latents and the face video's pixels)."""
+    pairs = (("pose_latents", "pose_latents"), ("face_pixel_values", "face_pixels"))
+    return {field: extra[name].detach().float().cpu() for name, field in pairs if extra.get(name) is not None}
 
 
 def vace_inputs(extra: dict) -> dict:
@@ -216,6 +224,8 @@ def pool_model(resident: ResidentModel, cache: dict | None = None):
     device = comfy.model_management.get_torch_device()
     if image_kind == "first_frame":
         model = _wan22_model(in_channels, device)
+    elif image_kind == "animate":
+        model = _animate_model(in_channels, device)
     else:
         model = _wan21_model(has_vace_blocks(resident.model_files()), in_channels, image_kind, device)
     model.diffusion_model = PoolTransformer(resident, in_channels, cache)
@@ -230,6 +240,35 @@ def _wan21_model(vace: bool, in_channels: int, image_kind: str | None, device):
     config_class = comfy.supported_models.WAN21_I2V if takes_tokens else comfy.supported_models.WAN21_T2V
     config = config_class({"image_model": "wan2.1", "in_dim": in_channels, "disable_unet_model_creation": True})
     return wan_vace(config, device=device) if vace else wan(config, image_to_video=takes_tokens, device=device)
+
+
+@functools.cache
+def animate_class():
+    """The BaseModel class for Wan 2.2 Animate, made from the running ComfyUI's WAN22_Animate (whose extra_conds
+    give the pose latents and the face video); None for a ComfyUI without it."""
+    import comfy.model_base
+
+    if not hasattr(comfy.model_base, "WAN22_Animate"):
+        return None
+    memory = comfy_classes()[0].__mro__[1]  # PoolMemory: no memory reserved here for the pool's transformer
+
+    class PoolWanAnimate(memory, comfy.model_base.WAN22_Animate):
+        pass
+
+    return PoolWanAnimate
+
+
+def _animate_model(in_channels: int, device):
+    """Wan 2.2 Animate: ComfyUI's WAN22_Animate model with the WAN22_Animate config, as its model detection sets it."""
+    import comfy.supported_models
+
+    model_class, config_class = animate_class(), getattr(comfy.supported_models, "WAN22_Animate", None)
+    if model_class is None or config_class is None:
+        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan 2.2 Animate support (September 2025 or "
+                         "newer) for a Wan 2.2 Animate model; update ComfyUI")
+    config = config_class({"image_model": "wan2.1", "model_type": "animate", "in_dim": in_channels,
+                           "disable_unet_model_creation": True})
+    return model_class(config, device=device)
 
 
 def _wan22_model(in_channels: int, device):

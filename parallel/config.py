@@ -581,6 +581,24 @@ def check_model_forward(latent, timestep, context, vace_context, vace_strengths:
         raise ValueError(f"VACE strengths {vace_strengths} must be finite numbers (1.0 is the default)")
 
 
+ANIMATE_FACE_SIZE = 512  # Wan 2.2 Animate's motion encoder reads square face frames of this size
+
+
+def check_animate_inputs(pose_latents, face_pixels, latent_shape: tuple) -> None:
+    """Wan 2.2 Animate's model inputs as WanAnimateToVideo makes them: pose latents [1 or B, 16, T', h, w] of the
+    latent's size, a face video [1 or B, 3, F, 512, 512]; one line naming the input and the valid shape."""
+    batch, _, _, h, w = latent_shape
+    if pose_latents is not None and (pose_latents.ndim != 5 or pose_latents.shape[0] not in (1, batch)
+                                     or pose_latents.shape[1] != LATENT_CHANNELS or pose_latents.shape[-2:] != (h, w)):
+        raise ValueError(f"the pose video latents have shape {list(pose_latents.shape)}; expected [{batch}, "
+                         f"{LATENT_CHANNELS}, frames, {h}, {w}] (the latent's size), as WanAnimateToVideo makes them")
+    size = ANIMATE_FACE_SIZE
+    if face_pixels is not None and (face_pixels.ndim != 5 or face_pixels.shape[0] not in (1, batch)
+                                    or face_pixels.shape[1] != 3 or tuple(face_pixels.shape[-2:]) != (size, size)):
+        raise ValueError(f"the face video has shape {list(face_pixels.shape)}; expected [{batch}, 3, frames, {size}, "
+                         f"{size}] (RGB frames resized to {size}x{size}), as WanAnimateToVideo makes it")
+
+
 def check_dtype_name(name: str) -> None:
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype {name!r} is unknown; valid: {', '.join(DTYPE_NAMES)} (auto: bf16 on GPUs, fp32 on "

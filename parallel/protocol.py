@@ -17,6 +17,7 @@ import torch
 from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode, check_reference_latent)
+from .config import check_animate_inputs
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 from .cache_settings import cache_settings, check_cache, check_stream_cache
 
@@ -218,6 +219,8 @@ class ModelForward(Request):
     vace_strengths: list[float] = field(default_factory=list)  # one per VACE context
     loras: list[tuple[str, float]] = field(default_factory=list)  # (LoRA file, strength), merged before the call
     clip_fea: torch.Tensor | None = None  # [B, tokens, 1280]: CLIP vision tokens (Wan 2.1 I2V / FLF2V)
+    pose_latents: torch.Tensor | None = None  # [B, 16, T', h, w]: Wan 2.2 Animate's normalised pose video latents
+    face_pixels: torch.Tensor | None = None  # [B, 3, F, 512, 512]: Wan 2.2 Animate's face video in [-1, 1]
     skip_blocks: list[int] = field(default_factory=list)  # transformer blocks this call skips (skip layer guidance)
     cache: dict[str, Any] | None = None  # step caching over one sampler run's calls: CacheSettings' fields
     cache_step: int = -1  # the call's step (0-based) in the sampler's sigmas; -1: unknown (told by the timestep)
@@ -229,6 +232,7 @@ class ModelForward(Request):
         check_reference_latent(self.reference_latent, self.latent.shape[0], raw=False)
         check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths,
                             self.clip_fea)
+        check_animate_inputs(self.pose_latents, self.face_pixels, tuple(self.latent.shape))
         check_model_loras({self.handle: self.loras})
 
 

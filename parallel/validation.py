@@ -50,7 +50,7 @@ from .weights.detect import (
 log = logging.getLogger("wanmesh")
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
 
-TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "wan_i2v", "diffusers_transformer")
+TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "wan_i2v", "diffusers_transformer", "wan_animate")
 VAE_KINDS = ("wan_vae", "diffusers_vae")
 TEXT_ENCODER_KINDS = ("umt5",)
 VACE_MODULE_KINDS = ("vace_module", "wan_vace")

@@ -166,8 +166,9 @@ def write_model_kinds(root: Path, float_file: Path) -> WrittenKinds:
 BAD_FOLDER = f"{KINDS_FOLDER}/bad"
 # Wan families refused at load: the tiny T2V plus each family's telltale tensor, in a file kind per family (ComfyUI's
 # prefix, GGUF and scaled fp8 among them: the family is told from any kind's header).
-UNSUPPORTED_SUFFIXES = (".gguf", "_prefixed.safetensors", ".safetensors", "_fp8_scaled.safetensors", ".safetensors",
-                        ".safetensors", ".safetensors")
+UNSUPPORTED_SUFFIXES = {"wan_s2v": ".gguf", "wan_humo": "_prefixed.safetensors", "wan_infinitetalk": ".safetensors",
+                        "wan_dancer": "_fp8_scaled.safetensors", "wan_scail": ".safetensors",
+                        "wan_animate": ".safetensors", "wan_camera": ".safetensors"}  # kinds no longer refused unused
 TELLTALE_KEYS = {"wan_s2v": "casual_audio_encoder.encoder.final_linear.weight",
                  "wan_humo": "audio_proj.audio_proj_glob_1.layer.bias",
                  "wan_infinitetalk": "blocks.0.audio_cross_attn.q_linear.weight",
@@ -186,7 +187,7 @@ BAD_MODEL_FILES = {
                                  "no blocks.0.self_attn.q.scale_weight"),
     **{kind: (f"wan_tiny_{kind.removeprefix('wan_')}{suffix}",
               f"is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not support yet")
-       for (kind, (family, telltale)), suffix in zip(UNSUPPORTED_FAMILIES.items(), UNSUPPORTED_SUFFIXES, strict=True)},
+       for kind, (family, telltale) in UNSUPPORTED_FAMILIES.items() for suffix in [UNSUPPORTED_SUFFIXES[kind]]},
 }
 SCALES_WITHOUT_MARKER = f"{KINDS_FOLDER}/wan_tiny_t2v_fp8_scales_without_marker.safetensors"  # loads as scaled fp8
 UNSUPPORTED_TYPE_TENSOR = "blocks.0.ffn.2.weight"  # input 256: whole TQ2_0 blocks
@@ -236,7 +237,7 @@ def _with_telltale(kind: str, suffix: str):
 
 
 _BAD_WRITERS = {
-    **{kind: _with_telltale(kind, suffix) for kind, suffix in zip(UNSUPPORTED_FAMILIES, UNSUPPORTED_SUFFIXES, strict=True)},
+    **{kind: _with_telltale(kind, UNSUPPORTED_SUFFIXES[kind]) for kind in UNSUPPORTED_FAMILIES},
     "gguf_llama": _foreign_gguf("llama", "token_embd.weight"),
     "gguf_flux": _foreign_gguf("flux", "double_blocks.0.img_attn.qkv.weight"),
     "gguf_truncated": _truncated_gguf,

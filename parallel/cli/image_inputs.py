@@ -26,7 +26,8 @@ from ..validation import model_image_inputs
 from .parser import IMAGE_FLAGS, add_image_arguments, wants_image  # noqa: F401 - the parser's
 
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
-              "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control"}
+              "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control",
+              "animate": "Wan 2.2 Animate"}
 
 
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
@@ -48,6 +49,10 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
             raise ValueError(f"the model is {name}, which takes a control video and one image; --last-image needs a "
                              "first-last-frame (FLF2V) model")
         return
+    if kind == "animate":
+        raise ValueError(f"the model is {name}, which takes a character image, a pose video and a face video; the "
+                         "command line has no inputs for them: run it in ComfyUI with WanAnimateToVideo and KSampler on "
+                         "the WanMesh MODEL (workflow native/animate_native)")
     if kind == "first_frame":  # text-to-video, or image-to-video from the start image's latents
         check_video_size(args.width, args.height, args.frames, WAN22_VAE_SPATIAL_FACTOR)
     elif args.image is None and not (kind == "first_last" and args.last_image is not None):

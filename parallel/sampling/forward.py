@@ -102,6 +102,18 @@ def image_token_inputs(model, clip_fea: torch.Tensor | None, rows: range, batch:
     return {"encoder_hidden_states_image": _batch_rows(clip_fea, rows, batch).to(device=device, dtype=dtype)}
 
 
+def animate_inputs(model, pose_latents: torch.Tensor | None, face_pixels: torch.Tensor | None, rows: range,
+                   batch: int, dtype, device) -> dict:
+    """Wan 2.2 Animate's pose latents and face video of the given rows (``networks/wan_animate.py``); a model
+    without the face adapter refuses them."""
+    given = {name: tensor for name, tensor in (("pose_latents", pose_latents), ("face_pixel_values", face_pixels))
+             if tensor is not None}
+    if given and getattr(model, "face_adapter", None) is None:
+        raise ValueError("the conditioning carries a pose or face video (WanAnimateToVideo) but this model is not "
+                         "Wan 2.2 Animate; load a Wan 2.2 Animate model, or sample without that conditioning")
+    return {name: _batch_rows(tensor, rows, batch).to(device=device, dtype=dtype) for name, tensor in given.items()}
+
+
 def _batch_rows(tensor: torch.Tensor, rows: range, batch: int) -> torch.Tensor:
     """The given rows of a tensor that holds one row for every batch row, or one for all of them."""
     if tensor.shape[0] == 1 and batch != 1:
@@ -126,6 +138,8 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
     extra.update(image_token_inputs(model, request.clip_fea, rows, request.latent.shape[0], dtype, device))
     if request.reference_latent is not None:
         extra[REFERENCE_KEYWORD] = request.reference_latent[rows.start : rows.stop].to(device=device, dtype=dtype)
+    extra.update(animate_inputs(model, request.pose_latents, request.face_pixels, rows, request.latent.shape[0],
+                                dtype, device))
     with skipping_blocks(model, request.skip_blocks):
         return flow_prediction(model, latents, timestep, context, extra).float().cpu()
 

@@ -68,6 +68,9 @@ NATIVE_I2V_EXPERT = dict(NATIVE_TRANSFORMER, in_channels=36)
 # control video's and the start image's latents) and has the image embedding too.
 NATIVE_FUN_INP = NATIVE_I2V
 NATIVE_FUN_CONTROL = dict(NATIVE_I2V, in_channels=48)
+# Wan 2.2 Animate, native-loadable: the I2V layout with five blocks (one face adapter block, after block 0) and the
+# Animate modules, whose encoder sizes are fixed by the released model (``networks/wan_animate.py``)
+NATIVE_ANIMATE = dict(NATIVE_I2V, num_layers=5)
 # Wan 2.2 TI2V 5B, native-loadable: the 48-channel Wan 2.2 latent in and out (text- and image-to-video)
 NATIVE_TI2V = dict(NATIVE_TRANSFORMER, in_channels=48, out_channels=48)
 # Wan 2.2 Fun Control A14B: 52 channels in (control latents, 4 mask channels, start latents), no image tokens, and
@@ -424,7 +427,9 @@ IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
     "fun_control": (NATIVE_FUN_CONTROL, 16),
     "fun22_control": (NATIVE_FUN22_CONTROL, 30),
     "fun22_5b_control": (NATIVE_FUN22_5B_CONTROL, 31),
+    "animate": (NATIVE_ANIMATE, 35),
 }
+ANIMATE_MODELS = ("animate",)  # built as Wan 2.2 Animate (``animate_state``)
 
 
 def tiny_transformer(config: dict) -> WanTransformer3DModel:
@@ -444,14 +449,42 @@ def make_image_to_video_models(root: Path, seed: int = SEED) -> dict[str, Path]:
 
     paths = {}
     for name, (config, offset) in IMAGE_TO_VIDEO_MODELS.items():
-        model = tiny_transformer(config)
-        randomise_(model, seed + offset)
+        if name in ANIMATE_MODELS:
+            state = animate_state(config, seed + offset)
+        else:
+            model = tiny_transformer(config)
+            randomise_(model, seed + offset)
+            state = _transformer_state(model.eval(), config)
         paths[name] = root / TINY_FILES[name]
-        save_tensors_atomic(_transformer_state(model.eval(), config), paths[name], metadata=_head_metadata(config))
+        save_tensors_atomic(state, paths[name], metadata=_head_metadata(config))
     paths["clip_vision"] = root / TINY_FILES["clip_vision"]
     write_tiny_clip_vision(paths["clip_vision"])
     paths["vae22"] = write_tiny_vae22(root)
     return paths
+
+
+def animate_state(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """A random Wan 2.2 Animate transformer in the released layout: the I2V names (proven through the key converter)
+    and the Animate modules' released names. The motion encoder's weights are scaled at run time, so they are drawn
+    at unit scale (as trained ones are): its output then varies with the face, as a real one's does."""
+    from ..networks.wan_animate import ANIMATE_PREFIXES, WanAnimateTransformer, animate_released_name
+
+    model = WanAnimateTransformer.from_config(config).eval()
+    randomise_(model, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            if name.startswith("motion_encoder.") and name.endswith("weight"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    state = model.state_dict()
+    base = {name: tensor for name, tensor in state.items() if not name.startswith(ANIMATE_PREFIXES)}
+    names = rename_map(original_transformer_names(config), convert_wan_transformer_keys)
+    if set(names) != set(base):
+        raise RuntimeError(f"original key layout does not round-trip: {sorted(set(names) ^ set(base))[:5]}")
+    released = {original: base[name] for name, original in names.items()}
+    released.update({animate_released_name(name): tensor for name, tensor in state.items()
+                     if name.startswith(ANIMATE_PREFIXES)})
+    return {name: tensor.detach().clone().contiguous() for name, tensor in released.items()}
 
 
 def make_native_twins(root: Path, spiece_model: bytes, seed: int = SEED + 6) -> dict[str, Path]:

@@ -35,8 +35,14 @@ KIND_DESCRIPTIONS = {
     "diffusers_vae": "a Wan VAE in diffusers key layout (keys encoder.conv_in, decoder.up_blocks.*)",
     "umt5": "a umT5 text encoder (keys shared.weight, encoder.block.N.layer.*)",
     "clip_vision": "a CLIP vision encoder (keys visual.* / vision_model.*)",
+    "wan_animate": "a Wan 2.2 Animate transformer (keys face_adapter.*, motion_encoder.*, pose_patch_embedding)",
     "unknown": "an unrecognised model",
 }
+
+# Wan 2.2 Animate: the I2V layout plus the face adapter (the key ComfyUI's model detection reads), the pose
+# embedding and the face encoders; its config names this model class (``networks/wan_animate.py``).
+ANIMATE_TELLTALE = "face_adapter."
+ANIMATE_CLASS = "WanAnimateTransformer"
 
 # Wan families whose files WanMesh recognises but does not run yet: kind -> (family, the key that tells it, as
 # ComfyUI's model detection reads it). A file of one of these is refused at load, naming its family.
@@ -46,7 +52,6 @@ UNSUPPORTED_FAMILIES = {
     "wan_infinitetalk": ("InfiniteTalk / MultiTalk", ".audio_cross_attn."),
     "wan_dancer": ("WanDancer", "patch_embedding_global."),
     "wan_scail": ("SCAIL", "patch_embedding_pose."),
-    "wan_animate": ("Wan 2.2 Animate", "face_adapter."),
     "wan_camera": ("Wan Fun Camera", "control_adapter."),
 }
 KIND_DESCRIPTIONS.update({kind: f"a {family} transformer (keys {key.strip('.')}.*)"
@@ -68,7 +73,7 @@ def unsupported_family_error(location, kind: str) -> str:
     family, telltale = UNSUPPORTED_FAMILIES[kind]
     return (f"{location} is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not "
             "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B, VACE, Wan 2.1 Fun InP and Fun Control "
-            "transformers, Wan 2.2 Fun Control / InP A14B")
+            "transformers, Wan 2.2 Fun Control / InP A14B, Wan 2.2 Animate")
 
 
 def detect_kind(keys: Iterable[str]) -> str:
@@ -78,6 +83,8 @@ def detect_kind(keys: Iterable[str]) -> str:
         return "unknown"
     if (family := unsupported_family(names)) is not None:
         return family
+    if any(name.startswith(ANIMATE_TELLTALE) for name in names):
+        return "wan_animate"
     if any(name.startswith("img_emb.") for name in names):
         return "wan_i2v"
     if all(name.startswith("vace_") for name in names):
@@ -197,6 +204,8 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
     config.update(_image_embedding_config(shapes))
     if "ref_conv.weight" in shapes:  # Wan 2.2 Fun: the reference image's embedding (networks/reference.py)
         config[REF_CONV_CHANNELS] = shapes["ref_conv.weight"][1]
+    if any(key.startswith(ANIMATE_TELLTALE) for key in shapes):
+        config["_class_name"] = ANIMATE_CLASS
     vace_count = _block_count(shapes, "vace_blocks.")
     if vace_count:
         config["vace_layers"] = [i * num_layers // vace_count for i in range(vace_count)]
@@ -254,8 +263,10 @@ def image_inputs(config: Mapping) -> str | None:
     images' tokens), "clip_vision" (Wan 2.1 I2V and Fun InP: latents of the start image and CLIP vision tokens),
     "latents" (Wan 2.2 I2V A14B: image latents only), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or
     image-to-video with the start image's latents kept in the latent by a noise mask; Wan 2.2 Fun 5B: Wan22FunControlToVideo's
-    concatenated latents), or None (text-to-video and
-    VACE)."""
+    concatenated latents), "animate" (Wan 2.2 Animate: the I2V inputs plus pose latents and a face video), or None
+    (text-to-video and VACE)."""
+    if config.get("_class_name") == ANIMATE_CLASS:
+        return "animate"
     in_channels = config.get("in_channels", WAN21_LATENT_CHANNELS)
     out_channels = config.get("out_channels", WAN21_LATENT_CHANNELS)
     if out_channels == WAN22_TI2V_LATENT_CHANNELS:

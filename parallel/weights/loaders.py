@@ -37,9 +37,11 @@ from .checkpoint import (
 from .gguf_file import open_files
 from .vae22_keys import WAN22_LATENT_CHANNELS, check_wan22_folder_config, convert_wan22_vae_keys, is_wan22_vae
 from ..networks.reference import add_reference_conv
+from ..networks.wan_animate import ANIMATE_PREFIXES, WanAnimateTransformer, released_animate_name
 from ..networks.wan_inputs import with_native_inputs
 from ..networks.wan_vace import WanVaceMultiContext
 from .detect import (
+    ANIMATE_CLASS,
     REF_CONV_CHANNELS,
     UNSUPPORTED_FAMILIES,
     WAN21_LATENT_CHANNELS,
@@ -54,7 +56,8 @@ from .detect import (
 __all__ = ["build_transformer", "load_transformer", "load_vae", "transformer_weight_source"]
 
 # diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support.
-TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext}
+TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext,
+                       ANIMATE_CLASS: WanAnimateTransformer}
 DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model"
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 
@@ -84,10 +87,17 @@ def _wrong_kind(path: Path, expected: str, keys: list[str]) -> ModelFileError:
 EXTRA_TRANSFORMER_KEYS = {"img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed"}
 
 
+BLUR_BUFFER_SUFFIX = ".kernel"  # the Animate motion encoder's fixed blur filters, if a file stores them: recomputed
+
+
 def convert_wan_transformer_keys(checkpoint: dict) -> dict:
-    """diffusers' Wan key converter (original layout -> diffusers names), with the keys it does not know."""
+    """diffusers' Wan key converter (original layout -> diffusers names), with the keys it does not know; the
+    Animate modules keep their released names (``networks/wan_animate.py``)."""
     extra = {EXTRA_TRANSFORMER_KEYS[key]: checkpoint.pop(key) for key in list(checkpoint) if key in EXTRA_TRANSFORMER_KEYS}
-    return {**convert_wan_transformer_to_diffusers(checkpoint), **extra}
+    animate = {released_animate_name(key): checkpoint.pop(key) for key in list(checkpoint)
+               if key.startswith(ANIMATE_PREFIXES)}
+    animate = {name: value for name, value in animate.items() if not name.endswith(BLUR_BUFFER_SUFFIX)}
+    return {**convert_wan_transformer_to_diffusers(checkpoint), **extra, **animate}
 
 
 def _original_transformer_source(checkpoint: CheckpointFile) -> tuple[WeightSource, dict[str, tuple[int, ...]]]:
@@ -125,7 +135,7 @@ def transformer_weight_source(
     """
     location = resolve_model_location(path, "transformer")
     if location.is_dir():
-        config = _read_folder_config(location, set(TRANSFORMER_CLASSES), "Wan transformer")
+        config = _read_folder_config(location, set(TRANSFORMER_CLASSES) - {ANIMATE_CLASS}, "Wan transformer")
         check_latent_channels(config.get("in_channels", WAN21_LATENT_CHANNELS))
         source = _identity_source(location, stack, DIFFUSERS_WEIGHTS_NAME)
         shapes = None
@@ -139,7 +149,7 @@ def transformer_weight_source(
             )
         if kind in UNSUPPORTED_FAMILIES:
             raise ModelFileError(unsupported_family_error(location, kind))
-        if kind not in ("wan_t2v", "wan_vace", "wan_i2v"):
+        if kind not in ("wan_t2v", "wan_vace", "wan_i2v", "wan_animate"):
             raise _wrong_kind(location, "a Wan transformer (keys patch_embedding, blocks.N.*)", checkpoint.keys)
         source, shapes = _original_transformer_source(checkpoint)
         config = infer_transformer_config(shapes, checkpoint.metadata)

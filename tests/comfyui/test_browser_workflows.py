@@ -37,7 +37,7 @@ WORKFLOW_NAMES = sorted(path.stem for path in WORKFLOWS_DIR.glob("*.json"))
 # Workflows of native ComfyUI samplers on the WanMesh MODEL: they need a ComfyUI with native Wan support.
 RECENT_ONLY_WORKFLOWS = ("native/t2v_native_ksampler", "native/t2v_native_auto_layout",
                          "native/wan22_native_ksampler_advanced", "native/wan22_lightx2v", "native/t2v_easycache",
-                         "native/fun_control_native")
+                         "native/fun_control_native", "native/animate_native")
 # Each server fixture named here runs every workflow: the 2024 ComfyUI with its built-in frontend, and ComfyUI
 # 0.3.75 with today's frontend (comfyui-frontend-package).
 SERVER_FIXTURES = ("comfyui_server", "recent_comfyui_server")

@@ -586,6 +586,38 @@ def fun22_control_native(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+ANIMATE_SIZE = {"width": 64, "height": 48, "length": 5, "batch_size": 1}
+
+
+def animate_native(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.2 Animate: native WanAnimateToVideo (a character image and its CLIP vision, a pose video, a face video)
+    into KSampler on the WanMesh MODEL (the face and motion encoders run on the ranks), TrimVideoLatent of the
+    reference frame, native VAE decode; tensor parallel on two CPU ranks."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, tp=2)
+    positive, negative, model = text_and_model(w, pool_id, "the red circle dances", "wan22_tiny_animate.safetensors",
+                                               text_encoder="umt5_native.safetensors")
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    character, face = load_image(w, "ref_circle.png", 860), load_image(w, "ref_texture.png", 1200)
+    pose = w.node("RepeatImageBatch", [COLUMNS[3], 1200], {"amount": ANIMATE_SIZE["length"]}, {"image": (face, 0)},
+                  title="Pose video")
+    conditioning = w.node("WanAnimateToVideo", [COLUMNS[3], 460],
+                          {**ANIMATE_SIZE, "continue_motion_max_frames": 5, "video_frame_offset": 0},
+                          {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0),
+                           "clip_vision_output": (clip_vision_of(w, [character])[0], 0),
+                           "reference_image": (character, 0), "face_video": (face, 0), "pose_video": (pose, 0)},
+                          size=[320, 360])
+    sampled = w.node("KSampler", [COLUMNS[4], 40],
+                     {"seed": 42, "steps": 2, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+                      "denoise": 1.0},
+                     {"model": (native_model(w, model, 620), 0), "positive": (conditioning, 0),
+                      "negative": (conditioning, 1), "latent_image": (conditioning, 2)})
+    trimmed = w.node("TrimVideoLatent", [COLUMNS[5], 460], {}, {"samples": (sampled, 0),
+                                                                 "trim_amount": (conditioning, 3)})
+    native_tail(w, trimmed, vae, "animate_native")
+    return w
+
+
 # (sub-folder of workflows/, name, which /object_info, builder)
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
@@ -615,6 +647,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("native", "fun_control_native", "recent", fun_control_native),
     ("native", "fun_inp_native", "recent", fun_inp_native),
     ("native", "fun22_control_native", "recent", fun22_control_native),
+    ("native", "animate_native", "recent", animate_native),
 ]
 
 
