@@ -1,10 +1,10 @@
 """`wanmesh bench cache`: step caching against no cache, per layout; runs in the CLI process and its worker pools.
 
 For each layout (world 1, tp 2 and Ulysses 2 at world 2 by default) one pool samples the same request uncached
-and with each ``--cache`` setting: wall time (median over repeats), transformer calls and steps skipped, the
-saving against the uncached run beside the share of calls skipped, and the latents' distance to the uncached
-run of the same layout (relative L2, max abs). The cached latents of every layout are compared with world 1's too
-(the same settings must give the same latents). Prints a table, writes JSON and a plot. Prompts are random
+and with each ``--cache`` setting: wall time (median and spread over repeats, the repeats interleaved across the
+settings), transformer calls and steps skipped, the saving against the uncached run beside the share of calls
+skipped, and the latents' distance to the uncached run of the same layout (relative L2, max abs). The cached latents of every layout are compared with world 1's too
+(the same settings must give the same latents). Prints a table (with the load average before and after), writes JSON and a plot. Prompts are random
 embeddings of the model's text width (no text encoder); the tiny and medium presets have random weights, so the
 steps a threshold skips there are reported, not targets.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -58,6 +59,8 @@ def _request(args, text_dim: int, cache):
 
 
 def _layout_rows(args, layout: str, path: str, text_dim: int, caches: list, run) -> list[dict]:
+    """One pool's rows: the repeats interleaved (repeat 1 of every setting, then repeat 2, ...) so that a change
+    of the machine's load lands on every setting alike."""
     from dataclasses import replace
 
     from ..driver.pool import WorkerPool
@@ -65,26 +68,30 @@ def _layout_rows(args, layout: str, path: str, text_dim: int, caches: list, run)
 
     devices = "cpu" if args.device == "cpu" else "auto"
     config = ParallelConfig(devices=devices, **LAYOUTS[layout])
-    rows = []
+    settings = [("none", None), *((c, parse_cache(c)) for c in caches)]
+    seconds: dict[str, list[float]] = {text: [] for text, _ in settings}
+    replies: dict = {}
     with WorkerPool(config, timeout_s=3600) as pool:
         handle = pool.call(LoadModel(path)).handle
         pool.call(replace(_request(args, text_dim, None), handle=handle, steps=2))  # warm-up, not timed
-        for text, cache in [("none", None), *((c, parse_cache(c)) for c in caches)]:
-            request = replace(_request(args, text_dim, cache), handle=handle)
-            seconds, reply = [], None
-            for repeat in range(args.repeats):
+        for repeat in range(args.repeats):
+            for text, cache in settings:
                 run(f"{layout}, cache {text}, repeat {repeat + 1}/{args.repeats}")
                 start = time.perf_counter()
-                reply = pool.call(request)
-                seconds.append(time.perf_counter() - start)
-            report = reply.cache_report or {"computed": args.steps, "skipped": 0, "skipped_steps": [],
-                                            "calls": 2 * args.steps}
-            rows.append({"layout": layout, "cache": text, "seconds": statistics.median(seconds),
-                         "calls": report["calls"], "skipped": report["skipped"],
-                         "skipped_steps": report["skipped_steps"], "latents": reply.latents})
-            print(f"  {layout} {text}: {rows[-1]['seconds']:.2f} s, {report['calls']} calls, "
-                  f"{report['skipped']} steps skipped", flush=True)
-    return rows
+                replies[text] = pool.call(replace(_request(args, text_dim, cache), handle=handle))
+                seconds[text].append(time.perf_counter() - start)
+    return [_row(args, layout, text, seconds[text], replies[text]) for text, _ in settings]
+
+
+def _row(args, layout: str, text: str, seconds: list[float], reply) -> dict:
+    report = reply.cache_report or {"computed": args.steps, "skipped": 0, "skipped_steps": [],
+                                    "calls": 2 * args.steps}
+    row = {"layout": layout, "cache": text, "seconds": statistics.median(seconds), "runs_s": seconds,
+           "spread_s": max(seconds) - min(seconds), "calls": report["calls"], "skipped": report["skipped"],
+           "skipped_steps": report["skipped_steps"], "latents": reply.latents}
+    print(f"  {layout} {text}: median {row['seconds']:.2f} s (spread {row['spread_s']:.2f} s), "
+          f"{report['calls']} calls, {report['skipped']} steps skipped", flush=True)
+    return row
 
 
 def _distances(rows: list[dict]) -> None:
@@ -97,17 +104,22 @@ def _distances(rows: list[dict]) -> None:
         row["max_abs"] = float(difference.abs().max())
         uncached = next(r for r in rows if r["layout"] == row["layout"] and r["cache"] == "none")
         row["saving"] = 1.0 - row["seconds"] / uncached["seconds"]
+        row["spread_share"] = row["spread_s"] / uncached["seconds"]  # the spread as a share of the uncached time
         row["calls_skipped"] = 1.0 - row["calls"] / uncached["calls"]
         world1 = reference.get(("world1", row["cache"]))
         row["vs_world1_max_abs"] = None if world1 is None else float((row["latents"] - world1).abs().max())
 
 
+def _load(values) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'layout':<9} {'cache':<28} {'wall s':>8} {'calls':>6} {'skipped':>8} {'saving':>7} "
+    lines = [f"{'layout':<9} {'cache':<28} {'wall s':>8} {'spread':>7} {'calls':>6} {'skipped':>8} {'saving':>7} "
              f"{'calls cut':>9} {'rel L2':>8} {'max abs':>8} {'vs world1':>9}"]
     for r in rows:
         world1 = "-" if r["vs_world1_max_abs"] is None else f"{r['vs_world1_max_abs']:.1e}"
-        lines.append(f"{r['layout']:<9} {r['cache']:<28} {r['seconds']:>8.2f} {r['calls']:>6} {r['skipped']:>8} "
+        lines.append(f"{r['layout']:<9} {r['cache']:<28} {r['seconds']:>8.2f} {r['spread_s']:>7.2f} {r['calls']:>6} {r['skipped']:>8} "
                      f"{r['saving']:>7.0%} {r['calls_skipped']:>9.0%} {r['rel_l2']:>8.4f} {r['max_abs']:>8.4f} "
                      f"{world1:>9}")
     return "\n".join(lines)
@@ -148,19 +160,20 @@ def run(args) -> list[dict]:
     path = model_path(args)
     text_dim = model_config(path)["text_dim"]
     if args.threads:
-        import os
-
         os.environ["WANMESH_WORKER_THREADS"] = str(args.threads)
     run = measured_runs(len(layouts) * (len(caches) + 1) * args.repeats)
+    load_before = os.getloadavg()
     rows = [row for layout in layouts for row in _layout_rows(args, layout, path, text_dim, caches, run)]
     _distances(rows)
     title = (f"{Path(path).name}, {args.width}x{args.height}, {args.frames} frames, {args.steps} steps "
              f"{args.sampler}, {args.device}")
-    print(f"wanmesh bench cache: {title}")
+    load = {"before": load_before, "after": os.getloadavg()}
+    print(f"wanmesh bench cache: {title}; {args.repeats} interleaved repeats, load average (1, 5, 15 min) "
+          f"before {_load(load['before'])}, after {_load(load['after'])}")
     print(format_table(rows))
     for row in rows:
         row.pop("latents")
-    args.json.write_text(json.dumps({"title": title, "rows": rows}, indent=2))
+    args.json.write_text(json.dumps({"title": title, "repeats": args.repeats, "load_average": load, "rows": rows}, indent=2))
     write_plot(rows, args.plot, title)
     print(f"JSON written to {args.json}, plot to {args.plot}")
     return rows
