@@ -187,9 +187,10 @@ def modulated_input(block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Te
     return block.norm1(hidden.float()) * (1 + scale) + shift
 
 
-def make_rule(settings: CacheSettings, model, steps: int, tokens_per_frame: int):
-    """The rule for a model: the published numbers of a known Wan model, the generic rule (with a log line) else."""
-    variant = None if settings.coefficients == "generic" else wan_variant(model.config, tokens_per_frame)
+def make_rule(settings: CacheSettings, model, steps: int, tokens_per_frame: int, experts: int = 1):
+    """The rule for a model: the published numbers of a known Wan model, the generic rule (with a log line) else;
+    ``experts``: the models of the run (2: a Wan 2.2 A14B pair)."""
+    variant = None if settings.coefficients == "generic" else wan_variant(model.config, tokens_per_frame, experts)
     if settings.method == "teacache":
         polynomial = TEACACHE_POLYNOMIALS.get(variant)
         rule = TeaCacheRule(polynomial)
@@ -201,7 +202,13 @@ def make_rule(settings: CacheSettings, model, steps: int, tokens_per_frame: int)
     else:
         rule, known = FirstBlockRule(), True
     rule.threshold = settings.threshold
-    if not known and settings.coefficients == "auto":
+    # what the report names: the published numbers' model, "unpublished" (the generic rule as the fallback) or
+    # "generic" (asked for); fbcache has no per-model numbers
+    rule.numbers = (None if settings.method == "fbcache" else variant if known
+                    else "generic" if settings.coefficients == "generic" else "unpublished")
+    if known and rule.numbers is not None:
+        log.info("step cache: the published %s numbers of %s", settings.method, variant)
+    elif not known and settings.coefficients == "auto":
         log.info("step cache: no published %s numbers for this model (%s); using the generic rule", settings.method,
                  variant or "not a released Wan shape")
     return rule
@@ -227,11 +234,11 @@ class StepCache:
     """One model's cache over one sampling run (or the model calls of one ComfyUI sampler run)."""
 
     def __init__(self, settings: CacheSettings, model, reduction: Reduction, steps: int, tokens_per_frame: int,
-                 shard=None):
+                 shard=None, experts: int = 1):
         self.settings, self.reduction = settings, reduction
         self.shard = shard  # () -> this forward's SequenceShard when the sequence is split outside the model's plan
         self._model = weakref.ref(model)  # a cache kept between model calls must not keep an unloaded model alive
-        self.rule = make_rule(settings, model, steps, tokens_per_frame)
+        self.rule = make_rule(settings, model, steps, tokens_per_frame, experts)
         self.passes: dict[int, PassState] = {}
         self.step, self.steps, self.pass_count, self.next_slot = -1, steps, 1, 0
         self.decisions: dict[int, bool] = {}  # step -> computed (the deciding pass's)
@@ -278,7 +285,8 @@ class StepCache:
     def report(self) -> dict:
         """Which steps were computed and skipped (by the deciding pass) and the transformer calls that ran."""
         skipped = sorted(step for step, computed in self.decisions.items() if not computed)
-        return {"method": self.settings.method, "computed": len(self.decisions) - len(skipped),
+        return {"method": self.settings.method, "numbers": self.rule.numbers,
+                "computed": len(self.decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": self.calls}
 
     # -- hooks -----------------------------------------------------------------------------------------------
@@ -505,7 +513,8 @@ class StepCaches:
         """The run's computed and skipped steps and its transformer calls."""
         decisions = self.decisions()
         skipped = sorted(step for step, computed in decisions.items() if not computed)
-        return {"method": self.caches[0].settings.method, "computed": len(decisions) - len(skipped),
+        return {"method": self.caches[0].settings.method, "numbers": self.caches[0].rule.numbers,
+                "computed": len(decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": sum(c.calls for c in self.caches)}
 
 
@@ -553,7 +562,8 @@ class ChunkedStepCache:
     def report(self) -> dict:
         decisions = self.decisions()
         skipped = sorted(step for step, computed in decisions.items() if not computed)
-        return {"method": self.cache.settings.method, "computed": len(decisions) - len(skipped),
+        return {"method": self.cache.settings.method, "numbers": self.cache.rule.numbers,
+                "computed": len(decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": self.cache.calls}
 
 

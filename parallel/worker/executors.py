@@ -94,8 +94,8 @@ class RankExecutor(ResidentModels):
         cfg = self._degree("cfg")
         reduction = Reduction(groups, self.parallel.cfg_group if cfg > 1 else None,
                               self.parallel.coord("cfg") if cfg > 1 else 0)
-        return StepCaches([StepCache(settings, model, reduction, request.steps, _tokens_per_frame(request.latent))
-                           for model in models])
+        return StepCaches([StepCache(settings, model, reduction, request.steps, _tokens_per_frame(request.latent),
+                                     experts=len(models)) for model in models])
 
     def _sequence_groups(self) -> tuple:
         """The groups of ranks that hold other tokens of the same rows (Ulysses, ring)."""
