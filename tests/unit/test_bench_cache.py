@@ -17,6 +17,7 @@ def test_bench_cache_writes_table_json_and_plot(tmp_path, tiny_models):
     rows = written["rows"]
     assert len(written["load_average"]["before"]) == 3 and written["repeats"] == 2
     assert all(len(row["runs_s"]) == 2 and row["spread_s"] >= 0 for row in rows)  # every setting ran each repeat
+    assert all(len(row["runs_cpu_s"]) == 2 and row["cpu_s"] > 0 for row in rows)  # the ranks' CPU time
     assert [row["cache"] for row in rows] == ["none", "teacache:0.5:start=0.1"]
     plain, cached = rows
     assert plain["calls"] == 10 and plain["rel_l2"] == 0.0
