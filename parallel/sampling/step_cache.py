@@ -5,7 +5,10 @@ read in the driver; this module runs in the workers. A cache wraps the transform
 on the first block (after the context-parallel split) takes the loop's input, a forward wrapper on every block
 returns its input unchanged on a skipped step, and a pre-hook on the output norm takes the loop's output: on a
 computed step the residual (output minus input) is kept, on a skipped one the input plus the kept residual replaces
-the output. First-block cache runs the first block every step and keeps the residual of the others.
+the output. First-block cache runs the first block every step and keeps the residual of the others. On a VACE
+model the VACE blocks run before the main ones, so a pre-hook on the first VACE block takes the decision there and a
+skipped step skips them too (first-block cache runs block 0 at that point and the model's call of it returns the
+result); the kept residual, taken over the whole block stack, holds the VACE hints' effect.
 
 Decisions come from statistics of the whole tensor: each rank sums its slice (the relative L1 change of the input or
 of the first block's residual as sums of absolute values, padding tokens left out), the sums are all-reduced over
