@@ -96,7 +96,7 @@ def wan_variant(config, tokens_per_frame: int, experts: int = 1) -> str | None:
     layers, in_channels, kind = fields["num_layers"], fields["in_channels"], image_inputs(fields)
     if (dim, layers, in_channels, kind) == (1536, 30, 16, None):
         return "wan2.1_t2v_1.3b"
-    if (dim, layers, kind) == (3072, 30, "first_frame"):
+    if (dim, layers, in_channels, kind) == (3072, 30, 48, "first_frame"):  # not Wan 2.2 Fun 5B (100, 148 in)
         return "wan2.2_ti2v_5b"
     if (dim, layers) != (5120, 40):
         return None
