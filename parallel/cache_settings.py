@@ -122,5 +122,9 @@ def describe_report(report: dict) -> str:
     if not report:
         return ""
     steps = ", ".join(str(step + 1) for step in report["skipped_steps"]) or "none"
+    numbers = report.get("numbers")
+    rule = {None: "", "generic": "; the generic rule",
+            "unpublished": "; the generic rule (no published numbers for this model)"}.get(
+        numbers, f"; the published numbers of {numbers}")
     return (f"step cache {report['method']}: {report['computed']} steps computed, {report['skipped']} skipped "
-            f"(steps {steps}); {report['calls']} transformer calls")
+            f"(steps {steps}); {report['calls']} transformer calls{rule}")

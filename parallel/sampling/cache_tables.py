@@ -2,13 +2,19 @@
 
 TeaCache's rescaling polynomials (highest power first) for Wan 2.1 in its "ret steps" form, fitted on the relative L1
 change of the timestep projection (diffusers' ``timestep_proj``, Wan's ``e0``); the published Wan 2.2 adaptations
-(A14B and TI2V 5B) use the Wan 2.1 14B polynomial. MagCache's mean magnitude ratios of consecutive residuals for 50
-steps, conditional and unconditional pass per step (the first step's padding of 1.0 left out); other step counts
-take the nearest entries. Shapes say which model a transformer is: hidden size, block count and input channels
-(a checkpoint carries no model name). Read in the workers by ``step_cache.py``.
+(A14B and TI2V 5B) use the Wan 2.1 14B polynomial. MagCache's mean magnitude ratios of consecutive residuals (Wan
+2.1 T2V for 50 steps; Wan 2.1 I2V 480p / 720p and Wan 2.2 T2V / I2V A14B for 40), conditional and unconditional
+pass per step (the first step's padding of 1.0 left out); other step counts take the nearest entries. The A14B
+tables run over both experts' steps, the high-noise expert's first, so each expert's cache reads them at the run's
+step. Shapes and the kind of image conditioning say which model a transformer is: hidden size, block count, input
+channels and image inputs (a checkpoint carries no model name). Read in the workers by ``step_cache.py``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..weights.detect import image_inputs
 
 TEACACHE_POLYNOMIALS = {
     "wan2.1_t2v_1.3b": (-5.21862437e+04, 9.23041404e+03, -5.28275948e+02, 1.36987616e+01, -4.99875664e-02),
@@ -16,7 +22,8 @@ TEACACHE_POLYNOMIALS = {
     "wan2.1_i2v_14b_480p": (2.57151496e+05, -3.54229917e+04, 1.40286849e+03, -1.35890334e+01, 1.32517977e-01),
     "wan2.1_i2v_14b_720p": (8.10705460e+03, 2.13393892e+03, -3.72934672e+02, 1.66203073e+01, -4.17769401e-02),
 }
-TEACACHE_POLYNOMIALS["wan2.2_a14b"] = TEACACHE_POLYNOMIALS["wan2.1_t2v_14b"]
+TEACACHE_POLYNOMIALS["wan2.2_t2v_a14b"] = TEACACHE_POLYNOMIALS["wan2.1_t2v_14b"]
+TEACACHE_POLYNOMIALS["wan2.2_i2v_a14b"] = TEACACHE_POLYNOMIALS["wan2.1_t2v_14b"]
 TEACACHE_POLYNOMIALS["wan2.2_ti2v_5b"] = TEACACHE_POLYNOMIALS["wan2.1_t2v_14b"]
 
 # (conditional, unconditional) interleaved, steps 2..50 of a 50-step run
@@ -41,24 +48,60 @@ MAGCACHE_RATIOS = {
         0.98037, 0.98035, 0.97678, 0.97677, 0.97546, 0.97543, 0.97184, 0.97183, 0.96711, 0.96708, 0.96349, 0.96345,
         0.95629, 0.95625, 0.94926, 0.94929, 0.93964, 0.93961, 0.92511, 0.92504, 0.90693, 0.90678, 0.8796, 0.87945,
         0.86111, 0.86189),
+    # 40-step runs (steps 2..40); Wan 2.2 A14B: one table over the run, the high-noise expert's steps first
+    "wan2.1_i2v_14b_480p": (
+        0.98783, 0.98993, 0.97559, 0.97593, 0.98311, 0.98319, 0.98202, 0.98225, 0.9888, 0.98878, 0.98762, 0.98759,
+        0.98957, 0.98971, 0.99052, 0.99043, 0.99383, 0.99384, 0.98857, 0.9886, 0.99065, 0.99068, 0.98845, 0.98847,
+        0.99057, 0.99057, 0.98957, 0.98961, 0.98601, 0.9861, 0.98823, 0.98823, 0.98756, 0.98759, 0.98808, 0.98814,
+        0.98721, 0.98724, 0.98571, 0.98572, 0.98543, 0.98544, 0.98157, 0.98165, 0.98411, 0.98413, 0.97952, 0.97953,
+        0.98149, 0.9815, 0.9774, 0.97742, 0.97825, 0.97826, 0.97355, 0.97361, 0.97085, 0.97087, 0.97056, 0.97055,
+        0.96588, 0.96587, 0.96113, 0.96124, 0.9567, 0.95681, 0.94961, 0.94969, 0.93973, 0.93988, 0.93217, 0.93224,
+        0.91878, 0.91896, 0.90955, 0.90954, 0.92617, 0.92616),
+    "wan2.1_i2v_14b_720p": (
+        0.99428, 0.99498, 0.98588, 0.98621, 0.98273, 0.98281, 0.99018, 0.99023, 0.98911, 0.98917, 0.98646, 0.98652,
+        0.99454, 0.99456, 0.9891, 0.98909, 0.99124, 0.99127, 0.99102, 0.99103, 0.99215, 0.99212, 0.99515, 0.99515,
+        0.99576, 0.99572, 0.99068, 0.99072, 0.99097, 0.99097, 0.99166, 0.99169, 0.99041, 0.99042, 0.99201, 0.99198,
+        0.99101, 0.99101, 0.98599, 0.98603, 0.98845, 0.98844, 0.98848, 0.98851, 0.98862, 0.98857, 0.98718, 0.98719,
+        0.98497, 0.98497, 0.98264, 0.98263, 0.98389, 0.98393, 0.97938, 0.9794, 0.97535, 0.97536, 0.97498, 0.97499,
+        0.973, 0.97301, 0.96827, 0.96828, 0.96261, 0.96263, 0.95335, 0.9534, 0.94649, 0.94655, 0.93397, 0.93414,
+        0.91636, 0.9165, 0.89088, 0.89109, 0.8679, 0.86768),
+    "wan2.2_t2v_a14b": (
+        1.00124, 1.00155, 0.99822, 0.99851, 0.99696, 0.99687, 0.99703, 0.99732, 0.9966, 0.99679, 0.99602, 0.99658,
+        0.99578, 0.99664, 0.99484, 0.9949, 0.99633, 0.996, 0.99659, 0.99683, 0.99534, 0.99549, 0.99584, 0.99577,
+        0.99681, 0.99694, 0.99563, 0.99554, 0.9944, 0.99473, 0.99594, 0.9964, 0.99466, 0.99461, 0.99453, 0.99481,
+        0.99389, 0.99365, 0.99391, 0.99406, 0.99354, 0.99361, 0.99283, 0.99278, 0.99268, 0.99263, 0.99057, 0.99091,
+        0.99125, 0.99126, 0.65523, 0.65252, 0.98808, 0.98852, 0.98765, 0.98736, 0.9851, 0.98535, 0.98311, 0.98339,
+        0.9805, 0.9806, 0.97776, 0.97771, 0.97278, 0.97286, 0.96731, 0.96728, 0.95857, 0.95855, 0.94385, 0.94385,
+        0.92118, 0.921, 0.88108, 0.88076, 0.80263, 0.80181),
+    "wan2.2_i2v_a14b": (
+        0.99191, 0.99144, 0.99356, 0.99337, 0.99326, 0.99285, 0.99251, 0.99264, 0.99393, 0.99366, 0.9943, 0.9943,
+        0.99276, 0.99288, 0.99389, 0.99393, 0.99274, 0.99289, 0.99316, 0.9931, 0.99379, 0.99377, 0.99268, 0.99271,
+        0.99222, 0.99227, 0.99175, 0.9916, 0.91076, 0.91046, 0.98931, 0.98933, 0.99087, 0.99088, 0.98852, 0.98855,
+        0.98895, 0.98896, 0.98806, 0.98808, 0.9871, 0.98711, 0.98613, 0.98618, 0.98434, 0.98435, 0.983, 0.98307,
+        0.98185, 0.98187, 0.98131, 0.98131, 0.9783, 0.97835, 0.97619, 0.9762, 0.97264, 0.9727, 0.97088, 0.97098,
+        0.96568, 0.9658, 0.96045, 0.96055, 0.95322, 0.95335, 0.94579, 0.94594, 0.93297, 0.93311, 0.91699, 0.9172,
+        0.89174, 0.89202, 0.8541, 0.85446, 0.79823, 0.79902),
 }
 
 HD_TOKENS = 720 * 1280 // (16 * 16)  # latent tokens per frame from which the 720p image-to-video numbers apply
 
 
-def wan_variant(config, tokens_per_frame: int) -> str | None:
+def wan_variant(config, tokens_per_frame: int, experts: int = 1) -> str | None:
     """The released Wan model a transformer config is (a key of the tables above), or None for another shape (the
-    tiny test models, a new variant)."""
-    dim = config.num_attention_heads * config.attention_head_dim
-    layers, in_channels = config.num_layers, config.in_channels
-    if (dim, layers, in_channels) == (1536, 30, 16):
+    tiny test models, a new variant). The kind of image conditioning (``detect.image_inputs``) tells Wan 2.1 I2V
+    (CLIP vision tokens) from Wan 2.2 I2V A14B (image latents only); a Wan 2.2 T2V A14B expert has a Wan 2.1 T2V
+    14B shape and is told by its run having two experts (``experts``)."""
+    fields = config if isinstance(config, Mapping) else vars(config)
+    dim = fields["num_attention_heads"] * fields["attention_head_dim"]
+    layers, in_channels, kind = fields["num_layers"], fields["in_channels"], image_inputs(fields)
+    if (dim, layers, in_channels, kind) == (1536, 30, 16, None):
         return "wan2.1_t2v_1.3b"
-    if (dim, layers) == (3072, 30) and config.out_channels == 48:
+    if (dim, layers, in_channels, kind) == (3072, 30, 48, "first_frame"):  # not Wan 2.2 Fun 5B (100, 148 in)
         return "wan2.2_ti2v_5b"
     if (dim, layers) != (5120, 40):
         return None
-    if in_channels == 16:
-        return "wan2.1_t2v_14b"  # Wan 2.2 T2V A14B experts have the same shape and take the same polynomial
-    if getattr(config, "image_dim", None):
+    if kind is None:
+        return "wan2.2_t2v_a14b" if experts == 2 else "wan2.1_t2v_14b"
+    if kind == "clip_vision":
         return "wan2.1_i2v_14b_720p" if tokens_per_frame >= HD_TOKENS else "wan2.1_i2v_14b_480p"
-    return "wan2.2_a14b"
+    return "wan2.2_i2v_a14b" if kind == "latents" else None

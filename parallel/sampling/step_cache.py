@@ -5,7 +5,10 @@ read in the driver; this module runs in the workers. A cache wraps the transform
 on the first block (after the context-parallel split) takes the loop's input, a forward wrapper on every block
 returns its input unchanged on a skipped step, and a pre-hook on the output norm takes the loop's output: on a
 computed step the residual (output minus input) is kept, on a skipped one the input plus the kept residual replaces
-the output. First-block cache runs the first block every step and keeps the residual of the others.
+the output. First-block cache runs the first block every step and keeps the residual of the others. On a VACE
+model the VACE blocks run before the main ones, so a pre-hook on the first VACE block takes the decision there and a
+skipped step skips them too (first-block cache runs block 0 at that point and the model's call of it returns the
+result); the kept residual, taken over the whole block stack, holds the VACE hints' effect.
 
 Decisions come from statistics of the whole tensor: each rank sums its slice (the relative L1 change of the input or
 of the first block's residual as sums of absolute values, padding tokens left out), the sums are all-reduced over
@@ -187,9 +190,10 @@ def modulated_input(block, hidden: torch.Tensor, temb: torch.Tensor) -> torch.Te
     return block.norm1(hidden.float()) * (1 + scale) + shift
 
 
-def make_rule(settings: CacheSettings, model, steps: int, tokens_per_frame: int):
-    """The rule for a model: the published numbers of a known Wan model, the generic rule (with a log line) else."""
-    variant = None if settings.coefficients == "generic" else wan_variant(model.config, tokens_per_frame)
+def make_rule(settings: CacheSettings, model, steps: int, tokens_per_frame: int, experts: int = 1):
+    """The rule for a model: the published numbers of a known Wan model, the generic rule (with a log line) else;
+    ``experts``: the models of the run (2: a Wan 2.2 A14B pair)."""
+    variant = None if settings.coefficients == "generic" else wan_variant(model.config, tokens_per_frame, experts)
     if settings.method == "teacache":
         polynomial = TEACACHE_POLYNOMIALS.get(variant)
         rule = TeaCacheRule(polynomial)
@@ -201,7 +205,13 @@ def make_rule(settings: CacheSettings, model, steps: int, tokens_per_frame: int)
     else:
         rule, known = FirstBlockRule(), True
     rule.threshold = settings.threshold
-    if not known and settings.coefficients == "auto":
+    # what the report names: the published numbers' model, "unpublished" (the generic rule as the fallback) or
+    # "generic" (asked for); fbcache has no per-model numbers
+    rule.numbers = (None if settings.method == "fbcache" else variant if known
+                    else "generic" if settings.coefficients == "generic" else "unpublished")
+    if known and rule.numbers is not None:
+        log.info("step cache: the published %s numbers of %s", settings.method, variant)
+    elif not known and settings.coefficients == "auto":
         log.info("step cache: no published %s numbers for this model (%s); using the generic rule", settings.method,
                  variant or "not a released Wan shape")
     return rule
@@ -227,17 +237,19 @@ class StepCache:
     """One model's cache over one sampling run (or the model calls of one ComfyUI sampler run)."""
 
     def __init__(self, settings: CacheSettings, model, reduction: Reduction, steps: int, tokens_per_frame: int,
-                 shard=None):
+                 shard=None, experts: int = 1):
         self.settings, self.reduction = settings, reduction
         self.shard = shard  # () -> this forward's SequenceShard when the sequence is split outside the model's plan
         self._model = weakref.ref(model)  # a cache kept between model calls must not keep an unloaded model alive
-        self.rule = make_rule(settings, model, steps, tokens_per_frame)
+        self.rule = make_rule(settings, model, steps, tokens_per_frame, experts)
         self.passes: dict[int, PassState] = {}
         self.step, self.steps, self.pass_count, self.next_slot = -1, steps, 1, 0
         self.decisions: dict[int, bool] = {}  # step -> computed (the deciding pass's)
         self.calls = 0  # transformer calls that ran the blocks
         self._current: PassState | None = None
         self._skipping = False
+        self._decided = False  # this call's decision is taken (before the VACE blocks on a VACE model)
+        self._early_first: torch.Tensor | None = None  # fbcache on a VACE model: block 0's output, computed early
         self._anchor: torch.Tensor | None = None  # the blocks' input (the first block's output for fbcache)
         self._temb: torch.Tensor | None = None
         self._handles: list = []
@@ -258,6 +270,10 @@ class StepCache:
         self.step, self.pass_count = index, passes
         if steps:
             self.steps = self.rule.steps = steps
+        self._end_call()
+
+    def _end_call(self) -> None:
+        self._current, self._skipping, self._decided, self._early_first = None, False, False, None
 
     def reset(self) -> None:
         self.passes.clear()
@@ -272,13 +288,16 @@ class StepCache:
     def report(self) -> dict:
         """Which steps were computed and skipped (by the deciding pass) and the transformer calls that ran."""
         skipped = sorted(step for step, computed in self.decisions.items() if not computed)
-        return {"method": self.settings.method, "computed": len(self.decisions) - len(skipped),
+        return {"method": self.settings.method, "numbers": self.rule.numbers,
+                "computed": len(self.decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": self.calls}
 
     # -- hooks -----------------------------------------------------------------------------------------------
 
     def install(self) -> "StepCache":
-        blocks = self.model.blocks
+        blocks, vace_blocks = self.model.blocks, list(getattr(self.model, "vace_blocks", None) or ())
+        if vace_blocks:  # the VACE blocks run before the main ones: the decision is taken before them
+            self._handles.append(vace_blocks[0].register_forward_pre_hook(self._enter_vace, with_kwargs=True))
         self._handles.append(blocks[0].register_forward_pre_hook(self._enter_blocks, with_kwargs=True))
         if self.rule.when == "after":
             self._handles.append(blocks[0].register_forward_hook(self._after_first_block))
@@ -286,6 +305,10 @@ class StepCache:
         for index, block in enumerate(blocks):
             original = block.forward
             block.forward = self._wrapped(original, first=index == 0)
+            self._forwards.append((block, original))
+        for block in vace_blocks:
+            original = block.forward
+            block.forward = self._wrapped_vace(original)
             self._forwards.append((block, original))
         return self
 
@@ -301,22 +324,71 @@ class StepCache:
     def _wrapped(self, original, first: bool):
         @functools.wraps(original)
         def forward(hidden_states, *args, **kwargs):
+            if first and self._early_first is not None:  # computed before the VACE blocks to decide
+                output, self._early_first = self._early_first, None
+                return output
             if self._skipping and not (first and self.rule.when == "after"):
                 return hidden_states
             return original(hidden_states, *args, **kwargs)
 
+        forward.step_cache_original = original
         return forward
 
-    def _enter_blocks(self, block, args, kwargs):
-        hidden, temb = _block_inputs(block, args, kwargs)
+    def _wrapped_vace(self, original):
+        """A VACE block that computes nothing on a skipped step: its hint is a zero (the kept residual, taken
+        over the whole block stack, already holds the hints' effect) and the control tokens pass unchanged."""
+
+        @functools.wraps(original)
+        def forward(hidden_states, encoder_hidden_states, control_hidden_states, *args, **kwargs):
+            if self._skipping:
+                return hidden_states.new_zeros(()), control_hidden_states
+            return original(hidden_states, encoder_hidden_states, control_hidden_states, *args, **kwargs)
+
+        return forward
+
+    def _begin_call(self, hidden) -> bool:
+        """This call's pass state; False for a call outside a tracked step (computed, nothing kept)."""
         slot = self.reduction.slot if self.pass_count > 1 and self.reduction.follow_group is not None \
             else self.next_slot
         self.next_slot += 1
-        if self.step < 0:  # a call outside a tracked step: computed, nothing kept
+        self._decided = True
+        if self.step < 0:
             self._current, self._skipping = None, False
-            return None
+            return False
         self._current = self.passes.setdefault(slot, PassState(slot=slot))
         self._anchor = hidden
+        return True
+
+    def _enter_vace(self, vace_block, args, kwargs):
+        """Before the first VACE block (after its sequence split): the call's decision, so that a skipped step
+        skips the VACE blocks too. Its hidden state is the main blocks' input. First-block cache runs block 0
+        here (its output is reused when the model calls it) since its decision needs that block's residual."""
+        if self._decided:  # the same call's next VACE context
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        text, temb, rotary = _vace_block_inputs(args, kwargs)
+        if not self._begin_call(hidden):
+            return None
+        first = self.model.blocks[0]
+        if self.rule.when == "before":
+            self._skipping = not self._decide(first, hidden, temb)
+            return None
+        current = first.__dict__.get("forward")
+        run_first = getattr(current, "step_cache_original", current) or first.forward
+        self._temb = temb
+        self._early_first = run_first(hidden, text, temb, rotary)
+        self._first_block_decision(first, self._early_first)
+        return None
+
+    def _enter_blocks(self, block, args, kwargs):
+        hidden, temb = _block_inputs(block, args, kwargs)
+        if self._decided:  # decided before the VACE blocks
+            if self.rule.when == "before" and self._current is not None:
+                self._anchor = hidden
+            return None
+        if not self._begin_call(hidden):
+            return None
+        self._decided = self.rule.when == "before"
         if self.rule.when == "before":
             self._skipping = not self._decide(block, hidden, temb)
         else:
@@ -324,21 +396,25 @@ class StepCache:
         return None
 
     def _after_first_block(self, block, args, output):
-        if self._current is None:
+        if self._current is None or self._decided:
             return None
+        self._first_block_decision(block, output)
+        return None
+
+    def _first_block_decision(self, block, output) -> None:
         first_residual = output.float() - self._anchor.float()
         self._skipping = not self._decide(block, first_residual, self._temb)
         self._anchor = output  # the other blocks' residual is kept against the first block's output
-        return None
+        self._decided = True
 
     def _leave_blocks(self, module, args):
         state = self._current
+        skipping = self._skipping
+        self._end_call()
         if state is None:
             self.calls += 1
             return None
-        self._current = None
-        if self._skipping:
-            self._skipping = False
+        if skipping:
             state.skips += 1
             return (self._anchor.float() + state.residual,)
         self.calls += 1
@@ -396,6 +472,13 @@ class StepCache:
         return max(0, min(shard.local_len, shard.valid_len - shard.index * shard.local_len))
 
 
+def _vace_block_inputs(args, kwargs) -> tuple:
+    """(encoder_hidden_states, temb, rotary_emb) of a VACE block call (diffusers' WanVACETransformerBlock)."""
+    names = ("hidden_states", "encoder_hidden_states", "control_hidden_states", "temb", "rotary_emb")
+    values = dict(zip(names, args)) | kwargs
+    return values["encoder_hidden_states"], values["temb"], values["rotary_emb"]
+
+
 def _block_inputs(block, args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden_states, temb) of a Wan block call (diffusers calls blocks positionally)."""
     hidden = args[0] if args else kwargs["hidden_states"]
@@ -433,7 +516,8 @@ class StepCaches:
         """The run's computed and skipped steps and its transformer calls."""
         decisions = self.decisions()
         skipped = sorted(step for step, computed in decisions.items() if not computed)
-        return {"method": self.caches[0].settings.method, "computed": len(decisions) - len(skipped),
+        return {"method": self.caches[0].settings.method, "numbers": self.caches[0].rule.numbers,
+                "computed": len(decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": sum(c.calls for c in self.caches)}
 
 
@@ -481,7 +565,8 @@ class ChunkedStepCache:
     def report(self) -> dict:
         decisions = self.decisions()
         skipped = sorted(step for step, computed in decisions.items() if not computed)
-        return {"method": self.cache.settings.method, "computed": len(decisions) - len(skipped),
+        return {"method": self.cache.settings.method, "numbers": self.cache.rule.numbers,
+                "computed": len(decisions) - len(skipped),
                 "skipped": len(skipped), "skipped_steps": skipped, "calls": self.cache.calls}
 
 

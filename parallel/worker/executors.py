@@ -8,13 +8,14 @@ groups (``parallel=None``) it is the plain one-device path that the parallel pat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from ..config import LATENT_CHANNELS, encode_geometry
+from ..config import LATENT_CHANNELS, MESH_DIMS, encode_geometry
 from ..errors import Cancelled
 from ..distributed.patch_parallel import effective_patch_size
 from ..networks.frames import centre_crop, frames_to_pixels, pixels_to_frames
@@ -48,6 +49,7 @@ class RankExecutor(ResidentModels):
         self._vae_groups: dict[int, object] = {}
         # model -> the cache of a driver-side sampler's calls (gone with the model when it is unloaded)
         self._call_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._row_groups: dict = {}  # (mesh dims, coordinates holding rows) -> this rank's group of them
         self.last_cache_report: dict = {}
 
     # -- work ------------------------------------------------------------------------------------------
@@ -80,8 +82,9 @@ class RankExecutor(ResidentModels):
         return self._gather_batch(latents, request.latent.shape[0])
 
     def _sampling_caches(self, request: SampleRequest, models: list) -> StepCaches | None:
-        """The step caches of a sampling run: decisions summed over the sequence ranks (and the data-parallel
-        replicas when each has rows); with CFG parallel the unconditional rank follows the conditional one."""
+        """The step caches of a sampling run: decisions summed over the sequence ranks and the data-parallel
+        replicas that hold rows (a replica without rows samples nothing); with CFG parallel the unconditional rank
+        follows the conditional one."""
         self.last_cache_report = {}
         models = list({id(model): model for model in models if model is not None}.values())
         for model in models:
@@ -90,12 +93,33 @@ class RankExecutor(ResidentModels):
         if settings is None:
             return None
         batch, dp = request.latent.shape[0], self._degree("dp")
-        groups = self._sequence_groups() + ((self.parallel.dp_group,) if 1 < dp <= batch else ())
+        groups = self._sequence_groups() + self._row_groups_of(("dp",), lambda i: len(_dp_share(i, batch, dp)) > 0)
         cfg = self._degree("cfg")
         reduction = Reduction(groups, self.parallel.cfg_group if cfg > 1 else None,
                               self.parallel.coord("cfg") if cfg > 1 else 0)
-        return StepCaches([StepCache(settings, model, reduction, request.steps, _tokens_per_frame(request.latent))
-                           for model in models])
+        return StepCaches([StepCache(settings, model, reduction, request.steps, _tokens_per_frame(request.latent),
+                                     experts=len(models)) for model in models])
+
+    def _row_groups_of(self, dims: tuple[str, ...], holds) -> tuple:
+        """The groups over which the ranks holding other rows sum a decision's statistics, along the mesh ``dims``:
+        their mesh groups when every rank holds rows (``holds(*coordinates)``), else one group of the ranks that
+        hold rows (fewer rows than ranks; made once per pattern, by every rank together as torch requires; a rank
+        without rows is in none and decides nothing); none when one rank holds them all. Every rank that holds
+        rows then sums the same whole-batch statistic and takes the same decision as one device."""
+        sizes = [self._degree(dim) for dim in dims]
+        everyone = list(itertools.product(*map(range, sizes)))
+        holding = tuple(coords for coords in everyone if holds(*coords))
+        if len(holding) == len(everyone):
+            return tuple(self.parallel.group(dim) for dim, size in zip(dims, sizes) if size > 1)
+        if len(holding) <= 1:
+            return ()
+        key = (dims, holding)
+        if key not in self._row_groups:
+            axes = [MESH_DIMS.index(dim) for dim in dims]
+            ranks = self.parallel.mesh.mesh.movedim(axes, list(range(-len(axes), 0))).reshape(-1, *sizes)
+            enumeration = [[int(plane[coords]) for coords in holding] for plane in ranks]
+            self._row_groups[key] = dist.new_subgroups_by_enumeration(enumeration)[0]
+        return () if self._row_groups[key] is None else (self._row_groups[key],)
 
     def _sequence_groups(self) -> tuple:
         """The groups of ranks that hold other tokens of the same rows (Ulysses, ring)."""
@@ -140,9 +164,9 @@ class RankExecutor(ResidentModels):
             cache = StepCache(settings, model, Reduction(), request.cache_steps, _tokens_per_frame(request.latent))
             self._call_caches[model] = cache.install()
         dp, cfg = self._degree("dp"), self._degree("cfg")
-        every_rank_has_rows = all(len(_dp_share(i, batch, dp)) >= cfg for i in range(dp))
-        rows_groups = tuple(self.parallel.group(dim) for dim, size in (("cfg", cfg), ("dp", dp)) if size > 1)
-        cache.reduction = Reduction(self._sequence_groups() + (rows_groups if every_rank_has_rows else ()))
+        rows_groups = self._row_groups_of(
+            ("cfg", "dp"), lambda j, i: len(_dp_share(j, len(_dp_share(i, batch, dp)), cfg)) > 0)
+        cache.reduction = Reduction(self._sequence_groups() + rows_groups)
         cache.at_step(call_step(cache, request), request.cache_steps or None)
 
     def _log_call_cache(self, model, request) -> None:

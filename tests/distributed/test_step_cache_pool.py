@@ -3,6 +3,8 @@ and give its latents (tiny models, world 2 on CPU ranks)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -65,3 +67,24 @@ def test_layout_takes_world_one_decisions(tiny, reference, layout, monkeypatch):
             assert reply.cache_report["skipped_steps"] == expected.cache_report["skipped_steps"], (layout, method)
             assert reply.cache_report["computed"] == expected.cache_report["computed"]
             torch.testing.assert_close(reply.latents, expected.latents, rtol=1e-4, atol=1e-4)
+
+
+def test_data_parallel_with_fewer_rows_than_replicas_decides_as_world_one(tiny, reference, monkeypatch):
+    """dp 3 with 2 rows: the two replicas holding a row sum their statistics (the third holds none and samples
+    nothing), so they take world 1's decisions on the whole batch and give its latents. The rows start from
+    unlike latents (noise, and zeros), so a decision from one row alone would differ."""
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    start = torch.randn(latent_shape(48, 48, 1), generator=torch.Generator().manual_seed(4))
+    latent = torch.cat([start, torch.zeros_like(start)])
+    engine = RankExecutor("cpu")
+    model = engine.load_model(tiny["t2v"])
+    requests = {method: P.SampleRequest("", latent, reference["positive"], reference["negative"], sampler=sampler,
+                                        cache=cache_fields(settings), add_noise=False, **SAMPLE)
+                for method, (settings, sampler) in RUNS.items()}
+    expected = {method: engine.sample_latents(replace(request, handle=model)) for method, request in requests.items()}
+    with cpu_pool(world=3) as pool:
+        handle = pool.call(P.LoadModel(tiny["t2v"])).handle
+        for method, request in requests.items():
+            reply = pool.call(replace(request, handle=handle))  # the ranks check their decisions agree
+            assert reply.cache_report["skipped_steps"] == expected[method].cache_report["skipped_steps"], method
+            torch.testing.assert_close(reply.latents, expected[method].latents, rtol=1e-4, atol=1e-4)

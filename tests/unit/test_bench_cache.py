@@ -12,8 +12,12 @@ def test_bench_cache_writes_table_json_and_plot(tmp_path, tiny_models):
     out, plot = tmp_path / "cache.json", tmp_path / "cache.png"
     assert main(["bench", "cache", "--models", str(tiny_models["t2v"].parent.parent), "--layouts", "world1",
           "--steps", "5", "--width", "32", "--height", "32", "--frames", "1", "--cache", "teacache:0.5:start=0.1",
-          "--json", str(out), "--plot", str(plot)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+          "--repeats", "2", "--json", str(out), "--plot", str(plot)]) == 0
+    written = json.loads(out.read_text())
+    rows = written["rows"]
+    assert len(written["load_average"]["before"]) == 3 and written["repeats"] == 2
+    assert all(len(row["runs_s"]) == 2 and row["spread_s"] >= 0 for row in rows)  # every setting ran each repeat
+    assert all(len(row["runs_cpu_s"]) == 2 and row["cpu_s"] > 0 for row in rows)  # the ranks' CPU time
     assert [row["cache"] for row in rows] == ["none", "teacache:0.5:start=0.1"]
     plain, cached = rows
     assert plain["calls"] == 10 and plain["rel_l2"] == 0.0

@@ -25,8 +25,10 @@ def _generate(models, out_dir, name: str, *extra: str):
 def test_generate_with_a_cache_skips_steps_on_every_layout(tiny_models, tmp_path, capsys):
     models = tiny_models["t2v"].parent.parent
     cached = _generate(models, tmp_path, "cached", "--cache", "teacache:0.5:start=0.1")
-    report = REPORT.search(capsys.readouterr().err)
+    err = capsys.readouterr().err
+    report = REPORT.search(err)
     assert report and int(report.group(2)) >= 1 and int(report.group(1)) + int(report.group(2)) == 6
+    assert "transformer calls; the generic rule (no published numbers for this model)" in err  # the fallback
     two = _generate(models, tmp_path, "two", "--cache", "teacache:0.5:start=0.1", "--world", "2", "--ulysses", "2")
     assert REPORT.search(capsys.readouterr().err).groups() == report.groups()
     assert (two - cached).abs().max() <= 1e-4
