@@ -25,6 +25,7 @@ class Conditioning:
     # Wan 2.2 Fun (Wan22FunControlToVideo): where the mask goes among the image latents, the reference latent
     image_mask_index: int = 0  # concat_mask_index
     reference_latent: torch.Tensor | None = None  # the last of reference_latents (raw), as native WAN21 takes it
+    time_latents: torch.Tensor | None = None  # time_dim_concat (WanPhantomSubjectToVideo): raw latents after the frames
 
 
 def _tensor_or_none(value) -> torch.Tensor | None:
@@ -62,6 +63,7 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         clip_fea=clip_vision_tokens(options.get("clip_vision_output")),
         image_mask_index=int(options.get("concat_mask_index", 0)),
         reference_latent=_tensor_or_none((options.get("reference_latents") or [None])[-1]),
+        time_latents=_tensor_or_none(options.get("time_dim_concat")),
     )
 
 
@@ -77,16 +79,26 @@ def refuse_animate_conditioning(options: dict, name: str) -> None:
                          "(WanMesh Native Model)")
 
 
-def check_same_image(positive: Conditioning, negative: Conditioning) -> None:
-    """WanMesh applies one image-to-video conditioning to both guidance passes, as WanImageToVideo's outputs carry."""
+def negative_image(positive: Conditioning, negative: Conditioning) -> dict:
+    """The SampleRequest fields of the negative pass's own image latents and mask, where they differ from the
+    positive's (WanMoveTrackToVideo copies its track features into the positive's only); none where both carry the
+    same. Both passes must carry image conditioning or neither, with the same CLIP vision tokens, reference latent
+    and mask place."""
+    def same(a, b) -> bool:
+        return (a is None) == (b is None) and (a is None or (a.shape == b.shape and torch.equal(a, b)))
+
     if positive.image_mask_index != negative.image_mask_index:
         raise ValueError("positive and negative carry different concat_mask_index values; pass both through the "
-                         "same image-to-video node (WanMesh applies one image conditioning to both passes)")
-    for name in ("image_latents", "image_mask", "clip_fea", "reference_latent"):
-        a, b = getattr(positive, name), getattr(negative, name)
-        if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
-            raise ValueError("positive and negative carry different image-to-video conditioning; pass both through "
-                             "the same image-to-video node (WanMesh applies one image conditioning to both passes)")
+                         "same image-to-video node (WanMesh applies one mask place to both passes)")
+    if ((positive.image_latents is None) != (negative.image_latents is None)
+            or not same(positive.clip_fea, negative.clip_fea)
+            or not same(positive.reference_latent, negative.reference_latent)):
+        raise ValueError("positive and negative carry different image-to-video conditioning (a start image, CLIP "
+                         "vision tokens or a reference latent the other lacks); pass both through the same "
+                         "image-to-video node")
+    if same(positive.image_latents, negative.image_latents) and same(positive.image_mask, negative.image_mask):
+        return {}
+    return {"image_latents_negative": negative.image_latents, "image_mask_negative": negative.image_mask}
 
 
 def check_same_vace(positive: Conditioning, negative: Conditioning) -> None:

@@ -24,18 +24,13 @@ import torch
 
 from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
 from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
-from ..parallel.validation import shortest_fitting
+from .conditioning_keys import UNSUPPORTED_INPUTS, model_input_refusal
 from .pool_patches import (POOL_LORAS, add_lora_patches, check_model_patches, drop_torch_compile,
                            native_weight_shapes, skipped_blocks)
 from .runtime import ResidentModel, arrange, auto_layout_of, interrupted, raise_if_interrupted
 
 log = logging.getLogger("wanmesh")
 
-# The model inputs ComfyUI's Wan conditioning can send that the pool's transformer does not take yet.
-UNSUPPORTED_INPUTS = {
-    "time_dim_concat": "frames concatenated in time",
-    "control": "a ControlNet",
-}
 MERGE_REFUSAL = ("model merging (ModelMerge*, model key patches) cannot read a WanMesh MODEL's weights (they live in "
                  "the worker pool); merge the files beforehand and load the result")
 
@@ -68,8 +63,10 @@ class PoolTransformer(torch.nn.Module):
 
     def _forward(self, x, timestep, context, clip_fea=None, time_dim_concat=None, transformer_options=None,
                  control=None, **extra):
-        check_supported_inputs(control, {"time_dim_concat": time_dim_concat, **extra})
+        check_supported_inputs(control, extra)
         options = transformer_options or {}
+        frames = x.shape[2]
+        x = with_time_concat(x, time_dim_concat, timestep)
         self._arrange_for_call(x, options)
         request = ModelForward(
             handle=self.resident.handle, latent=x.detach().float().cpu(), timestep=call_timesteps(timestep, x),
@@ -84,7 +81,7 @@ class PoolTransformer(torch.nn.Module):
         except Cancelled:
             raise_if_interrupted()
             raise
-        return prediction.to(device=x.device, dtype=x.dtype)
+        return prediction[:, :, :frames].to(device=x.device, dtype=x.dtype)
 
     def _arrange_for_call(self, x: torch.Tensor, transformer_options: dict) -> None:
         """With a Pool node on layout auto, ComfyUI's samplers show the job one model call at a time: the first
@@ -131,13 +128,9 @@ def call_timesteps(timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def check_supported_inputs(control, extra: dict) -> None:
     """Refuse, in one line, conditioning the pool's transformer would otherwise silently ignore."""
     given = {"control": control, **extra}
-    refused = [f"{name} ({what})" for name, what in UNSUPPORTED_INPUTS.items() if given.get(name) is not None]
+    refused = [name for name in UNSUPPORTED_INPUTS if given.get(name) is not None]
     if refused:
-        takes = ("it takes text, VACE conditioning (WanVaceToVideo, WanMesh VACE Encode) and image-to-video "
-                 "conditioning (WanImageToVideo, WanFirstLastFrameToVideo, WanMesh Image To Video)")
-        names = [name for name in UNSUPPORTED_INPUTS if given.get(name) is not None]
-        raise ValueError(shortest_fitting(f"the WanMesh MODEL does not take {', '.join(refused)} yet; {takes}",
-                                          f"the WanMesh MODEL does not take {', '.join(names)} yet; {takes}"))
+        raise ValueError(model_input_refusal(refused[0]))
 
 
 def reference_input(reference: torch.Tensor | None) -> torch.Tensor | None:
@@ -151,6 +144,24 @@ def animate_inputs(extra: dict) -> dict:
     video latents and the face video's pixels)."""
     pairs = (("pose_latents", "pose_latents"), ("face_pixel_values", "face_pixels"))
     return {field: extra[name].detach().float().cpu() for name, field in pairs if extra.get(name) is not None}
+
+
+def with_time_concat(x: torch.Tensor, time_dim_concat: torch.Tensor | None, timestep: torch.Tensor) -> torch.Tensor:
+    """The model input with ComfyUI's ``time_dim_concat`` (Phantom's subject latents, normalised) after its frames,
+    as ComfyUI's WanModel feeds them: the pool runs the longer latent (its RoPE and sequence split cover the added
+    frames) and the caller keeps the prediction of the latent's own frames."""
+    if time_dim_concat is None:
+        return x
+    concat = time_dim_concat.to(device=x.device, dtype=x.dtype)
+    if concat.ndim != 5 or concat.shape[1] != x.shape[1] or concat.shape[3:] != x.shape[3:] or timestep.ndim > 1:
+        raise ValueError(f"time_dim_concat {list(concat.shape)} cannot follow the model input {list(x.shape)}: it "
+                         "needs the input's channels, height and width and one timestep per row "
+                         "(WanPhantomSubjectToVideo on a text-to-video model, at the latent's size)")
+    if concat.shape[0] != x.shape[0]:
+        import comfy.utils
+
+        concat = comfy.utils.repeat_to_batch_size(concat, x.shape[0])
+    return torch.cat([x, concat], dim=2)
 
 
 def vace_inputs(extra: dict) -> dict:

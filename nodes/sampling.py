@@ -12,12 +12,13 @@ from ..parallel.config import DEFAULT_SCHEDULER
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
 from ..parallel.cache_settings import describe_report
 from ..parallel.validation import prompt_length_warning
+from .conditioning_keys import check_conditioning_keys
 from .convert import (
-    check_same_image,
     check_same_vace,
     embeddings_to_conditioning,
     latent_noise_mask,
     latent_to_tensor,
+    negative_image,
     read_conditioning,
     tensor_to_latent,
 )
@@ -133,7 +134,11 @@ class WanMeshSampler:
                end_step=END_STEP_TO_THE_END, add_noise=True, scheduler=DEFAULT_SCHEDULER, cache=None):
         check_same_pool(model, model_low_noise)
         end = None if end_step >= steps else end_step
-        if not runs_in_the_workers(sampler_name, scheduler):
+        in_workers = runs_in_the_workers(sampler_name, scheduler)
+        for name, conditioning in (("positive", positive), ("negative", negative)):
+            # ComfyUI's own samplers (below) act on the sampler keys; the workers' loop acts on none of them
+            check_conditioning_keys(conditioning, name, model_inputs_only=not in_workers)
+        if not in_workers:
             if cache is not None:
                 raise ValueError(f"step caching runs with the workers' samplers ({', '.join(SAMPLERS)}); for "
                                  f"{sampler_name} / {scheduler}, give the cache to a WanMesh Native Model instead")
@@ -145,7 +150,6 @@ class WanMeshSampler:
         conditional = read_conditioning(positive, "positive")
         unconditional = read_conditioning(negative, "negative")
         check_same_vace(conditional, unconditional)
-        check_same_image(conditional, unconditional)
         check_text_width(model, conditional.embeddings)
         request = SampleRequest(
             handle=model.handle, latent=latent_to_tensor(latent_image), positive=conditional.embeddings,
@@ -159,9 +163,11 @@ class WanMeshSampler:
             image_mask=conditional.image_mask, clip_fea=conditional.clip_fea,
             noise_mask=latent_noise_mask(latent_image), cache=cache,
             image_mask_index=conditional.image_mask_index, reference_latent=conditional.reference_latent,
+            time_latents=conditional.time_latents, time_latents_negative=unconditional.time_latents,
+            **negative_image(conditional, unconditional),
         )
         request.validate()  # before a layout auto rearranges the pool for it
-        arrange_for_job(model, request.latent, steps, cfg)
+        arrange_for_job(model, model_input_size(request), steps, cfg)
         timings = RunTimings()
         try:
             run_steps = max(1, min(steps, end_step) - start_step)  # the progress bar covers the steps this run does
@@ -176,6 +182,14 @@ class WanMeshSampler:
         if reply.cache_report:
             logger.info("WanMesh sampler: %s", describe_report(reply.cache_report))
         return (tensor_to_latent(reply.latents, latent_image.get("noise_mask")),)
+
+
+def model_input_size(request: SampleRequest) -> torch.Tensor:
+    """A stand-in (no data) of the video the model runs: the latent, with the longest pass's frames concatenated
+    after it (time_dim_concat), which the auto layout sizes the job by."""
+    added = max((t.shape[2] for t in (request.time_latents, request.time_latents_negative) if t is not None), default=0)
+    batch, channels, frames, height, width = request.latent.shape
+    return torch.empty((batch, channels, frames + added, height, width), device="meta")
 
 
 def check_text_width(model, embeddings) -> None:

@@ -556,6 +556,23 @@ def check_reference_latent(reference, rows: int, raw: bool) -> None:
         raise ValueError(f"the model call's reference latent has shape {shape}; expected [{rows}, channels, h, w]")
 
 
+def check_time_latents(time_latents, latent_shape: tuple, which: str, noise_mask=None) -> None:
+    """Latents concatenated after the sampled frames (ComfyUI's ``time_dim_concat``, WanPhantomSubjectToVideo's
+    subject images): [1 or B rows, the latent's channels, any frames, the latent's height and width]; not with a
+    noise mask (whose per-frame timesteps cover the sampled frames only)."""
+    if time_latents is None:
+        return
+    batch, channels, _, height, width = latent_shape
+    if (time_latents.ndim != 5 or time_latents.shape[0] not in (1, batch) or time_latents.shape[1] != channels
+            or tuple(time_latents.shape[3:]) != (height, width)):
+        raise ValueError(f"the {which} conditioning's time_dim_concat has shape {list(time_latents.shape)}; expected "
+                         f"[1 or {batch}, {channels}, frames, {height}, {width}]: latents at the sampled latent's size "
+                         "(WanPhantomSubjectToVideo at the latent's width and height)")
+    if noise_mask is not None:
+        raise ValueError("time_dim_concat (WanPhantomSubjectToVideo) cannot be sampled with a latent noise mask; "
+                         "use the latent of the same node")
+
+
 def check_model_forward(latent, timestep, context, vace_context, vace_strengths: list, clip_fea=None) -> None:
     """One model call from a sampler in the driver's process: the timestep (one per row, or one per row and latent
     frame: Wan 2.2's per-frame timesteps of a noise mask), context, CLIP vision and VACE rows match the latent's

@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
-                     check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_stream_options, check_stream_start_latent, check_stream_timesteps,
+                     check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_time_latents, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode, check_reference_latent)
 from .config import check_animate_inputs
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
@@ -183,6 +183,14 @@ class SampleRequest(Request):
     # runs through the model's ref_conv)
     image_mask_index: int = 0
     reference_latent: torch.Tensor | None = None
+    # ComfyUI's time_dim_concat of each pass (WanPhantomSubjectToVideo: subject latents for positive, zeros for
+    # negative_img_text), raw [1 or B, C, N, h, w]; the model sees them after the sampled frames (guidance.py)
+    time_latents: torch.Tensor | None = None  # the positive pass's; None: none
+    time_latents_negative: torch.Tensor | None = None  # the negative pass's; None: none
+    # the negative pass's own image latents and mask where they differ from the positive's (WanMoveTrackToVideo's
+    # track features ride on the positive's only); None: the negative pass takes image_latents and image_mask
+    image_latents_negative: torch.Tensor | None = None
+    image_mask_negative: torch.Tensor | None = None  # with image_latents_negative: its mask (None: none)
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -194,9 +202,15 @@ class SampleRequest(Request):
             raise ValueError("positive and negative conditioning must each hold at least one prompt embedding")
         check_vace_contexts(self.vace_frames, self.vace_masks, self.vace_strengths, self.latent.shape)
         check_image_conditioning(self.image_latents, self.image_mask, tuple(self.latent.shape))
+        check_image_conditioning(self.image_latents_negative, self.image_mask_negative, tuple(self.latent.shape))
+        if self.image_latents_negative is not None and self.image_latents is None:
+            raise ValueError("the negative pass has image-to-video latents but the positive has none; pass both "
+                             "through the same image-to-video node")
         check_clip_vision_tokens(self.clip_fea, self.latent.shape[0])
         check_noise_mask(self.noise_mask, tuple(self.latent.shape), self.sampler)
         check_reference_latent(self.reference_latent, self.latent.shape[0], raw=True)
+        check_time_latents(self.time_latents, tuple(self.latent.shape), "positive", self.noise_mask)
+        check_time_latents(self.time_latents_negative, tuple(self.latent.shape), "negative", self.noise_mask)
         check_model_loras(self.model_loras)
         check_experts(boundary=self.boundary, guidance_scale_low=self.guidance_scale_low)
         check_step_range(self.start_step, self.end_step, self.steps)

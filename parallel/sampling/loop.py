@@ -26,9 +26,10 @@ from ..errors import Cancelled
 from ..image_to_video import frame_timesteps, image_concat, latent_noise_mask
 from ..protocol import SampleRequest
 from .experts import Experts
-from .guidance import guided_prediction
+from .guidance import PASS_INPUTS, TIME_CONCAT, guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import check_latent_for_model, image_inputs, latent_channels, vace_call_inputs, vace_layers_of
+from .forward import (check_latent_for_model, image_concat_input, image_inputs, latent_channels, vace_call_inputs,
+                      vace_layers_of)
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
@@ -281,21 +282,51 @@ def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
 
 
 def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
-    """The model inputs beside latents, timestep and text: VACE contexts and image-to-video inputs."""
+    """The model inputs beside latents, timestep and text: VACE contexts and image-to-video inputs, and the inputs
+    each guidance pass has of its own (``guidance.PASS_INPUTS``): frames concatenated in time and the negative
+    pass's own image channels."""
     shape = tuple(request.latent.shape)
-    concat = None
     mean, std = model_latent_stats(model)
-    if request.image_latents is not None:
-        config = getattr(model, "config", None)
-        extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - latent_channels(model)
-        # ComfyUI's WAN21 of an image-token model and its WAN22 (48-channel latents) are image-to-video models
-        image_to_video = bool(getattr(config, "image_dim", None)) or latent_channels(model) != LATENT_CHANNELS
-        concat = image_concat(request.image_latents, request.image_mask, shape, mean, std,
-                              extra_channels=extra_channels, image_to_video=image_to_video,
-                              mask_index=request.image_mask_index)
-    return {**vace_model_inputs(model, request, rows, dtype, device),
-            **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device),
-            **reference_input(request.reference_latent, mean, std, rows, shape[0], dtype, device)}
+    concat = image_channels(model, request.image_latents, request.image_mask, request.image_mask_index, shape)
+    inputs = {**vace_model_inputs(model, request, rows, dtype, device),
+              **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device),
+              **reference_input(request.reference_latent, mean, std, rows, shape[0], dtype, device)}
+    passes = time_concat_inputs(request, rows, dtype, device)
+    if request.image_latents_negative is not None:
+        negative = image_channels(model, request.image_latents_negative, request.image_mask_negative,
+                                  request.image_mask_index, shape)
+        passes[1].update(image_concat_input(model, negative, rows, shape, dtype, device))
+    if any(passes):
+        inputs[PASS_INPUTS] = tuple(passes)
+    return inputs
+
+
+def image_channels(model, image_latents: torch.Tensor | None, image_mask: torch.Tensor | None, mask_index: int,
+                   shape: tuple) -> torch.Tensor | None:
+    """The image channels of an image-to-video model input, built as ComfyUI's Wan ``concat_cond`` builds them."""
+    if image_latents is None:
+        return None
+    config = getattr(model, "config", None)
+    extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - latent_channels(model)
+    mean, std = model_latent_stats(model)
+    # ComfyUI's WAN21 of an image-token model and its WAN22 (48-channel latents) are image-to-video models
+    image_to_video = bool(getattr(config, "image_dim", None)) or latent_channels(model) != LATENT_CHANNELS
+    return image_concat(image_latents, image_mask, shape, mean, std, extra_channels=extra_channels,
+                        image_to_video=image_to_video, mask_index=mask_index)
+
+
+def time_concat_inputs(request: SampleRequest, rows: range, dtype, device) -> list[dict]:
+    """Each guidance pass's latents after the sampled frames (ComfyUI's ``time_dim_concat``), normalised as
+    ComfyUI's Wan model takes them: [the conditional pass's inputs, the unconditional pass's]."""
+    batch = request.latent.shape[0]
+
+    def one_pass(raw: torch.Tensor | None) -> dict:
+        if raw is None:
+            return {}
+        rows_of = raw.expand(batch, *raw.shape[1:]) if raw.shape[0] == 1 else raw
+        return {TIME_CONCAT: normalize_latents(rows_of[rows.start : rows.stop]).to(device=device, dtype=dtype)}
+
+    return [one_pass(request.time_latents), one_pass(request.time_latents_negative)]
 
 
 def model_latent_stats(model) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "
 COMFYUI_SIDE = {
     "nodes", "nodes.clip_vision", "nodes.convert", "nodes.errors", "nodes.files", "nodes.image_to_video",
     "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model", "nodes.pool_patches",
-    "nodes.cache",
+    "nodes.cache", "nodes.conditioning_keys",
     "nodes.ti2v",
     "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
     "nodes.vae", "nodes.video", "nodes.input_checks", "nodes.shutdown", "nodes.prompt_checks",

@@ -618,6 +618,54 @@ def animate_native(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+def phantom_native(info: dict[str, Any]) -> WorkflowBuilder:
+    """Phantom: native WanPhantomSubjectToVideo (two subject images, concatenated after the video's frames) into
+    the WanMesh Sampler, positive against the negative_img_text output, on two Ulysses ranks (the sequence split
+    covers the subject frames)."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, ulysses=2)
+    positive, negative, model = text_and_model(w, pool_id, I2V_PROMPT, "wan_native_t2v.safetensors",
+                                               text_encoder="umt5_native.safetensors")
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    first, second = load_image(w, "ref_circle.png", 860), load_image(w, "ref_texture.png", 1200)
+    subjects = w.node("ImageBatch", [COLUMNS[3], 1000], {}, {"image1": (first, 0), "image2": (second, 0)},
+                      title="Subject images")
+    conditioning = w.node("WanPhantomSubjectToVideo", [COLUMNS[3], 460], dict(I2V_SIZE),
+                          {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0),
+                           "images": (subjects, 0)}, size=[320, 260])
+    sampled = sampler(w, 4, model, (conditioning, 0), (conditioning, 2), (conditioning, 3), seed=7, steps=4,
+                      sampler_name="euler")
+    native_tail(w, sampled, vae, "phantom_native")
+    return w
+
+
+ATI_TRACKS = ('[[{"x": 8, "y": 24}, {"x": 16, "y": 24}, {"x": 24, "y": 24}, {"x": 32, "y": 24}, {"x": 40, "y": 24}, '
+              '{"x": 48, "y": 24}, {"x": 56, "y": 24}, {"x": 56, "y": 24}, {"x": 56, "y": 24}]]')
+
+
+def ati_native(info: dict[str, Any]) -> WorkflowBuilder:
+    """ATI: native WanTrackToVideo (a start image and one track in its JSON) into KSampler on the WanMesh MODEL
+    of an image-to-video file, CFG parallel on two CPU ranks."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, cfg_parallel=True)
+    positive, negative, model = text_and_model(w, pool_id, I2V_PROMPT, "wan_tiny_i2v.safetensors",
+                                               text_encoder="umt5_native.safetensors")
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    start = load_image(w, "ref_circle.png", 860)
+    conditioning = w.node("WanTrackToVideo", [COLUMNS[3], 460],
+                          {"tracks": ATI_TRACKS, **I2V_SIZE, "temperature": 220.0, "topk": 2},
+                          {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0),
+                           "start_image": (start, 0), "clip_vision_output": (clip_vision_of(w, [start])[0], 0)},
+                          size=[320, 360])
+    sampled = w.node("KSampler", [COLUMNS[4], 40],
+                     {"seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+                      "denoise": 1.0},
+                     {"model": (native_model(w, model, 620), 0), "positive": (conditioning, 0),
+                      "negative": (conditioning, 1), "latent_image": (conditioning, 2)})
+    native_tail(w, sampled, vae, "ati_native")
+    return w
+
+
 # (sub-folder of workflows/, name, which /object_info, builder)
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
@@ -648,6 +696,8 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("native", "fun_inp_native", "recent", fun_inp_native),
     ("native", "fun22_control_native", "recent", fun22_control_native),
     ("native", "animate_native", "recent", animate_native),
+    ("native", "phantom_native", "recent", phantom_native),
+    ("native", "ati_native", "recent", ati_native),
 ]
 
 
