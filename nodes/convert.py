@@ -25,6 +25,7 @@ class Conditioning:
     # Wan 2.2 Fun (Wan22FunControlToVideo): where the mask goes among the image latents, the reference latent
     image_mask_index: int = 0  # concat_mask_index
     reference_latent: torch.Tensor | None = None  # the last of reference_latents (raw), as native WAN21 takes it
+    camera_conditions: torch.Tensor | None = None  # WanCameraImageToVideo's camera embedding (Fun Camera)
 
 
 def _tensor_or_none(value) -> torch.Tensor | None:
@@ -62,6 +63,7 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         clip_fea=clip_vision_tokens(options.get("clip_vision_output")),
         image_mask_index=int(options.get("concat_mask_index", 0)),
         reference_latent=_tensor_or_none((options.get("reference_latents") or [None])[-1]),
+        camera_conditions=_tensor_or_none(options.get("camera_conditions")),
     )
 
 
@@ -82,7 +84,7 @@ def check_same_image(positive: Conditioning, negative: Conditioning) -> None:
     if positive.image_mask_index != negative.image_mask_index:
         raise ValueError("positive and negative carry different concat_mask_index values; pass both through the "
                          "same image-to-video node (WanMesh applies one image conditioning to both passes)")
-    for name in ("image_latents", "image_mask", "clip_fea", "reference_latent"):
+    for name in ("image_latents", "image_mask", "clip_fea", "reference_latent", "camera_conditions"):
         a, b = getattr(positive, name), getattr(negative, name)
         if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
             raise ValueError("positive and negative carry different image-to-video conditioning; pass both through "

@@ -524,6 +524,19 @@ def check_clip_vision_tokens(tokens, batch: int) -> None:
                          f"{CLIP_VISION_WIDTH}] (the penultimate hidden states of the CLIP vision ViT-H/14)")
 
 
+def check_camera_conditions(camera, latent_shape: tuple) -> None:
+    """A Fun Camera embedding (WanCameraEmbedding's) for a latent [B, C, T, h, w]: [1 or B, channels, T, 8h, 8w],
+    one embedding per latent frame at the video's pixel size."""
+    if camera is None:
+        return
+    batch, _, frames, height, width = latent_shape
+    expected = [frames, height * VAE_SPATIAL_FACTOR, width * VAE_SPATIAL_FACTOR]
+    if camera.ndim != 5 or camera.shape[0] not in (1, batch) or list(camera.shape[2:]) != expected:
+        raise ValueError(f"camera_conditions has shape {list(camera.shape)}; expected [1 or {batch}, channels, "
+                         f"{', '.join(map(str, expected))}]: the camera embedding of the video's length, height and "
+                         "width (WanCameraEmbedding with the sampled video's size)")
+
+
 def check_image_conditioning(image_latents, image_mask, latent_shape: tuple) -> None:
     """Image-to-video conditioning in ComfyUI's native format for a latent: the encoded video [rows, 16, T, h', w']
     at the latent's frame count (any size: it is resized to the latent's) and the mask of the given frames

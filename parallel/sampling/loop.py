@@ -28,7 +28,7 @@ from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import check_latent_for_model, image_inputs, latent_channels, vace_call_inputs, vace_layers_of
+from .forward import camera_inputs, check_latent_for_model, image_inputs, latent_channels, vace_call_inputs, vace_layers_of
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
@@ -281,7 +281,8 @@ def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
 
 
 def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
-    """The model inputs beside latents, timestep and text: VACE contexts and image-to-video inputs."""
+    """The model inputs beside latents, timestep and text: VACE contexts, image-to-video inputs and the Fun Camera
+    embedding (a camera model's start image fills its channels without a mask, as ComfyUI's WAN21_Camera)."""
     shape = tuple(request.latent.shape)
     concat = None
     mean, std = model_latent_stats(model)
@@ -290,12 +291,14 @@ def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, devic
         extra_channels = getattr(config, "in_channels", LATENT_CHANNELS) - latent_channels(model)
         # ComfyUI's WAN21 of an image-token model and its WAN22 (48-channel latents) are image-to-video models
         image_to_video = bool(getattr(config, "image_dim", None)) or latent_channels(model) != LATENT_CHANNELS
+        image_to_video = image_to_video and not getattr(config, "camera_in_channels", None)  # WAN21_Camera's
         concat = image_concat(request.image_latents, request.image_mask, shape, mean, std,
                               extra_channels=extra_channels, image_to_video=image_to_video,
                               mask_index=request.image_mask_index)
     return {**vace_model_inputs(model, request, rows, dtype, device),
             **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device),
-            **reference_input(request.reference_latent, mean, std, rows, shape[0], dtype, device)}
+            **reference_input(request.reference_latent, mean, std, rows, shape[0], dtype, device),
+            **camera_inputs(model, request.camera_conditions, rows, shape[0], dtype, device)}
 
 
 def model_latent_stats(model) -> tuple[torch.Tensor, torch.Tensor]:
