@@ -27,7 +27,8 @@ from .parser import IMAGE_FLAGS, add_image_arguments, wants_image  # noqa: F401 
 
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
               "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control",
-              "animate": "Wan 2.2 Animate"}
+              "animate": "Wan 2.2 Animate",
+              "camera": "Wan 2.1 Fun Camera"}
 
 
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
@@ -44,6 +45,9 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
     if getattr(args, "control_video", None) is not None and kind != "fun_control":
         raise ValueError(f"--control-video was given but the model is {name}; a control video needs a Fun Control "
                          "model (Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B)")
+    if kind == "camera":
+        _check_camera_arguments(name, args)
+        return
     if kind == "fun_control":
         if args.last_image is not None:
             raise ValueError(f"the model is {name}, which takes a control video and one image; --last-image needs a "
@@ -66,6 +70,18 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
               flush=True)
 
 
+def _check_camera_arguments(name: str, args) -> None:
+    """Fun Camera on the command line: no camera-pose input, so it runs without a start image and without a camera
+    embedding, as native WanCameraImageToVideo does without them (empty image channels, the adapter unused)."""
+    if wants_image(args):
+        raise ValueError(f"the model is {name}; the command line has no camera-pose input, so it takes no --image "
+                         "either: run it in ComfyUI with WanCameraEmbedding + WanCameraImageToVideo (workflow "
+                         "native/fun_camera_native)")
+    print(f"wanmesh: the model is {name} and the command line has no camera-pose input: sampling without a start "
+          "image or camera embedding, as ComfyUI's WanCameraImageToVideo does without them", file=sys.stderr,
+          flush=True)
+
+
 @dataclass(frozen=True)
 class ImageInputs:
     """The images of an image-to-video run, read and checked before the pool starts."""
@@ -86,7 +102,7 @@ class ImageInputs:
         in_channels, kind = model_image_inputs(files["model"], "--model")
         clip_vision = files.get("clip_vision")
         check_image_arguments(kind, args, clip_vision)
-        if kind is None:
+        if kind in (None, "camera"):
             return None
         start = None if args.image is None else read_image(args.image, "--image")
         end = None if args.last_image is None else read_image(args.last_image, "--last-image")
