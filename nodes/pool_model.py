@@ -3,7 +3,8 @@
 ComfyUI's samplers (KSampler, KSamplerAdvanced, SamplerCustom(Advanced), the guiders, sigma and model-sampling
 nodes) drive a ``ModelPatcher`` around a ``BaseModel``. The BaseModel here is ComfyUI's own Wan model class (WAN22
 with the Wan 2.2 latent format for the 48-channel TI2V 5B, whose noise mask ComfyUI turns into per-frame
-timesteps), so its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and
+timesteps; WAN21_Camera for a Wan 2.1 Fun Camera file, whose conditioning delivers WanCameraImageToVideo's camera
+embedding), so its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and
 VACE context code are ComfyUI's; only its transformer is replaced by ``PoolTransformer``, whose every call is one
 ``ModelForward`` on the pool. A call that batches conditional and unconditional rows goes out as one request,
 and the pool's CFG-parallel ranks split the rows; on a pool of layout auto the first call of each latent size

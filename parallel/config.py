@@ -482,10 +482,11 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
 
 IMAGE_CONCAT_CHANNELS = 20  # image-to-video: a 4-channel mask of the given frames and their 16-channel latents
 # T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B and Wan 2.1 Fun Control; Wan
-# 2.2 Fun Control A14B (control latents, mask, start latents)
+# 2.2 Fun Control A14B (control latents, mask, start latents); Wan 2.1 Fun Camera (start latents, no mask)
 MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS,
                         2 * LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, 2 * WAN22_LATENT_CHANNELS + 4,
-                        3 * WAN22_LATENT_CHANNELS + 4)  # and Wan 2.2 Fun 5B (two or three 48-channel latents, a mask)
+                        3 * WAN22_LATENT_CHANNELS + 4,  # and Wan 2.2 Fun 5B (two or three 48-channel latents, a mask)
+                        2 * LATENT_CHANNELS)
 CLIP_VISION_WIDTH = 1280  # the CLIP vision (ViT-H/14) features Wan's image embedding takes
 
 
@@ -493,9 +494,10 @@ def check_model_input(latent) -> None:
     """A model call's input: the latent, with an image-to-video model's image channels concatenated (36), or a
     Wan 2.2 latent (48)."""
     if latent.ndim != 5 or latent.shape[1] not in MODEL_INPUT_CHANNELS or min(latent.shape) < 1:
-        raise ValueError(f"the model input must be [B, C, T, h, w] with C 16 or 36 (Wan 2.1 latents, with the image "
-                         f"channels of image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun Control), 52 (Wan 2.2 "
-                         f"Fun Control) or 100 / 148 (Wan 2.2 Fun 5B), got shape {list(latent.shape)}")
+        raise ValueError(f"the model input must be [B, C, T, h, w] with C 16, 32 or 36 (Wan 2.1 latents, with the "
+                         f"image channels of Fun Camera or image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun "
+                         f"Control), 52 (Wan 2.2 Fun Control) or 100 / 148 (Wan 2.2 Fun 5B), got shape "
+                         f"{list(latent.shape)}")
 
 
 def check_noise_mask(noise_mask, latent_shape: tuple, sampler: str) -> None:

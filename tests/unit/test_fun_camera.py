@@ -132,18 +132,56 @@ class _NoPool:
         raise AssertionError("a pool was started for a refused command")
 
 
-def test_camera_model_with_an_image_on_the_command_line_is_one_line(tiny_models, tmp_path, monkeypatch,
-                                                                    capsys) -> None:
-    monkeypatch.setattr(generate_module, "WorkerPool", _NoPool)
-    image = tmp_path / "start.png"
+CLI_SIZE = ["--width", "48", "--height", "32", "--frames", "9", "--steps", "2", "--seed", "3", "--sampler", "euler",
+            "--shift", "3", "--cfg", "5", "--device", "cpu", "--prompt", "a fox turns", "--negative", "blurry"]
+
+
+def _camera_cli(tiny_models, model: str = "fun_camera") -> list[str]:
+    return ["generate", "--model", str(tiny_models[model]), "--vae", str(tiny_models["vae"]),
+            "--text-encoder", str(tiny_models["text_encoder_native"]), *CLI_SIZE]
+
+
+@pytest.mark.parametrize("model, flags, message", [
+    ("fun_camera", ["--image", "{image}"], "the model is Wan 2.1 Fun Camera; the command line runs it without a start "
+                                           "image (--camera-motion only)"),
+    ("fun_camera", ["--camera-motion", "pan-left", "--camera-speed", "11"], "--camera-speed 11.0 is outside 0..10"),
+    ("fun_camera", ["--camera-motion", "pan-left", "--width", "40"], "width 40 is not a positive multiple of 16"),
+    ("i2v", ["--camera-motion", "zoom-in", "--image", "{image}"], "--camera-motion needs a Wan 2.1 Fun Camera model"),
+])
+def test_bad_camera_input_on_the_command_line_is_one_line(tiny_models, tmp_path, monkeypatch, capsys, model, flags,
+                                                          message) -> None:
     import cv2
     import numpy as np
 
+    monkeypatch.setattr(generate_module, "WorkerPool", _NoPool)
+    image = tmp_path / "start.png"
     cv2.imwrite(str(image), np.full((32, 48, 3), 128, dtype=np.uint8))
-    code = main(["generate", "--model", str(tiny_models["fun_camera"]), "--vae", str(tiny_models["vae"]),
-                 "--text-encoder", str(tiny_models["text_encoder_native"]), "--prompt", "a fox", "--width", "48",
-                 "--height", "32", "--frames", "9", "--steps", "2", "--device", "cpu", "--image", str(image),
-                 "--out", str(tmp_path / "x.mp4")])
+    flags = [flag.format(image=image) for flag in flags]
+    code = main([*_camera_cli(tiny_models, model), *flags, "--out", str(tmp_path / "x.mp4")])
     error = capsys.readouterr().err
-    assert code == 2 and error.count("\n") == 1, error
-    assert "the model is Wan 2.1 Fun Camera; the command line has no camera-pose input" in error
+    assert code == 2 and error.startswith("wanmesh: error: ") and error.count("\n") == 1, error
+    assert message in error
+
+
+def test_camera_motion_on_the_command_line_equals_the_request_in_process(tiny_models, tmp_path) -> None:
+    """``--camera-motion`` sends WanCameraEmbedding's embedding (tests/comfyui/test_camera_motion.py checks it
+    against the node) with the request: the saved latents are the in-process run's, and the motion changes them."""
+    from wanmesh.parallel.camera_motion import camera_embedding
+    from wanmesh.parallel.protocol import SampleRequest
+    from wanmesh.parallel.worker.executors import RankExecutor
+
+    saved = {}
+    for motion in ("pan-left", None):
+        latents = tmp_path / f"{motion}.safetensors"
+        flags = [] if motion is None else ["--camera-motion", motion, "--camera-speed", "1.5"]
+        assert main([*_camera_cli(tiny_models), *flags, "--out", str(tmp_path / f"{motion}.mp4"),
+                     "--save-latents", str(latents)]) == 0
+        saved[motion] = load_file(str(latents))["latents"]
+    engine = RankExecutor("cpu")
+    text = engine.load_text_encoder(str(tiny_models["text_encoder_native"]))
+    request = SampleRequest(handle=engine.load_model(str(tiny_models["fun_camera"])), latent=torch.zeros(LATENT),
+                            positive=engine.encode_text(text, ["a fox turns"]), negative=engine.encode_text(text, ["blurry"]),
+                            seed=3, steps=2, guidance_scale=5.0, shift=3.0, sampler="euler",
+                            camera_conditions=camera_embedding("pan-left", 48, 32, 9, 1.5))
+    torch.testing.assert_close(saved["pan-left"], engine.sample(request), rtol=0, atol=1e-5)
+    assert (saved["pan-left"] - saved[None]).abs().max().item() > 1e-2
