@@ -30,8 +30,9 @@ KINDS = {
     "start_no_camera": (None, {"start_image": START, "clip_vision_output": CLIP_START}),  # native only
 }
 SIDES = ("native", "model", "sampler")
-LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "ulysses2": dict(devices="cpu:2", world=2, ulysses=2),
-           "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True)}
+# Ulysses 2 last, with the example workflow's pool settings: the workflow test and the refusal reuse that pool.
+LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True),
+           "ulysses2": dict(devices="cpu:2", world=2, ulysses=2, previews=True)}
 LAYOUT_KINDS = {"world1": ("start_pan", "zoom_only"), "ulysses2": ("start_pan",), "tp2_cfg2": ("start_pan",)}
 
 
@@ -131,7 +132,7 @@ def test_fun_camera_workflow_runs(recent_comfyui_server: ComfyUIServer) -> None:
 
 def test_a_camera_embedding_of_another_length_is_one_line(recent_comfyui_server: ComfyUIServer) -> None:
     """Native fails deep in the model on a camera embedding of another length; the WanMesh Sampler names it."""
-    prompt = camera_prompt(LAYOUTS["world1"], ())
+    prompt = camera_prompt(LAYOUTS["ulysses2"], ())
     prompt.update(camera_conditioning("start_pan", length=LENGTH + 4))
     prompt["bad_k"] = wanmesh_sampler("wm", "start_pan_cond")
     prompt["bad"] = save_latent("bad_k", "camera_bad")
