@@ -1,7 +1,7 @@
 """The conditioning keys ComfyUI acts on for Wan models that WanMesh does not take yet: one table; runs in ComfyUI.
 
 A CONDITIONING entry is a tensor and a dict of keys that ComfyUI's conditioning nodes set. ComfyUI's Wan model
-turns some keys into model inputs (``camera_conditions``, ``audio_embed``, ...) and its samplers act on others
+turns some keys into model inputs (``audio_embed``, ``reference_motion``, ...) and its samplers act on others
 (areas, masks, timestep ranges). The WanMesh Sampler reads the keys of ``convert.read_conditioning`` and refuses
 every key of ``UNSUPPORTED_CONDITIONING`` in one line, naming it and the nodes that set it, before any worker
 starts; the WanMesh MODEL refuses the model inputs of the table at its model call (``pool_model.py``), as ComfyUI's
@@ -13,7 +13,6 @@ from __future__ import annotations
 # conditioning key: (the model input ComfyUI's Wan model gets from it, None for keys its samplers act on; what it
 # is; the native nodes that set it)
 UNSUPPORTED_CONDITIONING = {
-    "camera_conditions": ("camera_conditions", "a camera embedding", "WanCameraImageToVideo"),
     "audio_embed": ("audio_embed", "audio embeddings", "WanSoundImageToVideo or WanHuMoImageToVideo"),
     "control_video": ("control_video", "a sound-to-video control video", "WanSoundImageToVideo"),
     "reference_motion": ("reference_motion", "reference motion latents", "WanSoundImageToVideoExtend"),

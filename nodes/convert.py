@@ -26,6 +26,7 @@ class Conditioning:
     image_mask_index: int = 0  # concat_mask_index
     reference_latent: torch.Tensor | None = None  # the last of reference_latents (raw), as native WAN21 takes it
     time_latents: torch.Tensor | None = None  # time_dim_concat (WanPhantomSubjectToVideo): raw latents after the frames
+    camera_conditions: torch.Tensor | None = None  # WanCameraImageToVideo's camera embedding (Fun Camera)
 
 
 def _tensor_or_none(value) -> torch.Tensor | None:
@@ -64,6 +65,7 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         image_mask_index=int(options.get("concat_mask_index", 0)),
         reference_latent=_tensor_or_none((options.get("reference_latents") or [None])[-1]),
         time_latents=_tensor_or_none(options.get("time_dim_concat")),
+        camera_conditions=_tensor_or_none(options.get("camera_conditions")),
     )
 
 
@@ -92,9 +94,10 @@ def negative_image(positive: Conditioning, negative: Conditioning) -> dict:
                          "same image-to-video node (WanMesh applies one mask place to both passes)")
     if ((positive.image_latents is None) != (negative.image_latents is None)
             or not same(positive.clip_fea, negative.clip_fea)
-            or not same(positive.reference_latent, negative.reference_latent)):
+            or not same(positive.reference_latent, negative.reference_latent)
+            or not same(positive.camera_conditions, negative.camera_conditions)):
         raise ValueError("positive and negative carry different image-to-video conditioning (a start image, CLIP "
-                         "vision tokens or a reference latent the other lacks); pass both through the same "
+                         "vision tokens, a reference latent or a camera embedding the other lacks); pass both through the same "
                          "image-to-video node")
     if same(positive.image_latents, negative.image_latents) and same(positive.image_mask, negative.image_mask):
         return {}

@@ -3,7 +3,8 @@
 ComfyUI's samplers (KSampler, KSamplerAdvanced, SamplerCustom(Advanced), the guiders, sigma and model-sampling
 nodes) drive a ``ModelPatcher`` around a ``BaseModel``. The BaseModel here is ComfyUI's own Wan model class (WAN22
 with the Wan 2.2 latent format for the 48-channel TI2V 5B, whose noise mask ComfyUI turns into per-frame
-timesteps), so its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and
+timesteps; WAN21_Camera for a Wan 2.1 Fun Camera file, whose conditioning delivers WanCameraImageToVideo's camera
+embedding), so its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and
 VACE context code are ComfyUI's; only its transformer is replaced by ``PoolTransformer``, whose every call is one
 ``ModelForward`` on the pool. A call that batches conditional and unconditional rows goes out as one request,
 and the pool's CFG-parallel ranks split the rows; on a pool of layout auto the first call of each latent size
@@ -73,6 +74,7 @@ class PoolTransformer(torch.nn.Module):
             context=context.detach().float().cpu(), loras=[*self.resident.loras, *options.get(POOL_LORAS, ())],
             clip_fea=None if clip_fea is None else clip_fea.detach().float().cpu(), **vace_inputs(extra),
             **animate_inputs(extra),
+            **camera_inputs(extra),
             skip_blocks=skipped_blocks(options), **cache_inputs(self.cache, timestep, options),
             reference_latent=reference_input(extra.get("reference_latent")),
         )
@@ -173,6 +175,35 @@ def vace_inputs(extra: dict) -> dict:
     return {"vace_context": context.detach().float().cpu(), "vace_strengths": [float(s) for s in strengths]}
 
 
+def camera_inputs(extra: dict) -> dict:
+    """The ModelForward field of ComfyUI's Fun Camera input (WAN21_Camera's camera_conditions); rows that are all
+    alike (the conditional and unconditional passes of one WanCameraImageToVideo) go as one."""
+    camera = extra.get("camera_conditions")
+    if camera is None:
+        return {}
+    camera = camera.detach().float().cpu()
+    if camera.shape[0] > 1 and all(torch.equal(camera[0], row) for row in camera[1:]):
+        camera = camera[:1]
+    return {"camera_conditions": camera}
+
+
+@functools.cache
+def camera_model_class():
+    """ComfyUI's WAN21_Camera (the BaseModel that delivers camera_conditions) for the pool's Fun Camera MODEL; an
+    older ComfyUI without it gets a one-line refusal."""
+    import comfy.model_base
+
+    if not hasattr(comfy.model_base, "WAN21_Camera"):
+        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan Fun Camera support (2025 or newer) for a Fun "
+                         "Camera model; update ComfyUI, or sample with the WanMesh Sampler")
+
+    class PoolWanCamera(comfy.model_base.WAN21_Camera):
+        def memory_required(self, *args, **kwargs):
+            return 0  # as comfy_classes' PoolMemory: the transformer runs in the pool's processes
+
+    return PoolWanCamera
+
+
 @functools.cache
 def comfy_classes():
     """(the BaseModel class for T2V, for VACE, for Wan 2.2 TI2V, the ModelPatcher class), made from the running
@@ -237,6 +268,8 @@ def pool_model(resident: ResidentModel, cache: dict | None = None):
         model = _wan22_model(in_channels, device)
     elif image_kind == "animate":
         model = _animate_model(in_channels, device)
+    elif image_kind == "camera":
+        model = _camera_model(in_channels, device)
     else:
         model = _wan21_model(has_vace_blocks(resident.model_files()), in_channels, image_kind, device)
     model.diffusion_model = PoolTransformer(resident, in_channels, cache)
@@ -280,6 +313,16 @@ def _animate_model(in_channels: int, device):
     config = config_class({"image_model": "wan2.1", "model_type": "animate", "in_dim": in_channels,
                            "disable_unet_model_creation": True})
     return model_class(config, device=device)
+
+
+def _camera_model(in_channels: int, device):
+    """Wan 2.1 Fun Camera: ComfyUI's WAN21_Camera (not image-to-video: the start image's latents fill the extra
+    channels without a mask), configured as its model detection configures the file."""
+    import comfy.supported_models
+
+    config = comfy.supported_models.WAN21_Camera({"image_model": "wan2.1", "model_type": "camera",
+                                                   "in_dim": in_channels, "disable_unet_model_creation": True})
+    return camera_model_class()(config, image_to_video=False, device=device)
 
 
 def _wan22_model(in_channels: int, device):

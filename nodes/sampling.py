@@ -161,6 +161,7 @@ class WanMeshSampler:
             guidance_scale_low=None if cfg_low_noise < 0 else cfg_low_noise, start_step=start_step, end_step=end,
             add_noise=add_noise, timings=True, image_latents=conditional.image_latents,
             image_mask=conditional.image_mask, clip_fea=conditional.clip_fea,
+            camera_conditions=conditional.camera_conditions,
             noise_mask=latent_noise_mask(latent_image), cache=cache,
             image_mask_index=conditional.image_mask_index, reference_latent=conditional.reference_latent,
             time_latents=conditional.time_latents, time_latents_negative=unconditional.time_latents,

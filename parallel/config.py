@@ -482,10 +482,11 @@ def check_vace_contexts(frames: list, masks: list, strengths: list, latent_shape
 
 IMAGE_CONCAT_CHANNELS = 20  # image-to-video: a 4-channel mask of the given frames and their 16-channel latents
 # T2V/VACE; image-to-video (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B); Wan 2.2 TI2V 5B and Wan 2.1 Fun Control; Wan
-# 2.2 Fun Control A14B (control latents, mask, start latents)
+# 2.2 Fun Control A14B (control latents, mask, start latents); Wan 2.1 Fun Camera (start latents, no mask)
 MODEL_INPUT_CHANNELS = (LATENT_CHANNELS, LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, WAN22_LATENT_CHANNELS,
                         2 * LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS, 2 * WAN22_LATENT_CHANNELS + 4,
-                        3 * WAN22_LATENT_CHANNELS + 4)  # and Wan 2.2 Fun 5B (two or three 48-channel latents, a mask)
+                        3 * WAN22_LATENT_CHANNELS + 4,  # and Wan 2.2 Fun 5B (two or three 48-channel latents, a mask)
+                        2 * LATENT_CHANNELS)
 CLIP_VISION_WIDTH = 1280  # the CLIP vision (ViT-H/14) features Wan's image embedding takes
 
 
@@ -493,9 +494,10 @@ def check_model_input(latent) -> None:
     """A model call's input: the latent, with an image-to-video model's image channels concatenated (36), or a
     Wan 2.2 latent (48)."""
     if latent.ndim != 5 or latent.shape[1] not in MODEL_INPUT_CHANNELS or min(latent.shape) < 1:
-        raise ValueError(f"the model input must be [B, C, T, h, w] with C 16 or 36 (Wan 2.1 latents, with the image "
-                         f"channels of image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun Control), 52 (Wan 2.2 "
-                         f"Fun Control) or 100 / 148 (Wan 2.2 Fun 5B), got shape {list(latent.shape)}")
+        raise ValueError(f"the model input must be [B, C, T, h, w] with C 16, 32 or 36 (Wan 2.1 latents, with the "
+                         f"image channels of Fun Camera or image-to-video), 48 (Wan 2.2 TI2V latents, Wan 2.1 Fun "
+                         f"Control), 52 (Wan 2.2 Fun Control) or 100 / 148 (Wan 2.2 Fun 5B), got shape "
+                         f"{list(latent.shape)}")
 
 
 def check_noise_mask(noise_mask, latent_shape: tuple, sampler: str) -> None:
@@ -522,6 +524,19 @@ def check_clip_vision_tokens(tokens, batch: int) -> None:
     if tokens.ndim != 3 or tokens.shape[0] not in (1, batch) or tokens.shape[2] != CLIP_VISION_WIDTH:
         raise ValueError(f"CLIP vision tokens have shape {list(tokens.shape)}; expected [1 or {batch}, tokens, "
                          f"{CLIP_VISION_WIDTH}] (the penultimate hidden states of the CLIP vision ViT-H/14)")
+
+
+def check_camera_conditions(camera, latent_shape: tuple) -> None:
+    """A Fun Camera embedding (WanCameraEmbedding's) for a latent [B, C, T, h, w]: [1 or B, channels, T, 8h, 8w],
+    one embedding per latent frame at the video's pixel size."""
+    if camera is None:
+        return
+    batch, _, frames, height, width = latent_shape
+    expected = [frames, height * VAE_SPATIAL_FACTOR, width * VAE_SPATIAL_FACTOR]
+    if camera.ndim != 5 or camera.shape[0] not in (1, batch) or list(camera.shape[2:]) != expected:
+        raise ValueError(f"camera_conditions has shape {list(camera.shape)}; expected [1 or {batch}, channels, "
+                         f"{', '.join(map(str, expected))}]: the camera embedding of the video's length, height and "
+                         "width (WanCameraEmbedding with the sampled video's size)")
 
 
 def check_image_conditioning(image_latents, image_mask, latent_shape: tuple) -> None:

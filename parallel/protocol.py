@@ -14,7 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
+from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_camera_conditions, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_time_latents, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode, check_reference_latent)
 from .config import check_animate_inputs
@@ -191,6 +191,7 @@ class SampleRequest(Request):
     # track features ride on the positive's only); None: the negative pass takes image_latents and image_mask
     image_latents_negative: torch.Tensor | None = None
     image_mask_negative: torch.Tensor | None = None  # with image_latents_negative: its mask (None: none)
+    camera_conditions: torch.Tensor | None = None  # Fun Camera: WanCameraEmbedding's [1 or B, 24, T, 8h, 8w]
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -207,6 +208,7 @@ class SampleRequest(Request):
             raise ValueError("the negative pass has image-to-video latents but the positive has none; pass both "
                              "through the same image-to-video node")
         check_clip_vision_tokens(self.clip_fea, self.latent.shape[0])
+        check_camera_conditions(self.camera_conditions, tuple(self.latent.shape))
         check_noise_mask(self.noise_mask, tuple(self.latent.shape), self.sampler)
         check_reference_latent(self.reference_latent, self.latent.shape[0], raw=True)
         check_time_latents(self.time_latents, tuple(self.latent.shape), "positive", self.noise_mask)
@@ -240,6 +242,7 @@ class ModelForward(Request):
     cache_step: int = -1  # the call's step (0-based) in the sampler's sigmas; -1: unknown (told by the timestep)
     cache_steps: int = 0  # the sampler's steps; 0: unknown
     reference_latent: torch.Tensor | None = None  # [B, C, h, w]: Wan 2.2 Fun's normalised reference (ref_conv)
+    camera_conditions: torch.Tensor | None = None  # [1 or B, 24, T, 8h, 8w]: the Fun Camera embedding
 
     def validate(self) -> None:
         check_cache(cache_settings(self.cache))
@@ -247,6 +250,7 @@ class ModelForward(Request):
         check_model_forward(self.latent, self.timestep, self.context, self.vace_context, self.vace_strengths,
                             self.clip_fea)
         check_animate_inputs(self.pose_latents, self.face_pixels, tuple(self.latent.shape))
+        check_camera_conditions(self.camera_conditions, tuple(self.latent.shape))
         check_model_loras({self.handle: self.loras})
 
 

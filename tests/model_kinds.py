@@ -174,8 +174,7 @@ TELLTALE_KEYS = {"wan_s2v": "casual_audio_encoder.encoder.final_linear.weight",
                  "wan_infinitetalk": "blocks.0.audio_cross_attn.q_linear.weight",
                  "wan_dancer": "patch_embedding_global.weight",
                  "wan_scail": "patch_embedding_pose.weight",
-                 "wan_animate": "face_adapter.fuser_blocks.0.k_norm.weight",
-                 "wan_camera": "control_adapter.conv.weight"}
+                 "wan_animate": "face_adapter.fuser_blocks.0.k_norm.weight"}
 # name -> (file under BAD_FOLDER, what the one-line error must say)
 BAD_MODEL_FILES = {
     "gguf_llama": ("llama_Q8_0.gguf", "a GGUF of architecture 'llama', not a Wan transformer"),

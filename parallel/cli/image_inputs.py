@@ -3,8 +3,9 @@ and Fun Control on the command line; runs in the CLI (driver) process.
 
 The model's kind (its header) decides what is needed: Wan 2.1 I2V a start image and a CLIP vision file, FLF2V a
 start and an end image and a CLIP vision file, Wan 2.2 I2V A14B a start image only, Wan 2.2 TI2V 5B an optional
-start image (its latents kept in the first frames, as native Wan22ImageToVideoLatent); a text-to-video model takes
-no image. Every such mistake is a one-line error before the pool starts. The conditioning is what ComfyUI's native
+start image (its latents kept in the first frames, as native Wan22ImageToVideoLatent), Wan 2.1 Fun Camera no image
+and an optional preset camera motion (``--camera-motion``: ``camera_motion.py``, native WanCameraEmbedding's); a
+text-to-video model takes no image. Every such mistake is a one-line error before the pool starts. The conditioning is what ComfyUI's native
 WanImageToVideo / WanFirstLastFrameToVideo make (``image_to_video.py``): the video is VAE-encoded on the pool; the
 CLIP vision encoder (one or two images) runs here, as ComfyUI runs it in its own process. Fun Control models take
 ``--control-video`` and ``--image`` as the native nodes take them: Wan 2.1 Fun Control (48 input channels) as
@@ -23,15 +24,19 @@ from ..config import LATENT_CHANNELS, VAE_SPATIAL_FACTOR, WAN22_VAE_SPATIAL_FACT
 from ..image_to_video import (first_last_video, fun22_control_mask, fun_control_frames, fun_control_latents,
                               latent_frame_count, start_image_video, wan22_image_latent, wan22_start_frames)
 from ..validation import model_image_inputs
-from .parser import IMAGE_FLAGS, add_image_arguments, wants_image  # noqa: F401 - the parser's
+from .parser import IMAGE_FLAGS, MAX_CAMERA_SPEED, add_image_arguments, wants_image  # noqa: F401 - the parser's
 
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
               "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control",
-              "animate": "Wan 2.2 Animate"}
+              "animate": "Wan 2.2 Animate",
+              "camera": "Wan 2.1 Fun Camera"}
 
 
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
     """What the model of ``kind`` (``detect.image_inputs``) needs against what was given; one line each."""
+    if getattr(args, "camera_motion", None) is not None and kind != "camera":
+        raise ValueError("--camera-motion needs a Wan 2.1 Fun Camera model (its camera adapter); this model has none: "
+                         "leave --camera-motion out or load a Fun Camera model")
     if kind is None:
         if getattr(args, "control_video", None) is not None:
             raise ValueError("--control-video was given but the model is text-to-video; a control video needs a Fun "
@@ -44,6 +49,9 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
     if getattr(args, "control_video", None) is not None and kind != "fun_control":
         raise ValueError(f"--control-video was given but the model is {name}; a control video needs a Fun Control "
                          "model (Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B)")
+    if kind == "camera":
+        _check_camera_arguments(name, args)
+        return
     if kind == "fun_control":
         if args.last_image is not None:
             raise ValueError(f"the model is {name}, which takes a control video and one image; --last-image needs a "
@@ -66,6 +74,24 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
               flush=True)
 
 
+def _check_camera_arguments(name: str, args) -> None:
+    """Fun Camera on the command line: a preset camera motion (``--camera-motion``, WanCameraEmbedding's) or none
+    (the adapter unused, as native WanCameraImageToVideo without camera conditions); no start image (empty image
+    channels, as WanCameraImageToVideo without one)."""
+    if wants_image(args):
+        raise ValueError(f"the model is {name}; the command line runs it without a start image (--camera-motion "
+                         "only): for a start image use ComfyUI's WanCameraImageToVideo (workflow "
+                         "native/fun_camera_native)")
+    if not 0.0 <= args.camera_speed <= MAX_CAMERA_SPEED:
+        raise ValueError(f"--camera-speed {args.camera_speed} is outside 0..{MAX_CAMERA_SPEED:g} (WanCameraEmbedding's "
+                         "speed; 1 is the default)")
+    if args.camera_motion is not None:
+        check_video_size(args.width, args.height, args.frames, WAN22_VAE_SPATIAL_FACTOR)  # the adapter's 16 px cells
+        return
+    print(f"wanmesh: the model is {name} and no --camera-motion was given: sampling without a camera embedding, as "
+          "ComfyUI's WanCameraImageToVideo does without one", file=sys.stderr, flush=True)
+
+
 @dataclass(frozen=True)
 class ImageInputs:
     """The images of an image-to-video run, read and checked before the pool starts."""
@@ -76,6 +102,8 @@ class ImageInputs:
     clip_vision: str | None
     control: torch.Tensor | None = None  # a Fun Control model's control video [F, H, W, 3]
     in_channels: int = 0  # the model's input channels (Fun Control: 48 Wan 2.1, 52 Wan 2.2)
+    camera_motion: str | None = None  # Fun Camera: a preset of parallel/camera_motion.py
+    camera_speed: float = 1.0
 
     @classmethod
     def read(cls, args, files: dict) -> ImageInputs | None:
@@ -86,6 +114,10 @@ class ImageInputs:
         in_channels, kind = model_image_inputs(files["model"], "--model")
         clip_vision = files.get("clip_vision")
         check_image_arguments(kind, args, clip_vision)
+        if kind == "camera":
+            if args.camera_motion is None:
+                return None
+            return cls(kind, None, None, None, camera_motion=args.camera_motion, camera_speed=args.camera_speed)
         if kind is None:
             return None
         start = None if args.image is None else read_image(args.image, "--image")
@@ -98,7 +130,13 @@ class ImageInputs:
 
     def sample_fields(self, runner, vae: str, args) -> dict:
         """The SampleRequest's image fields: the video encoded on the pool, its mask, the CLIP vision tokens; for
-        TI2V the 48-channel latent (the start image's latents in its first frames) and its noise mask."""
+        TI2V the 48-channel latent (the start image's latents in its first frames) and its noise mask; for Fun
+        Camera the camera embedding of the motion."""
+        if self.kind == "camera":
+            from ..camera_motion import camera_embedding
+
+            return {"camera_conditions": camera_embedding(self.camera_motion, args.width, args.height, args.frames,
+                                                          self.camera_speed)}
         if self.kind == "first_frame":
             frames = wan22_start_frames(self.start, args.width, args.height, args.frames)
             encoded = None if frames is None else runner.encode(vae, frames, tile_px=args.vae_tile,

@@ -220,6 +220,10 @@ def wants_vace(args) -> bool:
 
 IMAGE_FLAGS = {"image": "--image", "last_image": "--last-image", "clip_vision": "--clip-vision",
                "control_video": "--control-video"}
+# parallel/camera_motion.py's CAMERA_MOTIONS (kept here too: the parser loads no torch)
+CAMERA_MOTION_NAMES = ("static", "pan-up", "pan-down", "pan-left", "pan-right", "zoom-in", "zoom-out",
+                       "anti-clockwise", "clockwise")
+MAX_CAMERA_SPEED = 10.0
 
 
 def add_image_arguments(parser) -> None:
@@ -230,6 +234,11 @@ def add_image_arguments(parser) -> None:
     group.add_argument("--control-video", help="the control video (Fun Control models: an MP4 or other video, an "
                                                "image or a folder of frames); with Wan 2.2 Fun Control, --image is "
                                                "the reference image")
+    group.add_argument("--camera-motion", choices=CAMERA_MOTION_NAMES,
+                       help="a preset camera motion (Wan 2.1 Fun Camera models), as ComfyUI's WanCameraEmbedding "
+                            "camera_pose")
+    group.add_argument("--camera-speed", type=float, default=1.0,
+                       help="how far the camera motion goes over the video (WanCameraEmbedding's speed, 0 to 10)")
 
 
 def wants_image(args) -> bool:

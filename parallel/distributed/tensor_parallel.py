@@ -9,7 +9,8 @@ which modules are split over the ranks of a tensor-parallel group:
   squares is all-reduced, so every rank normalises its heads exactly as the full norm would;
 * the FFN: ``ffn.net.0.proj`` column-sharded, ``ffn.net.2`` row-sharded with one all-reduce.
 
-Embeddings, modulation tables, norms, the head and the VACE ``proj_in`` / ``proj_out`` stay replicated.
+Embeddings (the Fun Camera adapter with the patch embedding), modulation tables, norms, the head and the VACE
+``proj_in`` / ``proj_out`` stay replicated.
 The same plans and modules shard transformers' umT5 text encoder (see ``text_encoder_tp``), whose per-layer
 relative position bias table has one column per head and splits by columns (the ``head_table`` style).
 Each attention module's ``heads`` becomes the local head count, so diffusers' own ``WanAttnProcessor`` (and

@@ -114,6 +114,21 @@ def animate_inputs(model, pose_latents: torch.Tensor | None, face_pixels: torch.
     return {name: _batch_rows(tensor, rows, batch).to(device=device, dtype=dtype) for name, tensor in given.items()}
 
 
+CAMERA_CONDITIONS = "camera_conditions"  # the Fun Camera transformer's forward argument (networks/wan_camera.py)
+
+
+def camera_inputs(model, camera: torch.Tensor | None, rows: range, batch: int, dtype, device) -> dict:
+    """The Fun Camera embedding of the given rows (one row given stays one: the adapter's output broadcasts); none
+    without one. A model without a camera adapter refuses it."""
+    if camera is None:
+        return {}
+    if not getattr(getattr(model, "config", None), "camera_in_channels", None):
+        raise ValueError("the conditioning carries camera_conditions (WanCameraImageToVideo) but this model has no "
+                         "camera adapter; load a Wan 2.1 Fun Camera model, or sample without the camera embedding")
+    camera = camera if camera.shape[0] == 1 else camera[rows.start : rows.stop]
+    return {CAMERA_CONDITIONS: camera.to(device=device, dtype=dtype)}
+
+
 def _batch_rows(tensor: torch.Tensor, rows: range, batch: int) -> torch.Tensor:
     """The given rows of a tensor that holds one row for every batch row, or one for all of them."""
     if tensor.shape[0] == 1 and batch != 1:
@@ -140,6 +155,7 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
         extra[REFERENCE_KEYWORD] = request.reference_latent[rows.start : rows.stop].to(device=device, dtype=dtype)
     extra.update(animate_inputs(model, request.pose_latents, request.face_pixels, rows, request.latent.shape[0],
                                 dtype, device))
+    extra.update(camera_inputs(model, request.camera_conditions, rows, request.latent.shape[0], dtype, device))
     with skipping_blocks(model, request.skip_blocks):
         return flow_prediction(model, latents, timestep, context, extra).float().cpu()
 

@@ -28,8 +28,8 @@ from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import PASS_INPUTS, TIME_CONCAT, guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import (check_latent_for_model, image_concat_input, image_inputs, latent_channels, vace_call_inputs,
-                      vace_layers_of)
+from .forward import (camera_inputs, check_latent_for_model, image_concat_input, image_inputs, latent_channels,
+                      vace_call_inputs, vace_layers_of)
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
@@ -282,15 +282,16 @@ def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
 
 
 def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
-    """The model inputs beside latents, timestep and text: VACE contexts and image-to-video inputs, and the inputs
-    each guidance pass has of its own (``guidance.PASS_INPUTS``): frames concatenated in time and the negative
-    pass's own image channels."""
+    """The model inputs beside latents, timestep and text: VACE contexts, image-to-video inputs, the Fun Camera
+    embedding, and the inputs each guidance pass has of its own (``guidance.PASS_INPUTS``): frames concatenated in
+    time and the negative pass's own image channels."""
     shape = tuple(request.latent.shape)
     mean, std = model_latent_stats(model)
     concat = image_channels(model, request.image_latents, request.image_mask, request.image_mask_index, shape)
     inputs = {**vace_model_inputs(model, request, rows, dtype, device),
               **image_inputs(model, concat, request.clip_fea, rows, shape, dtype, device),
-              **reference_input(request.reference_latent, mean, std, rows, shape[0], dtype, device)}
+              **reference_input(request.reference_latent, mean, std, rows, shape[0], dtype, device),
+              **camera_inputs(model, request.camera_conditions, rows, shape[0], dtype, device)}
     passes = time_concat_inputs(request, rows, dtype, device)
     if request.image_latents_negative is not None:
         negative = image_channels(model, request.image_latents_negative, request.image_mask_negative,
@@ -311,6 +312,7 @@ def image_channels(model, image_latents: torch.Tensor | None, image_mask: torch.
     mean, std = model_latent_stats(model)
     # ComfyUI's WAN21 of an image-token model and its WAN22 (48-channel latents) are image-to-video models
     image_to_video = bool(getattr(config, "image_dim", None)) or latent_channels(model) != LATENT_CHANNELS
+    image_to_video = image_to_video and not getattr(config, "camera_in_channels", None)  # WAN21_Camera's
     return image_concat(image_latents, image_mask, shape, mean, std, extra_channels=extra_channels,
                         image_to_video=image_to_video, mask_index=mask_index)
 

@@ -35,6 +35,7 @@ TINY_FILES = {
     # Wan 2.2 Fun 5B Control-like: 48-channel latents, 148 channels in (control, mask, start), a 48-channel ref_conv
     "fun22_5b_control": "diffusion_models/wan22_tiny_fun_5b_control.safetensors",
     "animate": "diffusion_models/wan22_tiny_animate.safetensors",  # Wan 2.2 Animate-like (the I2V layout + face/pose)
+    "fun_camera": "diffusion_models/wan_tiny_fun_camera.safetensors",  # Wan 2.1 Fun Camera-like: camera adapter
 }
 
 # `wanmesh make-tiny DIR --preset medium`: a ~150M-parameter T2V transformer in the formats users have, with the

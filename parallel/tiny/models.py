@@ -35,6 +35,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 from transformers.utils import logging as transformers_logging
 
+from ..networks.wan_camera import WanCameraTransformer3DModel
 from ..weights.checkpoint import rename_map
 from ..weights.loaders import convert_wan_transformer_keys
 from ..weights.detect import REF_CONV_CHANNELS
@@ -71,6 +72,8 @@ NATIVE_FUN_CONTROL = dict(NATIVE_I2V, in_channels=48)
 # Wan 2.2 Animate, native-loadable: the I2V layout with five blocks (one face adapter block, after block 0) and the
 # Animate modules, whose encoder sizes are fixed by the released model (``networks/wan_animate.py``)
 NATIVE_ANIMATE = dict(NATIVE_I2V, num_layers=5)
+# Wan 2.1 Fun Camera: the noise and the start image's latents (32 channels in), image tokens, the camera adapter
+NATIVE_FUN_CAMERA = dict(NATIVE_I2V, in_channels=32, camera_in_channels=24)
 # Wan 2.2 TI2V 5B, native-loadable: the 48-channel Wan 2.2 latent in and out (text- and image-to-video)
 NATIVE_TI2V = dict(NATIVE_TRANSFORMER, in_channels=48, out_channels=48)
 # Wan 2.2 Fun Control A14B: 52 channels in (control latents, 4 mask channels, start latents), no image tokens, and
@@ -223,6 +226,9 @@ def original_transformer_names(config: dict) -> list[str]:
         names += _pairs("vace_patch_embedding")
     if REF_CONV_CHANNELS in config:
         names += _pairs("ref_conv")
+    if config.get("camera_in_channels"):
+        names += _pairs("control_adapter.conv", "control_adapter.residual_blocks.0.conv1",
+                        "control_adapter.residual_blocks.0.conv2")
     return names
 
 
@@ -428,6 +434,7 @@ IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
     "fun22_control": (NATIVE_FUN22_CONTROL, 30),
     "fun22_5b_control": (NATIVE_FUN22_5B_CONTROL, 31),
     "animate": (NATIVE_ANIMATE, 35),
+    "fun_camera": (NATIVE_FUN_CAMERA, 25),
 }
 ANIMATE_MODELS = ("animate",)  # built as Wan 2.2 Animate (``animate_state``)
 
@@ -436,7 +443,7 @@ def tiny_transformer(config: dict) -> WanTransformer3DModel:
     """diffusers' Wan transformer of a tiny config, with the reference ``ref_conv`` its config may name."""
     config = dict(config)
     ref_channels = config.pop(REF_CONV_CHANNELS, None)
-    model = WanTransformer3DModel(**config)
+    model = (WanCameraTransformer3DModel if "camera_in_channels" in config else WanTransformer3DModel)(**config)
     return model if ref_channels is None else add_reference_conv(model, ref_channels)
 
 

@@ -52,7 +52,6 @@ UNSUPPORTED_FAMILIES = {
     "wan_infinitetalk": ("InfiniteTalk / MultiTalk", ".audio_cross_attn."),
     "wan_dancer": ("WanDancer", "patch_embedding_global."),
     "wan_scail": ("SCAIL", "patch_embedding_pose."),
-    "wan_camera": ("Wan Fun Camera", "control_adapter."),
 }
 KIND_DESCRIPTIONS.update({kind: f"a {family} transformer (keys {key.strip('.')}.*)"
                           for kind, (family, key) in UNSUPPORTED_FAMILIES.items()})
@@ -73,7 +72,7 @@ def unsupported_family_error(location, kind: str) -> str:
     family, telltale = UNSUPPORTED_FAMILIES[kind]
     return (f"{location} is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not "
             "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B, VACE, Wan 2.1 Fun InP and Fun Control "
-            "transformers, Wan 2.2 Fun Control / InP A14B, Wan 2.2 Animate")
+            "transformers, Wan 2.2 Fun Control / InP A14B, Wan 2.2 Animate, Wan 2.1 Fun Camera")
 
 
 def detect_kind(keys: Iterable[str]) -> str:
@@ -180,7 +179,7 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
     """
     shapes = {key.removeprefix(COMFY_TRANSFORMER_PREFIX): tuple(shape) for key, shape in shapes.items()}
     dim, in_channels, *patch_size = _require(shapes, "patch_embedding.weight", "patch size")
-    check_latent_channels(in_channels)
+    check_latent_channels(in_channels, camera=CAMERA_ADAPTER_KEY in shapes)
     num_layers = _block_count(shapes, "blocks.")
     if num_layers == 0:
         raise ModelFileError("Cannot infer the layer count: no 'blocks.N.*' tensors found.")
@@ -206,6 +205,7 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
         config[REF_CONV_CHANNELS] = shapes["ref_conv.weight"][1]
     if any(key.startswith(ANIMATE_TELLTALE) for key in shapes):
         config["_class_name"] = ANIMATE_CLASS
+    config.update(_camera_config(shapes))
     vace_count = _block_count(shapes, "vace_blocks.")
     if vace_count:
         config["vace_layers"] = [i * num_layers // vace_count for i in range(vace_count)]
@@ -225,6 +225,17 @@ def _image_embedding_config(shapes: Shapes) -> dict:
     return config
 
 
+CAMERA_ADAPTER_KEY = "control_adapter.conv.weight"  # Wan Fun Camera, as ComfyUI's model detection tells it
+CAMERA_PIXEL_FOLD = 8 * 8  # the camera adapter pixel-unshuffles 8x8 pixels into its convolution's input channels
+
+
+def _camera_config(shapes: Shapes) -> dict:
+    """A Fun Camera model's camera embedding channels (its adapter's input width over the 8x8 pixel fold)."""
+    if CAMERA_ADAPTER_KEY not in shapes:
+        return {}
+    return {"camera_in_channels": shapes[CAMERA_ADAPTER_KEY][1] // CAMERA_PIXEL_FOLD}
+
+
 WAN21_LATENT_CHANNELS = LATENT_CHANNELS
 WAN22_TI2V_LATENT_CHANNELS = WAN22_LATENT_CHANNELS
 I2V_IN_CHANNELS = WAN21_LATENT_CHANNELS + IMAGE_CONCAT_CHANNELS
@@ -239,21 +250,30 @@ TRANSFORMER_IN_CHANNELS = (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS, WAN22_TI2V_LA
                            FUN22_CONTROL_IN_CHANNELS, *FUN22_5B_IN_CHANNELS)
 # The config entry (not a diffusers one) of a model with a reference-image convolution: its input channels.
 REF_CONV_CHANNELS = "ref_conv_in_channels"
+# Wan 2.1 Fun Camera: the noise and the start image's latents (no mask), beside its camera adapter
+FUN_CAMERA_IN_CHANNELS = 2 * WAN21_LATENT_CHANNELS
 
 
-def check_latent_channels(in_channels: int) -> None:
+def check_latent_channels(in_channels: int, camera: bool = False) -> None:
     """Transformers on the 16-channel Wan 2.1 latent load: text-to-video and VACE (16 input channels),
     image-to-video (36: Wan 2.1 I2V / FLF2V / Fun InP, both Wan 2.2 I2V A14B experts, Wan 2.2 Fun InP A14B), Wan 2.1
     Fun Control (48: control and start-image latents) and Wan 2.2 Fun Control A14B (52: control latents, mask,
     start-image latents); so do Wan 2.2 TI2V 5B on the 48-channel Wan 2.2 latent (text- and
     image-to-video: the start image is in the latent) and Wan 2.2 Fun 5B (100 or 148: its conditioning latents and
-    mask concatenated)."""
+    mask concatenated); Wan 2.1 Fun Camera (32: the start image's latents) when the file has its camera adapter."""
+    if camera:
+        if in_channels != FUN_CAMERA_IN_CHANNELS:
+            raise ModelFileError(f"This Fun Camera transformer takes {in_channels} input channels (Wan 2.2 Fun Camera), "
+                                 f"which is not supported yet; supported: Wan 2.1 Fun Camera ({FUN_CAMERA_IN_CHANNELS} "
+                                 "input channels)")
+        return
     if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(
             f"This transformer takes {in_channels} input channels (a camera or other conditioned model), which is "
             f"not supported; supported: {WAN21_LATENT_CHANNELS} (T2V, VACE), {I2V_IN_CHANNELS} (image-to-video, "
             f"Fun InP), {FUN_CONTROL_IN_CHANNELS} (Fun Control, Wan 2.2 TI2V 5B), {FUN22_CONTROL_IN_CHANNELS} (Wan 2.2 "
-            f"Fun A14B), {' or '.join(map(str, FUN22_5B_IN_CHANNELS))} (Wan 2.2 Fun 5B).")
+            f"Fun A14B), {' or '.join(map(str, FUN22_5B_IN_CHANNELS))} (Wan 2.2 Fun 5B), {FUN_CAMERA_IN_CHANNELS} with a "
+            "camera adapter (Wan 2.1 Fun Camera).")
 
 
 def image_inputs(config: Mapping) -> str | None:
@@ -261,7 +281,8 @@ def image_inputs(config: Mapping) -> str | None:
     and start image's latents, CLIP vision tokens when it has an image embedding; Wan 2.2 Fun Control A14B: the same
     with a mask between them, and a reference image when it has a ``ref_conv``), "first_last" (Wan 2.1 FLF2V: two
     images' tokens), "clip_vision" (Wan 2.1 I2V and Fun InP: latents of the start image and CLIP vision tokens),
-    "latents" (Wan 2.2 I2V A14B: image latents only), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or
+    "latents" (Wan 2.2 I2V A14B: image latents only), "camera" (Wan 2.1 Fun Camera: start image latents, CLIP vision
+    tokens and the camera embedding), "first_frame" (Wan 2.2 TI2V 5B: text-to-video, or
     image-to-video with the start image's latents kept in the latent by a noise mask; Wan 2.2 Fun 5B: Wan22FunControlToVideo's
     concatenated latents), "animate" (Wan 2.2 Animate: the I2V inputs plus pose latents and a face video), or None
     (text-to-video and VACE)."""
@@ -271,6 +292,8 @@ def image_inputs(config: Mapping) -> str | None:
     out_channels = config.get("out_channels", WAN21_LATENT_CHANNELS)
     if out_channels == WAN22_TI2V_LATENT_CHANNELS:
         return "first_frame"
+    if config.get("camera_in_channels"):
+        return "camera"
     if in_channels in (FUN_CONTROL_IN_CHANNELS, FUN22_CONTROL_IN_CHANNELS):
         return "fun_control"
     if config.get("pos_embed_seq_len"):

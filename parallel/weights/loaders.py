@@ -39,6 +39,7 @@ from .vae22_keys import WAN22_LATENT_CHANNELS, check_wan22_folder_config, conver
 from ..networks.reference import add_reference_conv
 from ..networks.wan_animate import ANIMATE_PREFIXES, WanAnimateTransformer, released_animate_name
 from ..networks.wan_inputs import with_native_inputs
+from ..networks.wan_camera import WanCameraTransformer3DModel
 from ..networks.wan_vace import WanVaceMultiContext
 from .detect import (
     ANIMATE_CLASS,
@@ -55,9 +56,10 @@ from .detect import (
 
 __all__ = ["build_transformer", "load_transformer", "load_vae", "transformer_weight_source"]
 
-# diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support.
+# diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support, a Fun
+# Camera file (a ``camera_in_channels`` config) the camera adapter.
 TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext,
-                       ANIMATE_CLASS: WanAnimateTransformer}
+                       "WanCameraTransformer3DModel": WanCameraTransformer3DModel, ANIMATE_CLASS: WanAnimateTransformer}
 DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model"
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 
@@ -161,7 +163,8 @@ def transformer_weight_source(
         source = source.merged_with(module_source)
         config = _add_vace_config(config, shapes, module_shapes)
     class_name = config.get("_class_name") or (
-        "WanVACETransformer3DModel" if "vace_layers" in config else "WanTransformer3DModel")
+        "WanVACETransformer3DModel" if "vace_layers" in config
+        else "WanCameraTransformer3DModel" if "camera_in_channels" in config else "WanTransformer3DModel")
     return TRANSFORMER_CLASSES[class_name], config, source
 
 

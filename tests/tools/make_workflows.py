@@ -666,6 +666,30 @@ def ati_native(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+def fun_camera_native(info: dict[str, Any]) -> WorkflowBuilder:
+    """Wan 2.1 Fun Camera: native WanCameraEmbedding (a camera pose) and WanCameraImageToVideo (a start image and its
+    CLIP vision) into KSampler on the WanMesh MODEL, Ulysses on two CPU ranks."""
+    w = WorkflowBuilder(info, upload_in_prompt=False)
+    pool_id = pool(w, ulysses=2)
+    positive, negative, model = text_and_model(w, pool_id, I2V_PROMPT, "wan_tiny_fun_camera.safetensors",
+                                               text_encoder="umt5_native.safetensors")
+    vae = w.node("VAELoader", [COLUMNS[1], 400], {"vae_name": "wan_tiny_vae.safetensors"})
+    start = load_image(w, "ref_circle.png", 860)
+    size = {key: I2V_SIZE[key] for key in ("width", "height", "length")}
+    camera = w.node("WanCameraEmbedding", [COLUMNS[2], 1200], {"camera_pose": "Pan Left", **size}, size=[320, 260])
+    conditioning = w.node("WanCameraImageToVideo", [COLUMNS[3], 460], dict(I2V_SIZE),
+                          {"positive": (positive, 0), "negative": (negative, 0), "vae": (vae, 0),
+                           "start_image": (start, 0), "clip_vision_output": (clip_vision_of(w, [start])[0], 0),
+                           "camera_conditions": (camera, 0)}, size=[320, 260])
+    sampled = w.node("KSampler", [COLUMNS[4], 40],
+                     {"seed": 42, "steps": 4, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple",
+                      "denoise": 1.0},
+                     {"model": (native_model(w, model, 620), 0), "positive": (conditioning, 0),
+                      "negative": (conditioning, 1), "latent_image": (conditioning, 2)})
+    native_tail(w, sampled, vae, "fun_camera_native")
+    return w
+
+
 # (sub-folder of workflows/, name, which /object_info, builder)
 EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]] = [
     ("", "t2v", "2024", t2v),
@@ -698,6 +722,7 @@ EXAMPLES: list[tuple[str, str, str, Callable[[dict[str, Any]], WorkflowBuilder]]
     ("native", "animate_native", "recent", animate_native),
     ("native", "phantom_native", "recent", phantom_native),
     ("native", "ati_native", "recent", ati_native),
+    ("native", "fun_camera_native", "recent", fun_camera_native),
 ]
 
 

@@ -39,6 +39,8 @@ def default_of(spec: list[Any]) -> Any:
     options = spec[1] if len(spec) > 1 else {}
     if "default" in options:
         return options["default"]
+    if spec[0] == "COMBO":
+        return options["options"][0]
     return spec[0][0] if isinstance(spec[0], list) else EMPTY_WIDGET_VALUES[spec[0]]
 
 

@@ -22,7 +22,7 @@ MAX_SEED = 2**31 - 1
 # The browser adds a "control after generate" widget after seed widgets; API format has no such input.
 SEED_INPUT_NAMES = ("seed", "noise_seed")
 CONTROL_AFTER_GENERATE_VALUES = ("fixed", "increment", "decrement", "randomize")
-WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN")
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")  # COMBO: a choice in the newer node schema
 UPLOAD_WIDGET_NAME = "upload"  # the 2024 frontend's image upload button (see widget_names_from_object_info)
 
 

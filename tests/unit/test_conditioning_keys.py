@@ -18,7 +18,7 @@ MODEL_BASE = Path(__file__).resolve().parents[2] / "build" / "comfyui-recent" / 
 # the keys WanMesh reads (convert.read_conditioning), and those ComfyUI's Wan code reads from elsewhere than a
 # conditioning node's dict (the LATENT's noise and masks, the text itself)
 READ_BY_WANMESH = {"concat_latent_image", "concat_mask", "clip_vision_output", "time_dim_concat", "vace_frames",
-                   "vace_mask", "vace_strength", "concat_mask_index", "reference_latents",
+                   "vace_mask", "vace_strength", "concat_mask_index", "reference_latents", "camera_conditions",
                    *ANIMATE_KEYS}  # Animate's: the MODEL takes them, the Sampler refuses them (convert.py)
 NOT_FROM_CONDITIONING_NODES = {"noise", "denoise_mask", "latent_image", "cross_attn", "cross_attn_controlnet",
                                "noise_concat"}
@@ -58,8 +58,8 @@ def test_sampler_keys_pass_on_the_comfyui_path_and_no_effect_values_pass() -> No
     check_conditioning_keys([[torch.zeros(1, 4, 8), {"start_percent": 0.3}]], "positive", model_inputs_only=True)
     check_conditioning_keys([[torch.zeros(1, 4, 8), {"start_percent": 0.0, "end_percent": 1.0, "strength": 1.0}]],
                             "positive")
-    with pytest.raises(ValueError, match="camera_conditions"):
-        check_conditioning_keys([[torch.zeros(1, 4, 8), {"camera_conditions": torch.zeros(1)}]], "negative",
+    with pytest.raises(ValueError, match="audio_embed"):
+        check_conditioning_keys([[torch.zeros(1, 4, 8), {"audio_embed": torch.zeros(1)}]], "negative",
                                 model_inputs_only=True)
 
 

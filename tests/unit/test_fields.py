@@ -41,6 +41,7 @@ FLAG_ONLY = {"--models", "--model", "--vae", "--text-encoder", "--vace-module", 
              "--negative", "--device", "--out", "--save-latents", "--save-frames", "--lora", "--vace-video",
              "--vace-mask", "--vace-ref", "--outpaint", "--extend-keep", "--save-vace", "--no-kv-cache",
              "--chunk-dir", "--image", "--last-image", "--clip-vision", "--control-video", "--quiet", "-q", "--help", "-h"}
+FLAG_ONLY |= {"--camera-motion", "--camera-speed"}  # Fun Camera's preset motions (native WanCameraEmbedding's)
 
 
 @pytest.fixture(scope="module")
