@@ -269,7 +269,7 @@ def check_latent_channels(in_channels: int, camera: bool = False) -> None:
         return
     if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(
-            f"This transformer takes {in_channels} input channels (a camera or other conditioned model), which is "
+            f"This transformer takes {in_channels} input channels, which is "
             f"not supported; supported: {WAN21_LATENT_CHANNELS} (T2V, VACE), {I2V_IN_CHANNELS} (image-to-video, "
             f"Fun InP), {FUN_CONTROL_IN_CHANNELS} (Fun Control, Wan 2.2 TI2V 5B), {FUN22_CONTROL_IN_CHANNELS} (Wan 2.2 "
             f"Fun A14B), {' or '.join(map(str, FUN22_5B_IN_CHANNELS))} (Wan 2.2 Fun 5B), {FUN_CAMERA_IN_CHANNELS} with a "

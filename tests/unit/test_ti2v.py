@@ -54,7 +54,7 @@ def test_the_ti2v_5b_config_is_inferred_and_takes_first_frame_inputs():
 
 def test_latent_channel_checks():
     check_latent_channels(48)
-    with pytest.raises(ModelFileError, match="takes 32 input channels.*Wan 2.2 TI2V 5B .48."):
+    with pytest.raises(ModelFileError, match=r"takes 32 input channels.*48 \(Fun Control, Wan 2.2 TI2V 5B\)"):
         check_latent_channels(32)
     check_latent(torch.zeros(SHAPE))
     check_model_input(torch.zeros(SHAPE))
