@@ -29,7 +29,8 @@ from comfyui_server import ComfyUIServer
 from model_kinds import FP8, Q8, relative_error
 from safetensors.torch import load_file, save_file
 from test_comfyui_server import assert_video, run_successfully, saved_video
-from test_native_sampling import CFG, NATIVE_SHIFT, SEED, STEPS, TOLERANCE, largest_difference, pool_inputs, save_latent, saved
+from test_native_sampling import (CFG, NATIVE_SHIFT, SEED, STEPS, TOLERANCE, largest_difference, pool_and_prompts,
+                                   pool_inputs, save_latent, saved)
 from workflow_graph import load_workflow, node_of_type
 
 from wanmesh.parallel.tiny.files import TINY_FILES
@@ -93,11 +94,7 @@ def fun22_prompt(layout: dict[str, Any], native: bool, kinds: dict[str, str] | N
     """Node ``{cond}_{side}`` saves the latent of one side of one conditioning (``native`` only when asked);
     ``kind_{name}`` the WanMesh Sampler's latent on a file kind, with the reference."""
     prompt: dict[str, Any] = {
-        "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
-        "te": {"class_type": "WanMeshTextEncoderLoader",
-               "inputs": {"text_encoder_name": "umt5_native.safetensors", "dtype": "fp32", "pool": ["pool", 0]}},
-        "pos": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "a fox runs"}},
-        "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}},
+        **pool_and_prompts(layout),
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}},
         "start": {"class_type": "LoadImage", "inputs": {"image": "ref_circle.png"}},
         "end": {"class_type": "LoadImage", "inputs": {"image": "ref_texture.png"}},

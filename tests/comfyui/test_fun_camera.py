@@ -18,7 +18,7 @@ from comfyui_server import ComfyUIServer
 from comfyui_server import RejectedPrompt
 from test_comfyui_server import PROMPT_TIMEOUT_S, assert_video, run_successfully, saved_video
 from test_image_to_video import CLIP_START, START, ksampler, wanmesh_sampler
-from test_native_sampling import TOLERANCE, largest_difference, pool_inputs, save_latent, saved
+from test_native_sampling import TOLERANCE, largest_difference, pool_and_prompts, pool_inputs, save_latent, saved
 from workflow_graph import load_workflow, node_of_type
 
 WIDTH, HEIGHT, LENGTH = 48, 32, 9
@@ -53,11 +53,7 @@ def camera_conditioning(kind: str, length: int = LENGTH) -> dict[str, dict[str, 
 def camera_prompt(layout: dict[str, Any], kinds: tuple[str, ...], native: bool = True) -> dict[str, Any]:
     """Node ``{kind}_{side}`` saves the latent each side samples for each kind."""
     prompt: dict[str, Any] = {
-        "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
-        "te": {"class_type": "WanMeshTextEncoderLoader",
-               "inputs": {"text_encoder_name": "umt5_native.safetensors", "dtype": "fp32", "pool": ["pool", 0]}},
-        "pos": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "a fox runs"}},
-        "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}},
+        **pool_and_prompts(layout),
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}},
         "start": {"class_type": "LoadImage", "inputs": {"image": "ref_circle.png"}},
         "clip": {"class_type": "WanMeshCLIPVisionLoader", "inputs": {"clip_name": "clip_vision_tiny.safetensors"}},

@@ -26,7 +26,8 @@ import pytest
 import torch
 from comfyui_server import ComfyUIServer, RejectedPrompt
 from test_comfyui_server import run_successfully
-from test_native_sampling import CFG, NATIVE_SHIFT, SEED, STEPS, TOLERANCE, largest_difference, pool_inputs, save_latent, saved
+from test_native_sampling import (CFG, NATIVE_SHIFT, SEED, STEPS, TOLERANCE, largest_difference, pool_and_prompts,
+                                   pool_inputs, save_latent, saved)
 from workflow_graph import load_workflow, node_of_type
 
 from wanmesh.parallel import read_video
@@ -98,11 +99,7 @@ def wanmesh_sampler(model: str, conditioning: str) -> dict[str, Any]:
 def i2v_prompt(layout: dict[str, Any], kinds: tuple[str, ...] = tuple(KINDS)) -> dict[str, Any]:
     """Every kind's four samplings; node ``{kind}_{side}`` saves the latent of that side."""
     prompt: dict[str, Any] = {
-        "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
-        "te": {"class_type": "WanMeshTextEncoderLoader",
-               "inputs": {"text_encoder_name": "umt5_native.safetensors", "dtype": "fp32", "pool": ["pool", 0]}},
-        "pos": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "a fox runs"}},
-        "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}},
+        **pool_and_prompts(layout),
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}},
         "wvae": {"class_type": "WanMeshVAELoader",
                  "inputs": {"vae_name": "wan_tiny_vae.safetensors", "dtype": "fp32", "pool": ["pool", 0]}},

@@ -46,6 +46,16 @@ def pool_inputs(layout: dict[str, Any]) -> dict[str, Any]:
     return {**base, **layout}
 
 
+def pool_and_prompts(layout: dict[str, Any]) -> dict[str, Any]:
+    """The prompt nodes the image-to-video tests start from: a Pool of ``layout``, the native umT5 twin on it, and
+    the positive ("a fox runs") and negative ("blurry") prompts as nodes ``pos`` and ``neg``."""
+    text_encoder = {"text_encoder_name": "umt5_native.safetensors", "dtype": "fp32", "pool": ["pool", 0]}
+    return {"pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
+            "te": {"class_type": "WanMeshTextEncoderLoader", "inputs": text_encoder},
+            "pos": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "a fox runs"}},
+            "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}}}
+
+
 def ksampler(model: list, positive: list, negative: list, latent: list, sampler: str, scheduler: str,
              seed: int) -> dict[str, Any]:
     return {"class_type": "KSampler", "inputs": {

@@ -29,7 +29,8 @@ import torch
 from comfyui_server import ComfyUIServer
 from safetensors.torch import load_file, save_file
 from test_comfyui_server import run_successfully
-from test_native_sampling import CFG, NATIVE_SHIFT, SEED, TOLERANCE, largest_difference, pool_inputs, save_latent, saved
+from test_native_sampling import (CFG, NATIVE_SHIFT, SEED, TOLERANCE, largest_difference, pool_and_prompts, pool_inputs,
+                                   save_latent, saved)
 
 MODEL_FILE = "wan22_tiny_ti2v.safetensors"
 WAN21_VAE_FILE = "wan_tiny_vae.safetensors"  # Wan22ImageToVideoLatent without a start image never calls its VAE
@@ -85,11 +86,7 @@ def _mask_nodes(prompt: dict[str, Any]) -> list:
 
 def ti2v_prompt(layout: dict[str, Any], wanmesh_node: bool) -> dict[str, Any]:
     prompt: dict[str, Any] = {
-        "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
-        "te": {"class_type": "WanMeshTextEncoderLoader",
-               "inputs": {"text_encoder_name": "umt5_native.safetensors", "dtype": "fp32", "pool": ["pool", 0]}},
-        "pos": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "a fox runs"}},
-        "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}},
+        **pool_and_prompts(layout),
         "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL_FILE, "weight_dtype": "default"}},
         "wm": {"class_type": "WanMeshModelLoader",
                "inputs": {"model_name": MODEL_FILE, "dtype": "fp32", "pool": ["pool", 0]}},

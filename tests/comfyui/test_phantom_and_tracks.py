@@ -20,7 +20,7 @@ import pytest
 from comfyui_server import ComfyUIServer, PromptResult
 from test_comfyui_server import assert_video, run_successfully, saved_video
 from test_image_to_video import ksampler, wanmesh_sampler
-from test_native_sampling import TOLERANCE, largest_difference, pool_inputs, save_latent, saved
+from test_native_sampling import TOLERANCE, largest_difference, pool_and_prompts, pool_inputs, save_latent, saved
 from workflow_graph import load_workflow, node_of_type
 
 WIDTH, HEIGHT, LENGTH = 48, 32, 9  # 3 latent frames; Phantom adds one per subject image
@@ -68,11 +68,7 @@ def family_prompt(layout: dict[str, Any], native: bool,
     """Both families' samplings on one pool; node ``{family}_{side}`` saves the latent of that side (the native
     side only when ``native``: the parallel layouts are compared with one rank)."""
     prompt: dict[str, Any] = {
-        "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
-        "te": {"class_type": "WanMeshTextEncoderLoader",
-               "inputs": {"text_encoder_name": "umt5_native.safetensors", "dtype": "fp32", "pool": ["pool", 0]}},
-        "pos": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "a fox runs"}},
-        "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}},
+        **pool_and_prompts(layout),
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}},
         "start": {"class_type": "LoadImage", "inputs": {"image": "ref_circle.png"}},
         "other": {"class_type": "LoadImage", "inputs": {"image": "ref_texture.png"}},
