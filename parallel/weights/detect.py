@@ -71,8 +71,8 @@ def unsupported_family_error(location, kind: str) -> str:
     """The one-line refusal of a file of an unsupported Wan family."""
     family, telltale = UNSUPPORTED_FAMILIES[kind]
     return (f"{location} is a {family} model (keys {telltale.strip('.')}.*), a Wan variant WanMesh does not "
-            "support yet; supported: Wan T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B, VACE, Wan 2.1 Fun InP and Fun Control "
-            "transformers, Wan 2.2 Fun Control / InP A14B, Wan 2.2 Animate, Wan 2.1 Fun Camera")
+            "support yet; supported: T2V, I2V, FLF2V, TI2V 5B, Wan 2.2 A14B, VACE, Phantom, ATI, Fun InP / Control / "
+            "Camera, Wan 2.2 Fun, Animate")
 
 
 def detect_kind(keys: Iterable[str]) -> str:
