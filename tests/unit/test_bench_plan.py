@@ -21,8 +21,8 @@ def test_bench_plan_measures_every_layout_and_names_the_choice(tiny_models, tmp_
     monkeypatch.setenv("WANMESH_CACHE", calibration_cache)
     models = tiny_models["t2v"].parent.parent
     assert main(["bench", "plan", "--models", str(models), "--world", "2", "--devices", "cpu", "--width", "64",
-                 "--height", "48", "--frames", "5", "--steps", "1", "--repeats", "1", "--json",
-                 str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png")]) == 0
+                 "--height", "48", "--frames", "5", "--steps", "1", "--repeats", "1", "--pools", "together",
+                 "--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png")]) == 0
     result = json.loads((tmp_path / "plan.json").read_text())
     names = [row["layout"] for row in result["layouts"]]
     assert sorted(names) == sorted(["one rank per job (data parallel)", "tp 2", "ulysses 2", "ring 2",
