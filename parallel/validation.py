@@ -51,6 +51,8 @@ log = logging.getLogger("wanmesh")
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
 
 TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "wan_i2v", "diffusers_transformer", "wan_animate")
+# the transformer kinds in a refusal line (each kind's own description is in the log line)
+TRANSFORMERS_IN_SHORT = "a Wan transformer (T2V, full VACE, I2V or Animate; original or diffusers key layout)"
 VAE_KINDS = ("wan_vae", "diffusers_vae")
 TEXT_ENCODER_KINDS = ("umt5",)
 VACE_MODULE_KINDS = ("vace_module", "wan_vace")
@@ -138,7 +140,8 @@ def kind_refusal(flag: str, location: Path, kind: str, expected: tuple[str, ...]
     """One line for a file of the wrong kind (the key lists of every kind go to the log, not into the line)."""
     log.info("%s %s: its keys look like %s; expected %s", flag, location, KIND_DESCRIPTIONS[kind],
              " or ".join(KIND_DESCRIPTIONS[k] for k in expected))
-    wanted = " or ".join(dict.fromkeys(_kind_name(k) for k in expected))
+    wanted = (TRANSFORMERS_IN_SHORT if tuple(expected) == TRANSFORMER_KINDS
+              else " or ".join(dict.fromkeys(_kind_name(k) for k in expected)))
     hint = "; load a Wan T2V model and give this file as its VACE module" if kind == "vace_module" else ""
     return shortest_fitting(f"{flag} {location} looks like {_kind_name(kind)}; expected {wanted}{hint}",
                             f"{flag} {location.name} looks like {_kind_name(kind)}; expected {wanted}{hint}")

@@ -96,7 +96,7 @@ def test_wrong_kinds_and_refused_pickles_are_short(files, tmp_path):
     deep = tmp_path.joinpath(*["a_long_folder_name_for_the_models"] * 8)
     deep.mkdir(parents=True)
     (deep / "sd15_like.safetensors").write_bytes(files["sd15"].read_bytes())
-    for path, parts in ((files["sd15"], ("looks like an unrecognised model; expected a Wan text-to-video",)),
+    for path, parts in ((files["sd15"], ("looks like an unrecognised model; expected a Wan transformer (T2V",)),
                         (deep / "sd15_like.safetensors", ("sd15_like.safetensors looks like an unrecognised",)),
                         (files["vace_module"], ("looks like a VACE module", "give this file as its VACE module"))):
         with pytest.raises(ValueError) as refused:
