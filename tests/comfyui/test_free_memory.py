@@ -20,7 +20,7 @@ import json
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -46,6 +46,7 @@ SWITCH_BUDGET_GB = 1.5 * SWITCH_MODEL_MIB * 2**20 / 1e9
 BUDGET_POOL = dict(memory_budget_gb=SWITCH_BUDGET_GB)
 UNLOAD_ROUNDS = 10
 UNLOADED_WITHIN_MIB = 64  # of a fresh worker's RSS, and of the first unload's
+REPOST_S = 5.0  # see free_until
 UNLOAD_LOG = "unloaded the worker pool's models (its workers stay up"
 EVICTION_LOG = "memory budget"  # the worker's warning when the budget unloads a model (residency.py)
 
@@ -94,11 +95,27 @@ def post_free(server: ComfyUIServer, **flags: bool) -> None:
         pass
 
 
-def wait_for_log(server: ComfyUIServer, text: str, count: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while server.log().count(text) < count:
-        assert time.monotonic() < deadline, f"'{text}' did not appear {count} times in the log:\n{server.log()[-3000:]}"
-        time.sleep(0.25)
+def free_until(server: ComfyUIServer, done: Callable[[], bool], what: str, **flags: bool) -> None:
+    """POST /free with ``flags`` and wait until ``done()``, posting again every REPOST_S seconds.
+
+    ComfyUI's prompt worker reads the flags when it wakes. A /free that arrives while the worker is still busy
+    after a prompt (its garbage collection) wakes no one, and the flags then wait for the worker's next wake-up:
+    up to 1000 s while the queue stays empty. Posting again wakes it; the flags are a set, so a repeat asks for
+    the same thing."""
+    deadline = time.monotonic() + EXIT_DEADLINE_S
+    while True:
+        post_free(server, **flags)
+        posted = time.monotonic()
+        while time.monotonic() - posted < REPOST_S:
+            if done():
+                return
+            assert time.monotonic() < deadline, f"{what} within {EXIT_DEADLINE_S:.0f} s:\n{server.log()[-3000:]}"
+            time.sleep(0.25)
+
+
+def workers_exit(server: ComfyUIServer, **flags: bool) -> None:
+    """POST /free (``free_memory``) and wait until no worker process of the server is left."""
+    free_until(server, lambda: not workers(server), "the workers did not exit after free_memory", **flags)
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +191,9 @@ def test_free_unloads_models_then_stops_workers(comfyui_server: ComfyUIServer) -
     loaded, unloaded = [], []
     for index in range(UNLOAD_ROUNDS):
         loaded.append(rss_by_rank(workers(comfyui_server)))
-        post_free(comfyui_server, unload_models=True)
-        wait_for_log(comfyui_server, UNLOAD_LOG, index + 1, EXIT_DEADLINE_S)
+        unloads = comfyui_server.log().count(UNLOAD_LOG) + 1
+        free_until(comfyui_server, lambda: comfyui_server.log().count(UNLOAD_LOG) >= unloads,
+                   f"'{UNLOAD_LOG}' did not appear after unload_models", unload_models=True)
         assert sorted(p.pid for p in workers(comfyui_server)) == pids, "unload models restarted the workers"
         unloaded.append(rss_by_rank(workers(comfyui_server)))
         run_ok(comfyui_server, quick_prompt())  # cached loader handles: the same workers load the models again
@@ -188,12 +206,8 @@ def test_free_unloads_models_then_stops_workers(comfyui_server: ComfyUIServer) -
     assert above_fresh <= UNLOADED_WITHIN_MIB * MIB, f"{above_fresh / MIB:.0f} MiB above a fresh worker: {report}"
     assert all(rss - first <= UNLOADED_WITHIN_MIB * MIB for round_ in unloaded for rss, first in zip(round_, unloaded[0])), report
 
-    started = time.monotonic()
-    post_free(comfyui_server, free_memory=True)
-    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids):
-        assert time.monotonic() - started < EXIT_DEADLINE_S, "the workers did not exit after free_memory"
-        time.sleep(0.25)
-    assert workers(comfyui_server) == []
+    workers_exit(comfyui_server, free_memory=True)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
     run_ok(comfyui_server, quick_prompt(**BUDGET_POOL))  # a fresh pool
     fresh = sorted(p.pid for p in workers(comfyui_server))
     assert len(fresh) == 2 and not set(fresh) & set(pids)

