@@ -37,6 +37,29 @@ def tiny_models_root(tiny_models) -> Path:
     return tiny_models["t2v"].parents[1]
 
 
+# The files that take longest on a 2-core machine (the "slowest test files" summary of a whole run), longest first.
+# They are queued before the others, so that the two pytest processes of a run (pytest-xdist, one file at a time
+# each) do not end with one of them still working through a long file while the other idles.
+LONGEST_FILES = (
+    "comfyui/test_browser_workflows.py", "comfyui/test_model_kinds.py", "distributed/test_two_hosts.py",
+    "faults/test_shutdown_driver.py", "comfyui/test_native_sampling.py", "comfyui/test_native_model_patches.py",
+    "distributed/test_context_parallel.py", "comfyui/test_image_to_video.py", "faults/test_validation_cli.py",
+    "comfyui/test_phantom_and_tracks.py", "unit/test_cli.py", "distributed/test_pool.py", "unit/test_cli_vace.py",
+    "unit/test_bench_plan.py", "distributed/test_pool_ray.py", "comfyui/test_comfyui_server.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Queue the LONGEST_FILES first, in that order; the other files keep their order after them."""
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+
+    def file_rank(item) -> int:
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return rank.get(path, len(rank))
+
+    items.sort(key=file_rank)  # stable: the tests of a file keep their order
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """The 25 test files that took longest (setup, call and teardown summed): where the run's time goes, which the
     per-step list (``--durations``) spreads over hundreds of lines."""
