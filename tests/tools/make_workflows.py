@@ -135,6 +135,13 @@ def t2v_auto_layout(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
+def low_noise_expert(w: WorkflowBuilder, pool_id: int, model_name: str = "wan_tiny_t2v_low.safetensors") -> int:
+    """Wan 2.2's low-noise expert: a second WanMesh Model Loader on the pool, below the first."""
+    return w.node("WanMeshModelLoader", [COLUMNS[1], 560],
+                  {"model_name": model_name, "dtype": "auto", "vace_module": "none"}, {"pool": (pool_id, 0)},
+                  title="Low-noise expert")
+
+
 def wan22_two_experts(info: dict[str, Any]) -> WorkflowBuilder:
     """Two chained samplers as in native Wan 2.2 workflows: the high-noise expert runs steps 0-1 and keeps the
     leftover noise, the low-noise expert runs steps 2-5 without adding noise."""
@@ -142,9 +149,7 @@ def wan22_two_experts(info: dict[str, Any]) -> WorkflowBuilder:
     pool_id = pool(w, tp=2)
     positive, negative, high = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
     vae = wanmesh_vae(w, pool_id)
-    low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
-                 {"model_name": "wan_tiny_t2v_low.safetensors", "dtype": "auto", "vace_module": "none"},
-                 {"pool": (pool_id, 0)}, title="Low-noise expert")
+    low = low_noise_expert(w, pool_id)
     latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 5,
                                                                "batch_size": 1})
     texts = (positive, 0), (negative, 0)
@@ -192,9 +197,7 @@ def image_to_video_graph(w: WorkflowBuilder, name: str, model: str, end_image: b
     if low_model is None:
         sampled = sampler(w, 3, high, *texts, latent, seed=5, steps=3, sampler_name="euler")
     else:
-        low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
-                     {"model_name": low_model, "dtype": "auto", "vace_module": "none"}, {"pool": (pool_id, 0)},
-                     title="Low-noise expert")
+        low = low_noise_expert(w, pool_id, low_model)
         values = {"seed": 5, "steps": 4, "cfg": 5.0, "shift": 3.0, "sampler_name": "euler", "denoise": 1.0,
                   "boundary": 0.9}
         sampled = w.node("WanMeshSampler", [COLUMNS[3], 40], values,
@@ -472,9 +475,7 @@ def wan22_native_ksampler_advanced(info: dict[str, Any]) -> WorkflowBuilder:
     w = WorkflowBuilder(info, upload_in_prompt=False)
     pool_id = pool(w, tp=2)
     positive, negative, high = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
-    low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
-                 {"model_name": "wan_tiny_t2v_low.safetensors", "dtype": "auto", "vace_module": "none"},
-                 {"pool": (pool_id, 0)}, title="Low-noise expert")
+    low = low_noise_expert(w, pool_id)
     latent, vae = native_latent_and_decode(w)
     common = {"noise_seed": 42, "steps": 6, "cfg": 5.0, "sampler_name": "euler", "scheduler": "simple"}
     texts = {"positive": (positive, 0), "negative": (negative, 0)}
@@ -496,9 +497,7 @@ def wan22_lightx2v(info: dict[str, Any]) -> WorkflowBuilder:
     w = WorkflowBuilder(info, upload_in_prompt=False)
     pool_id = pool(w, ulysses=2)
     positive, negative, high = text_and_model(w, pool_id, T2V_PROMPT, "wan_tiny_t2v.safetensors")
-    low = w.node("WanMeshModelLoader", [COLUMNS[1], 560],
-                 {"model_name": "wan_tiny_t2v_low.safetensors", "dtype": "auto", "vace_module": "none"},
-                 {"pool": (pool_id, 0)}, title="Low-noise expert")
+    low = low_noise_expert(w, pool_id)
     latent, vae = native_latent_and_decode(w)
 
     def expert(model: int, y: int) -> int:
