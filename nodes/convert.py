@@ -27,6 +27,9 @@ class Conditioning:
     reference_latent: torch.Tensor | None = None  # the last of reference_latents (raw), as native WAN21 takes it
     time_latents: torch.Tensor | None = None  # time_dim_concat (WanPhantomSubjectToVideo): raw latents after the frames
     camera_conditions: torch.Tensor | None = None  # WanCameraImageToVideo's camera embedding (Fun Camera)
+    # Wan 2.2 Animate (WanAnimateToVideo): raw pose video latents and the face video in [-1, 1]; each pass its own
+    pose_latents: torch.Tensor | None = None  # pose_video_latent
+    face_pixels: torch.Tensor | None = None  # face_video_pixels (the negative's: all -1)
 
 
 def _tensor_or_none(value) -> torch.Tensor | None:
@@ -51,7 +54,6 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         raise ValueError(f"{name} holds {len(conditioning)} entries (from ConditioningCombine); WanMesh samples one "
                          "entry per conditioning: use ConditioningConcat or a single prompt")
     tensor, options = conditioning[0][0], conditioning[0][1]
-    refuse_animate_conditioning(options, name)
     if not isinstance(tensor, torch.Tensor) or tensor.ndim != 3:
         raise ValueError(f"{name} tensor must be [batch, tokens, width], got {getattr(tensor, 'shape', tensor)}")
     return Conditioning(
@@ -66,19 +68,19 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         reference_latent=_tensor_or_none((options.get("reference_latents") or [None])[-1]),
         time_latents=_tensor_or_none(options.get("time_dim_concat")),
         camera_conditions=_tensor_or_none(options.get("camera_conditions")),
+        pose_latents=_tensor_or_none(options.get("pose_video_latent")),
+        face_pixels=_tensor_or_none(options.get("face_video_pixels")),
     )
 
 
 ANIMATE_KEYS = ("pose_video_latent", "face_video_pixels")  # what WanAnimateToVideo adds to the conditioning
 
 
-def refuse_animate_conditioning(options: dict, name: str) -> None:
-    """Wan 2.2 Animate's pose and face videos run on the WanMesh MODEL (KSampler), not in the WanMesh Sampler."""
-    given = [key for key in ANIMATE_KEYS if options.get(key) is not None]
-    if given:
-        raise ValueError(f"{name} carries Wan 2.2 Animate inputs ({', '.join(given)}, from WanAnimateToVideo), which "
-                         "the WanMesh Sampler does not take; sample it with KSampler on the WanMesh MODEL "
-                         "(WanMesh Native Model)")
+def animate_passes(positive: Conditioning, negative: Conditioning) -> dict:
+    """The SampleRequest fields of each pass's Wan 2.2 Animate inputs, as native hands each pass its own (the
+    negative's face video is all -1, WanAnimateToVideo's)."""
+    return {"pose_latents": positive.pose_latents, "face_pixels": positive.face_pixels,
+            "pose_latents_negative": negative.pose_latents, "face_pixels_negative": negative.face_pixels}
 
 
 def negative_image(positive: Conditioning, negative: Conditioning) -> dict:

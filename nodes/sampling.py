@@ -14,6 +14,7 @@ from ..parallel.cache_settings import describe_report
 from ..parallel.validation import prompt_length_warning
 from .conditioning_keys import check_conditioning_keys
 from .convert import (
+    animate_passes,
     check_same_vace,
     embeddings_to_conditioning,
     latent_noise_mask,
@@ -165,7 +166,7 @@ class WanMeshSampler:
             noise_mask=latent_noise_mask(latent_image), cache=cache,
             image_mask_index=conditional.image_mask_index, reference_latent=conditional.reference_latent,
             time_latents=conditional.time_latents, time_latents_negative=unconditional.time_latents,
-            **negative_image(conditional, unconditional),
+            **negative_image(conditional, unconditional), **animate_passes(conditional, unconditional),
         )
         request.validate()  # before a layout auto rearranges the pool for it
         arrange_for_job(model, model_input_size(request), steps, cfg)

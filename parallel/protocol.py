@@ -192,6 +192,12 @@ class SampleRequest(Request):
     image_latents_negative: torch.Tensor | None = None
     image_mask_negative: torch.Tensor | None = None  # with image_latents_negative: its mask (None: none)
     camera_conditions: torch.Tensor | None = None  # Fun Camera: WanCameraEmbedding's [1 or B, 24, T, 8h, 8w]
+    # Wan 2.2 Animate of each pass (WanAnimateToVideo's pose_video_latent: raw [1 or B, 16, T', h, w]; its
+    # face_video_pixels [1 or B, 3, F, 512, 512] in [-1, 1], the negative's all -1); None: that pass has none
+    pose_latents: torch.Tensor | None = None
+    face_pixels: torch.Tensor | None = None
+    pose_latents_negative: torch.Tensor | None = None
+    face_pixels_negative: torch.Tensor | None = None
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""
@@ -213,6 +219,8 @@ class SampleRequest(Request):
         check_reference_latent(self.reference_latent, self.latent.shape[0], raw=True)
         check_time_latents(self.time_latents, tuple(self.latent.shape), "positive", self.noise_mask)
         check_time_latents(self.time_latents_negative, tuple(self.latent.shape), "negative", self.noise_mask)
+        check_animate_inputs(self.pose_latents, self.face_pixels, tuple(self.latent.shape))
+        check_animate_inputs(self.pose_latents_negative, self.face_pixels_negative, tuple(self.latent.shape))
         check_model_loras(self.model_loras)
         check_experts(boundary=self.boundary, guidance_scale_low=self.guidance_scale_low)
         check_step_range(self.start_step, self.end_step, self.steps)

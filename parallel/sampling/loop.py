@@ -28,8 +28,8 @@ from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import PASS_INPUTS, TIME_CONCAT, guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import (camera_inputs, check_latent_for_model, image_concat_input, image_inputs, latent_channels,
-                      vace_call_inputs, vace_layers_of)
+from .forward import (animate_inputs, camera_inputs, check_latent_for_model, image_concat_input, image_inputs,
+                      latent_channels, vace_call_inputs, vace_layers_of)
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
 from .solvers import solve
@@ -284,7 +284,7 @@ def _rows(tensor: torch.Tensor, rows: range) -> torch.Tensor:
 def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, device) -> dict:
     """The model inputs beside latents, timestep and text: VACE contexts, image-to-video inputs, the Fun Camera
     embedding, and the inputs each guidance pass has of its own (``guidance.PASS_INPUTS``): frames concatenated in
-    time and the negative pass's own image channels."""
+    time, the negative pass's own image channels and each pass's Wan 2.2 Animate pose latents and face video."""
     shape = tuple(request.latent.shape)
     mean, std = model_latent_stats(model)
     concat = image_channels(model, request.image_latents, request.image_mask, request.image_mask_index, shape)
@@ -297,9 +297,24 @@ def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, devic
         negative = image_channels(model, request.image_latents_negative, request.image_mask_negative,
                                   request.image_mask_index, shape)
         passes[1].update(image_concat_input(model, negative, rows, shape, dtype, device))
+    for one_pass, animate in zip(passes, animate_pass_inputs(model, request, rows, dtype, device)):
+        one_pass.update(animate)
     if any(passes):
         inputs[PASS_INPUTS] = tuple(passes)
     return inputs
+
+
+def animate_pass_inputs(model, request: SampleRequest, rows: range, dtype, device) -> list[dict]:
+    """Each guidance pass's Wan 2.2 Animate inputs (WAN22_Animate's: the pose latents normalised, the face video as
+    given); the model computes a pass's face tokens once per run and keeps them (``networks/wan_animate.py``)."""
+    batch = request.latent.shape[0]
+
+    def one_pass(pose: torch.Tensor | None, face: torch.Tensor | None) -> dict:
+        pose = None if pose is None else normalize_latents(pose)
+        return animate_inputs(model, pose, face, rows, batch, dtype, device)
+
+    return [one_pass(request.pose_latents, request.face_pixels),
+            one_pass(request.pose_latents_negative, request.face_pixels_negative)]
 
 
 def image_channels(model, image_latents: torch.Tensor | None, image_mask: torch.Tensor | None, mask_index: int,

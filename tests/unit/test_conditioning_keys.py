@@ -19,7 +19,7 @@ MODEL_BASE = Path(__file__).resolve().parents[2] / "build" / "comfyui-recent" / 
 # conditioning node's dict (the LATENT's noise and masks, the text itself)
 READ_BY_WANMESH = {"concat_latent_image", "concat_mask", "clip_vision_output", "time_dim_concat", "vace_frames",
                    "vace_mask", "vace_strength", "concat_mask_index", "reference_latents", "camera_conditions",
-                   *ANIMATE_KEYS}  # Animate's: the MODEL takes them, the Sampler refuses them (convert.py)
+                   *ANIMATE_KEYS}  # Animate's: the MODEL and the Sampler take them (convert.py)
 NOT_FROM_CONDITIONING_NODES = {"noise", "denoise_mask", "latent_image", "cross_attn", "cross_attn_controlnet",
                                "noise_concat"}
 

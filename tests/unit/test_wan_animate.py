@@ -145,3 +145,62 @@ def test_a_model_call_with_animate_inputs_of_the_wrong_shape_is_one_line(field, 
                         context=torch.zeros(2, 512, 4096), pose_latents=torch.zeros(1, 16, 2, 4, 6),
                         face_pixels=torch.zeros(2, 3, 1, 512, 512))
     fine.validate()
+
+
+@pytest.mark.parametrize("field", ["face_pixels", "face_pixels_negative", "pose_latents", "pose_latents_negative"])
+def test_a_sample_request_with_a_pass_s_animate_input_of_the_wrong_shape_is_one_line(field: str) -> None:
+    from wanmesh.parallel.protocol import SampleRequest
+
+    wrong = torch.zeros(1, 3, 1, 256, 256) if field.startswith("face") else torch.zeros(1, 16, 2, 8, 8)
+    request = SampleRequest(handle="m", latent=torch.zeros(1, 16, 3, 4, 6), positive=[torch.zeros(4, 8)],
+                            negative=[torch.zeros(4, 8)], seed=1, steps=2, guidance_scale=3.0, shift=8.0,
+                            sampler="euler", scheduler="simple", **{field: wrong})
+    with pytest.raises(ValueError) as refused:
+        request.validate()
+    message = str(refused.value)
+    assert str(list(wrong.shape)) in message and "WanAnimateToVideo" in message, message
+    assert "\n" not in message and len(message) <= 300, message
+
+
+class RecordingAnimateModel:
+    """Stands in for the Animate transformer (a face adapter, no image channels): records each call's Animate
+    inputs and returns its latents as the prediction."""
+
+    face_adapter = object()
+    config = SimpleNamespace(in_channels=16, out_channels=16)
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, hidden_states, timestep, encoder_hidden_states, return_dict, **kwargs):
+        self.calls.append(kwargs)
+        return (hidden_states,)
+
+
+def test_the_wanmesh_sampler_gives_each_guidance_pass_its_own_animate_inputs() -> None:
+    """WanAnimateToVideo's outputs as the WanMesh Sampler reads them: the negative's face video (all -1) reaches
+    the unconditional pass, the positive's the conditional one, each with the pose latents normalised as native's
+    WAN22_Animate takes them."""
+    from wanmesh.nodes.convert import animate_passes, read_conditioning
+    from wanmesh.parallel.protocol import SampleRequest
+    from wanmesh.parallel.sampling.guidance import guided_prediction
+    from wanmesh.parallel.sampling.latents import normalize_latents
+    from wanmesh.parallel.sampling.loop import conditioning_inputs
+
+    pose, face = torch.randn(1, 16, 2, 4, 6), torch.rand(1, 3, 1, 512, 512) * 2 - 1
+    positive = read_conditioning([[torch.zeros(1, 4, 8), {"pose_video_latent": pose, "face_video_pixels": face}]])
+    negative = read_conditioning([[torch.zeros(1, 4, 8), {"pose_video_latent": pose,
+                                                          "face_video_pixels": face * 0.0 - 1.0}]], "negative")
+    request = SampleRequest(handle="m", latent=torch.zeros(1, 16, 3, 4, 6), positive=positive.embeddings,
+                            negative=negative.embeddings, seed=1, steps=2, guidance_scale=3.0, shift=8.0,
+                            sampler="euler", scheduler="simple", **animate_passes(positive, negative))
+    request.validate()
+    model = RecordingAnimateModel()
+    extra = conditioning_inputs(model, request, range(1), torch.float32, "cpu")
+    guided_prediction(model, torch.zeros(1, 16, 3, 4, 6), torch.tensor(500.0), torch.zeros(1, 4, 8),
+                      torch.ones(1, 4, 8), 3.0, extra)
+    conditional, unconditional = model.calls
+    assert torch.equal(conditional["face_pixel_values"], face)
+    assert unconditional["face_pixel_values"].eq(-1).all()
+    for call in (conditional, unconditional):
+        assert torch.equal(call["pose_latents"], normalize_latents(pose))
