@@ -160,6 +160,11 @@ def _make_tiny(args) -> int:
 
         written = make_models(args.directory, args.preset,
                               lambda index, total, what: progress.say(f"  write {index}/{total}: {what}"))
+    if args.native_vae22:
+        from ..tiny.vae22 import write_native_vae22
+
+        with progress.phase("write the release-width Wan 2.2 VAE (1.4 GB)"):
+            written["vae22_native"] = write_native_vae22(args.directory)
     for name, path in written.items():
         print(f"{name:>14}: {path}")
     finished(f"wrote {len(written)} {args.preset} model files to {args.directory}")

@@ -10,7 +10,8 @@ WanImageToVideo / WanFirstLastFrameToVideo make (``image_to_video.py``): the vid
 CLIP vision encoder (one or two images) runs here, as ComfyUI runs it in its own process. Fun Control models take
 ``--control-video`` and ``--image`` as the native nodes take them: Wan 2.1 Fun Control (48 input channels) as
 WanFunControlToVideo's control video and start image (with the start image's CLIP vision tokens), Wan 2.2 Fun
-Control (52) as Wan22FunControlToVideo's control video and reference image (``ref_image``).
+Control A14B (52) and Fun 5B Control (148, on the Wan 2.2 VAE's 48-channel latents) as Wan22FunControlToVideo's
+control video and reference image (``ref_image``).
 """
 
 from __future__ import annotations
@@ -20,16 +21,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import LATENT_CHANNELS, VAE_SPATIAL_FACTOR, WAN22_VAE_SPATIAL_FACTOR, check_video_size
+from ..config import (LATENT_CHANNELS, VAE_SPATIAL_FACTOR, WAN22_LATENT_CHANNELS, WAN22_LATENTS_MEAN,
+                      WAN22_VAE_SPATIAL_FACTOR, check_video_size)
 from ..image_to_video import (first_last_video, fun22_control_mask, fun_control_frames, fun_control_latents,
                               latent_frame_count, start_image_video, wan22_image_latent, wan22_start_frames)
 from ..validation import model_image_inputs
+from ..weights.detect import FUN22_5B_IN_CHANNELS
 from .parser import IMAGE_FLAGS, MAX_CAMERA_SPEED, add_image_arguments, wants_image  # noqa: F401 - the parser's
 
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
               "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control",
               "animate": "Wan 2.2 Animate",
               "camera": "Wan 2.1 Fun Camera"}
+FUN_CONTROL_MODELS = "Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B or Fun 5B Control"
+FUN22_5B_CONTROL_IN_CHANNELS = FUN22_5B_IN_CHANNELS[-1]  # 148: control and start latents, the mask, the noise
 
 
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
@@ -40,7 +45,7 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
     if kind is None:
         if getattr(args, "control_video", None) is not None:
             raise ValueError("--control-video was given but the model is text-to-video; a control video needs a Fun "
-                             "Control model (Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B)")
+                             f"Control model ({FUN_CONTROL_MODELS})")
         if wants_image(args):
             raise ValueError("--image/--last-image were given but the model is text-to-video; use an image-to-video "
                              "model (Wan 2.1 I2V / FLF2V, Wan 2.2 I2V A14B) or leave the images out")
@@ -48,7 +53,7 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
     name = KIND_NAMES[kind]
     if getattr(args, "control_video", None) is not None and kind != "fun_control":
         raise ValueError(f"--control-video was given but the model is {name}; a control video needs a Fun Control "
-                         "model (Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B)")
+                         f"model ({FUN_CONTROL_MODELS})")
     if kind == "camera":
         _check_camera_arguments(name, args)
         return
@@ -112,6 +117,9 @@ class ImageInputs:
         from .media import read_frames
 
         in_channels, kind = model_image_inputs(files["model"], "--model")
+        if kind == "first_frame" and in_channels == FUN22_5B_CONTROL_IN_CHANNELS:
+            kind = "fun_control"  # Wan 2.2 Fun 5B Control: Wan22FunControlToVideo's inputs, on 48-channel latents
+            check_video_size(args.width, args.height, args.frames, WAN22_VAE_SPATIAL_FACTOR)
         clip_vision = files.get("clip_vision")
         check_image_arguments(kind, args, clip_vision)
         if kind == "camera":
@@ -154,7 +162,8 @@ class ImageInputs:
 
     def _fun_control_fields(self, runner, vae: str, args) -> dict:
         """WanFunControlToVideo's (Wan 2.1) or Wan22FunControlToVideo's (Wan 2.2) conditioning of the control video
-        and the image: the raw concatenated latents, the Wan 2.2 mask and mask channel, its reference latent."""
+        and the image: the raw concatenated latents, the Wan 2.2 mask and mask channel, its reference latent; for
+        Fun 5B Control all on the Wan 2.2 VAE's 48-channel latents (16x), with the empty 48-channel latent."""
         from ..sampling.latents import LATENTS_MEAN
 
         def encode(images):
@@ -162,15 +171,18 @@ class ImageInputs:
             return None if frames is None else runner.encode(vae, frames, tile_px=args.vae_tile,
                                                              overlap_px=args.vae_overlap)
 
-        shape = (1, LATENT_CHANNELS, latent_frame_count(args.frames), args.height // VAE_SPATIAL_FACTOR,
-                 args.width // VAE_SPATIAL_FACTOR)
+        five_b = self.in_channels == FUN22_5B_CONTROL_IN_CHANNELS
+        channels, factor = (WAN22_LATENT_CHANNELS, WAN22_VAE_SPATIAL_FACTOR) if five_b else (LATENT_CHANNELS,
+                                                                                              VAE_SPATIAL_FACTOR)
+        mean = torch.tensor(WAN22_LATENTS_MEAN) if five_b else LATENTS_MEAN.flatten()
+        shape = (1, channels, latent_frame_count(args.frames), args.height // factor, args.width // factor)
         if _fun21(self.in_channels):
-            latents = fun_control_latents(encode(self.control), encode(self.start), shape, LATENTS_MEAN.flatten())
+            latents = fun_control_latents(encode(self.control), encode(self.start), shape, mean)
             return {"image_latents": latents, "clip_fea": self._clip_tokens()}
         reference = None if self.start is None else encode(self.start[:1])
-        return {"image_latents": fun_control_latents(encode(self.control), None, shape, LATENTS_MEAN.flatten()),
-                "image_mask": fun22_control_mask(shape), "image_mask_index": LATENT_CHANNELS,
-                "reference_latent": reference}
+        fields = {"image_latents": fun_control_latents(encode(self.control), None, shape, mean),
+                  "image_mask": fun22_control_mask(shape), "image_mask_index": channels, "reference_latent": reference}
+        return {**fields, "latent": torch.zeros(shape)} if five_b else fields
 
     def _clip_tokens(self) -> torch.Tensor | None:
         if self.clip_vision is None:

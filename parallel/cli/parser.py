@@ -110,6 +110,10 @@ def build_parser(bench_options: bool | str = True) -> argparse.ArgumentParser:
     tiny.add_argument("--preset", choices=["tiny", "medium"], default="tiny",
                       help="tiny: every test model (default); medium: a ~150M-parameter T2V transformer as bf16, "
                            "scaled fp8, Q8_0 and Q4_K GGUF, with the tiny VAE and text encoder")
+    tiny.add_argument("--native-vae22", action="store_true",
+                      help="also write vae/wan22_native_vae.safetensors: a random Wan 2.2 VAE at the release widths "
+                           "(1.4 GB), the smallest one ComfyUI's own VAELoader loads (it builds every Wan 2.2 VAE at "
+                           "those widths)")
     add_output_arguments(tiny)
     _add_generate(sub)
     add_stream_arguments(sub)

@@ -3,10 +3,13 @@ the original key layout of ``wan2.2_vae.safetensors``; runs in the CLI process (
 
 The file holds the layout ComfyUI detects as the Wan 2.2 VAE (nested ``decoder.upsamples.L.upsamples.J`` blocks, a
 48-channel ``conv2``, 12-channel encoder input and decoder head), at small widths: encoder 8, decoder 16 (the release
-has 160 and 256). ComfyUI's own loader builds the release widths whatever the file holds, so only WanMesh loads this
-file as it is; the widths are parameters for writing a release-sized twin. The original names are generated from the
-config and proven by mapping them through ``models/vae22.py``'s name map back onto exactly the diffusers model's
-state-dict keys (diffusers' single-file converter knows only the 2.1 layout). Written atomically, deterministic.
+has 160 and 256). ComfyUI's own loader builds every Wan 2.2 VAE at the release widths, depths and channel multipliers
+whatever the file holds (``comfy/sd.py``), so only WanMesh loads this file as it is. The smallest Wan 2.2 VAE native
+``VAELoader`` loads is therefore release-sized (705M parameters): ``write_native_vae22`` writes that twin on request
+(``wanmesh make-tiny --native-vae22``; bf16, 1.4 GB, drawn tensor by tensor so writing it holds one copy). The
+original names are generated from the config and proven by mapping them through ``models/vae22.py``'s name map back
+onto exactly the diffusers model's state-dict keys (diffusers' single-file converter knows only the 2.1 layout).
+Written atomically, deterministic.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from ..weights.vae22_keys import (
 from ..tensor_files import save_tensors_atomic
 from .files import TINY_FILES
 
-__all__ = ["NATIVE_VAE22_WIDTHS", "TINY_VAE22", "TINY_VAE22_FILE", "VAE22_SEED", "build_tiny_vae22",
-           "original_vae22_names", "write_tiny_vae22"]
+__all__ = ["NATIVE_VAE22_FILE", "NATIVE_VAE22_WIDTHS", "TINY_VAE22", "TINY_VAE22_FILE", "VAE22_SEED",
+           "build_tiny_vae22", "original_vae22_names", "write_native_vae22", "write_tiny_vae22"]
 
 TINY_VAE22_FILE = TINY_FILES["vae22"]  # relative to a models tree's root
 VAE22_SEED = 20250202
@@ -39,6 +42,7 @@ TINY_VAE22 = dict(
     latents_mean=list(WAN22_LATENTS_MEAN), latents_std=list(WAN22_LATENTS_STD),
 )
 NATIVE_VAE22_WIDTHS = dict(base_dim=160, decoder_base_dim=256)  # what comfy/sd.py builds for every Wan 2.2 VAE
+NATIVE_VAE22_FILE = "vae/wan22_native_vae.safetensors"  # the release-width twin native VAELoader reads
 
 
 def _pairs(*names: str) -> list[str]:
@@ -101,3 +105,18 @@ def original_vae22_state(vae: AutoencoderKLWan) -> dict[str, torch.Tensor]:
 def write_tiny_vae22(root: str | Path, seed: int = VAE22_SEED, **widths: int) -> Path:
     """Write the tiny Wan 2.2 VAE to ``root / TINY_VAE22_FILE`` (atomically) and return that path."""
     return save_tensors_atomic(original_vae22_state(build_tiny_vae22(seed, **widths)), Path(root) / TINY_VAE22_FILE)
+
+
+def write_native_vae22(root: str | Path, seed: int = VAE22_SEED) -> Path:
+    """Write the Wan 2.2 VAE at the widths ComfyUI builds (``NATIVE_VAE22_WIDTHS``) to ``root / NATIVE_VAE22_FILE``
+    in bf16 and return that path. Its values are ``build_tiny_vae22(seed, **NATIVE_VAE22_WIDTHS)``'s rounded to
+    bf16 (the same draws in the same order), drawn one tensor at a time on a model skeleton without storage."""
+    from .models import _random_like, diffusers_to_original
+
+    with torch.device("meta"):
+        skeleton = AutoencoderKLWan(**{**TINY_VAE22, **NATIVE_VAE22_WIDTHS})
+    names = diffusers_to_original(original_vae22_names(dict(skeleton.config)), convert_wan22_vae_keys, skeleton)
+    generator = torch.Generator().manual_seed(seed)
+    state = {names[name]: _random_like(name, parameter.shape, generator).to(torch.bfloat16)
+             for name, parameter in sorted(skeleton.named_parameters())}
+    return save_tensors_atomic(state, Path(root) / NATIVE_VAE22_FILE)

@@ -1,7 +1,10 @@
-"""Wan 2.2 Fun Control A14B (and the transformer of Wan 2.2 Fun 5B) in a real ComfyUI (recent): native ``Wan22FunControlToVideo`` conditioning (control
-video, with and without its reference image) sampled by native KSampler on ``UNETLoader``'s model, by KSampler on the
-WanMesh MODEL and by the WanMesh Sampler, on the tiny Fun Control file (52 input channels, a ``ref_conv``), as API
-prompts. All within 1e-4 of native; tp 2 x CFG parallel 2 equals one rank (Ulysses 2 and ring 2, whose sequence
+"""Wan 2.2 Fun Control A14B and Fun 5B Control in a real ComfyUI (recent): native ``Wan22FunControlToVideo``
+conditioning (control video, with and without its reference image) sampled by native KSampler on ``UNETLoader``'s
+model, by KSampler on the WanMesh MODEL and by the WanMesh Sampler, on the tiny Fun Control file (52 input channels, a
+``ref_conv``), as API prompts. Fun 5B Control (148 input channels, a 48-channel ``ref_conv``) runs the same three
+samplers with its reference image on 48-channel latents from native ``VAELoader``'s Wan 2.2 VAE: the release-width
+random twin ``wanmesh make-tiny --native-vae22`` writes (ComfyUI builds no smaller Wan 2.2 VAE). All within 1e-4 of
+native; tp 2 x CFG parallel 2 equals one rank for both (Ulysses 2 and ring 2, whose sequence
 split covers the reference tokens: ``tests/distributed/test_fun22_pool.py``); the reference image changes the
 result; the example workflow (Ulysses 2) runs. The same file as scaled fp8 and as a Q8_0
 GGUF loads through the Model Loader and stays within its error bar of the float file. The reference and control
@@ -10,8 +13,7 @@ images have other sizes and aspects than the video, so resizing and cropping are
 Transformer calls: ComfyUI's own loader (``load_diffusion_model``, as UNETLoader) reads both tiny Fun files (the A14B
 Control one and the 5B Control one on 48-channel latents, 148 input channels, a 48-channel ``ref_conv``) with its
 model detection, in a subprocess inside the ComfyUI copy; one call with and one without a reference latent on
-each give the outputs of WanMesh's loader within 1e-4. (The 5B is not sampled here: the tiny Wan 2.2 VAE has
-widths native ``VAELoader`` does not build, and Wan22FunControlToVideo needs a native VAE.)
+each give the outputs of WanMesh's loader within 1e-4.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from workflow_graph import load_workflow, node_of_type
 from wanmesh.parallel.tiny.files import TINY_FILES
 from wanmesh.parallel.tiny.fp8_write import write_fp8_file
 from wanmesh.parallel.tiny.gguf_write import write_wan_gguf
+from wanmesh.parallel.tiny.vae22 import NATIVE_VAE22_FILE, write_native_vae22
 from wanmesh.parallel.weights.loaders import load_transformer
 
 pytestmark = pytest.mark.timeout(900)
@@ -49,6 +52,10 @@ FILE_KINDS = {"fp8_scaled": ("fun22_kinds/wan22_tiny_fun_control_fp8_scaled.safe
 # workflow below runs Ulysses 2 here)
 LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True)}
 CONDITIONINGS = ("ref", "plain")  # with the reference image, without it
+# Fun 5B Control: 48-channel latents at 16x (a 2 x 4 latent), with the reference image
+MODEL_5B = Path(TINY_FILES["fun22_5b_control"]).name
+WIDTH_5B, HEIGHT_5B = 64, 32
+SAVED = ("ref_", "plain_", "kind_", "fiveb_")  # the prefixes of the saved latents' nodes
 SIDES = ("native", "model", "sampler")
 
 
@@ -64,8 +71,17 @@ def file_kinds(tiny_models_dir: Path) -> dict[str, str]:
     return {name: file for name, (file, _) in FILE_KINDS.items()}
 
 
-def conditioning(reference: bool) -> dict[str, Any]:
-    inputs = {"positive": ["pos", 0], "negative": ["neg", 0], "vae": ["vae", 0], "width": WIDTH, "height": HEIGHT,
+@pytest.fixture(scope="module")
+def native_vae22(tiny_models_dir: Path) -> str:
+    """The release-width Wan 2.2 VAE twin (native VAELoader builds every Wan 2.2 VAE at those widths) in the tree."""
+    path = tiny_models_dir / NATIVE_VAE22_FILE
+    if not path.is_file():
+        write_native_vae22(tiny_models_dir)
+    return path.name
+
+
+def conditioning(reference: bool, vae: str = "vae", width: int = WIDTH, height: int = HEIGHT) -> dict[str, Any]:
+    inputs = {"positive": ["pos", 0], "negative": ["neg", 0], "vae": [vae, 0], "width": width, "height": height,
               "length": LENGTH, "batch_size": 1, "control_video": ["control", 0]}
     if reference:
         inputs["ref_image"] = ["start", 0]
@@ -89,10 +105,23 @@ def loader(model_file: str) -> dict[str, Any]:
     return {"class_type": "WanMeshModelLoader", "inputs": {"model_name": model_file, "dtype": "fp32", "pool": ["pool", 0]}}
 
 
+def three_samplers(prompt: dict[str, Any], name: str, models: tuple[str, str, str], native: bool) -> None:
+    """Nodes ``{name}_{side}`` save the latents of KSampler on the WanMesh MODEL, the WanMesh Sampler and (when
+    ``native``) native KSampler on ``{name}_cond``; ``models``: the native MODEL, WanMesh MODEL and WanMesh model."""
+    unet, wanmesh_model, wanmesh = models
+    samplers = {"model": ksampler(wanmesh_model, f"{name}_cond"), "sampler": wanmesh_sampler(wanmesh, f"{name}_cond")}
+    if native:
+        samplers["native"] = ksampler(unet, f"{name}_cond")
+    for side, node in samplers.items():
+        prompt[f"{name}_{side}_k"] = node
+        prompt[f"{name}_{side}"] = save_latent(f"{name}_{side}_k", f"fun22_{name}_{side}")
+
+
 def fun22_prompt(layout: dict[str, Any], native: bool, kinds: dict[str, str] | None = None,
-                 conditionings: tuple[str, ...] = CONDITIONINGS) -> dict[str, Any]:
+                 conditionings: tuple[str, ...] = CONDITIONINGS, vae22: str | None = None) -> dict[str, Any]:
     """Node ``{cond}_{side}`` saves the latent of one side of one conditioning (``native`` only when asked);
-    ``kind_{name}`` the WanMesh Sampler's latent on a file kind, with the reference."""
+    ``kind_{name}`` the WanMesh Sampler's latent on a file kind, with the reference; ``fiveb_{side}`` Fun 5B
+    Control's with the reference, on native VAELoader's Wan 2.2 VAE ``vae22`` (when given)."""
     prompt: dict[str, Any] = {
         **pool_and_prompts(layout),
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}},
@@ -105,12 +134,16 @@ def fun22_prompt(layout: dict[str, Any], native: bool, kinds: dict[str, str] | N
     }
     for name in conditionings:
         prompt[f"{name}_cond"] = conditioning(reference=name == "ref")
-        samplers = {"model": ksampler("wmodel", f"{name}_cond"), "sampler": wanmesh_sampler("wm", f"{name}_cond")}
-        if native:
-            samplers["native"] = ksampler("unet", f"{name}_cond")
-        for side, node in samplers.items():
-            prompt[f"{name}_{side}_k"] = node
-            prompt[f"{name}_{side}"] = save_latent(f"{name}_{side}_k", f"fun22_{name}_{side}")
+        three_samplers(prompt, name, ("unet", "wmodel", "wm"), native)
+    if vae22:
+        prompt.update({
+            "vae22": {"class_type": "VAELoader", "inputs": {"vae_name": vae22}},
+            "fiveb_cond": conditioning(True, "vae22", WIDTH_5B, HEIGHT_5B),
+            "unet5b": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL_5B, "weight_dtype": "default"}},
+            "wm5b": loader(MODEL_5B),
+            "wmodel5b": {"class_type": "WanMeshNativeModel", "inputs": {"model": ["wm5b", 0]}},
+        })
+        three_samplers(prompt, "fiveb", ("unet5b", "wmodel5b", "wm5b"), native)
     for kind, model_file in (kinds or {}).items():
         prompt[f"kind_{kind}_wm"] = loader(model_file)
         prompt[f"kind_{kind}_k"] = wanmesh_sampler(f"kind_{kind}_wm", "ref_cond")
@@ -119,21 +152,21 @@ def fun22_prompt(layout: dict[str, Any], native: bool, kinds: dict[str, str] | N
 
 
 @pytest.fixture(scope="module")
-def latents(recent_comfyui_server: ComfyUIServer, file_kinds) -> dict[str, dict[str, torch.Tensor]]:
+def latents(recent_comfyui_server: ComfyUIServer, file_kinds, native_vae22) -> dict[str, dict[str, torch.Tensor]]:
     results = {}
     for name, layout in LAYOUTS.items():
         world1 = name == "world1"
         # the parallel layouts run the reference conditioning only (its tokens are what the sequence split adds)
         prompt = fun22_prompt(layout, native=world1, kinds=file_kinds if world1 else None,
-                              conditionings=CONDITIONINGS if world1 else ("ref",))
+                              conditionings=CONDITIONINGS if world1 else ("ref",), vae22=native_vae22)
         result = run_successfully(recent_comfyui_server, prompt)
-        nodes = [node for node in prompt if node.startswith(("ref_", "plain_", "kind_")) and
+        nodes = [node for node in prompt if node.startswith(SAVED) and
                  prompt[node]["class_type"] == "SaveLatent"]
         results[name] = {node: saved(recent_comfyui_server, result, node) for node in nodes}
     return results
 
 
-@pytest.mark.parametrize("cond, side", [(cond, side) for cond in CONDITIONINGS for side in SIDES[1:]])
+@pytest.mark.parametrize("cond, side", [(cond, side) for cond in CONDITIONINGS + ("fiveb",) for side in SIDES[1:]])
 def test_wanmesh_equals_native_fun22_control(latents, cond: str, side: str) -> None:
     native, wanmesh = latents["world1"][f"{cond}_native"], latents["world1"][f"{cond}_{side}"]
     assert native.abs().max().item() > 0.1, "the native latent is flat: the comparison proves nothing"
@@ -144,6 +177,26 @@ def test_wanmesh_equals_native_fun22_control(latents, cond: str, side: str) -> N
 def test_the_reference_image_reaches_the_model(latents) -> None:
     world1 = latents["world1"]
     assert largest_difference(world1["ref_native"], world1["plain_native"]) > 100 * TOLERANCE
+
+
+def test_fun_5b_samples_48_channel_latents(latents) -> None:
+    assert tuple(latents["world1"]["fiveb_native"].shape) == (1, 48, (LENGTH - 1) // 4 + 1, HEIGHT_5B // 16,
+                                                              WIDTH_5B // 16)
+
+
+def test_wanmesh_reads_the_native_width_wan22_vae(tiny_models_dir: Path, native_vae22: str) -> None:
+    """The twin native VAELoader loaded above is a Wan 2.2 VAE to WanMesh too, at the release widths (its shapes
+    only: building the 705M-parameter model here would add nothing the tiny file's VAE tests do not cover)."""
+    from safetensors import safe_open
+
+    from wanmesh.parallel.tiny.vae22 import NATIVE_VAE22_WIDTHS, TINY_VAE22
+    from wanmesh.parallel.weights.vae22_keys import infer_wan22_vae_config, is_wan22_vae
+
+    with safe_open(str(tiny_models_dir / NATIVE_VAE22_FILE), "pt") as opened:
+        shapes = {key: tuple(opened.get_slice(key).get_shape()) for key in opened.keys()}
+    assert is_wan22_vae(shapes)
+    inferred = infer_wan22_vae_config(shapes)
+    assert inferred == {key: {**TINY_VAE22, **NATIVE_VAE22_WIDTHS}[key] for key in inferred}
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "world1"])
