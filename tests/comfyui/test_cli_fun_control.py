@@ -196,11 +196,13 @@ class _NoPool:
     ("fun22_control", ["--control-video", "{media}/missing.mp4"], "--control-video {media}/missing.mp4 does not exist"),
     ("fun22_control", ["--image", "{media}/image.png", "--last-image", "{media}/image.png"],
      "the model is Wan Fun Control, which takes a control video and one image; --last-image needs"),
+    ("fun22_5b_control", ["--vae", "{vae22}", "--control-video", "{media}/control", "--width", "40"],
+     "width 40 is not a positive multiple of 16"),
 ])
 def test_bad_control_video_input_exits_2_with_one_line_before_any_pool(tiny_models_dir, media, tmp_path, monkeypatch,
                                                                        capsys, model, flags, message) -> None:
     monkeypatch.setattr(generate_module, "WorkerPool", _NoPool)
-    flags = [flag.format(media=media) for flag in flags]
+    flags = [flag.format(media=media, vae22=tiny_models_dir / TINY_FILES["vae22"]) for flag in flags]
     code = main(["generate", *_files(tiny_models_dir, model), *COMMON, "--out", str(tmp_path / "x.mp4"), *flags])
     error = capsys.readouterr().err
     assert code == 2

@@ -3,8 +3,9 @@ conditioning (control video, with and without its reference image) sampled by na
 model, by KSampler on the WanMesh MODEL and by the WanMesh Sampler, on the tiny Fun Control file (52 input channels, a
 ``ref_conv``), as API prompts. Fun 5B Control (148 input channels, a 48-channel ``ref_conv``) runs the same three
 samplers with its reference image on 48-channel latents from native ``VAELoader``'s Wan 2.2 VAE: the release-width
-random twin ``wanmesh make-tiny --native-vae22`` writes (ComfyUI builds no smaller Wan 2.2 VAE). All within 1e-4 of
-native; tp 2 x CFG parallel 2 equals one rank for both (Ulysses 2 and ring 2, whose sequence
+random twin ``wanmesh make-tiny --native-vae22`` writes (ComfyUI builds no smaller Wan 2.2 VAE), whose encode and
+decode by WanMesh VAE Encode / Decode on the pool equal native VAEEncode / VAEDecode. All within 1e-4 of native;
+tp 2 x CFG parallel 2 equals one rank for both (Ulysses 2 and ring 2, whose sequence
 split covers the reference tokens: ``tests/distributed/test_fun22_pool.py``); the reference image changes the
 result; the example workflow (Ulysses 2) runs. The same file as scaled fp8 and as a Q8_0
 GGUF loads through the Model Loader and stays within its error bar of the float file. The reference and control
@@ -32,7 +33,7 @@ from model_kinds import FP8, Q8, relative_error
 from safetensors.torch import load_file, save_file
 from test_comfyui_server import assert_video, run_successfully, saved_video
 from test_native_sampling import (CFG, NATIVE_SHIFT, SEED, STEPS, TOLERANCE, largest_difference, pool_and_prompts,
-                                   pool_inputs, save_latent, saved)
+                                   save_latent, saved)
 from workflow_graph import load_workflow, node_of_type
 
 from wanmesh.parallel.tiny.files import TINY_FILES
@@ -55,7 +56,7 @@ CONDITIONINGS = ("ref", "plain")  # with the reference image, without it
 # Fun 5B Control: 48-channel latents at 16x (a 2 x 4 latent), with the reference image
 MODEL_5B = Path(TINY_FILES["fun22_5b_control"]).name
 WIDTH_5B, HEIGHT_5B = 64, 32
-SAVED = ("ref_", "plain_", "kind_", "fiveb_")  # the prefixes of the saved latents' nodes
+SAVED = ("ref_", "plain_", "kind_", "fiveb_", "vae22_")  # the prefixes of the saved latents' nodes
 SIDES = ("native", "model", "sampler")
 
 
@@ -117,6 +118,29 @@ def three_samplers(prompt: dict[str, Any], name: str, models: tuple[str, str, st
         prompt[f"{name}_{side}"] = save_latent(f"{name}_{side}_k", f"fun22_{name}_{side}")
 
 
+def vae22_twins(prompt: dict[str, Any], vae22: str) -> None:
+    """Native VAEEncode / VAEDecode on VAELoader's Wan 2.2 VAE ``vae22`` beside WanMesh VAE Encode / Decode on the
+    same file on the pool: ``vae22_{side}_enc`` saves the latent of the reference image at the 5B size,
+    ``vae22_{side}_dec`` the native re-encoding of that (native) latent's decode."""
+    prompt.update({
+        "vae22_pixels": {"class_type": "ImageScale", "inputs": {"image": ["start", 0], "upscale_method": "bilinear",
+                                                                "width": WIDTH_5B, "height": HEIGHT_5B, "crop": "center"}},
+        "vae22_wvae": {"class_type": "WanMeshVAELoader", "inputs": {"vae_name": vae22, "dtype": "fp32",
+                                                                    "pool": ["pool", 0]}},
+        "vae22_n_enc": {"class_type": "VAEEncode", "inputs": {"pixels": ["vae22_pixels", 0], "vae": ["vae22", 0]}},
+        "vae22_w_enc": {"class_type": "WanMeshVAEEncode", "inputs": {"pixels": ["vae22_pixels", 0],
+                                                                     "vae": ["vae22_wvae", 0]}},
+        "vae22_n_dec": {"class_type": "VAEDecode", "inputs": {"samples": ["vae22_n_enc", 0], "vae": ["vae22", 0]}},
+        "vae22_w_dec": {"class_type": "WanMeshVAEDecode", "inputs": {"samples": ["vae22_n_enc", 0],
+                                                                     "vae": ["vae22_wvae", 0]}},
+    })
+    for side, letter in (("native", "n"), ("wanmesh", "w")):
+        prompt[f"vae22_{letter}_re"] = {"class_type": "VAEEncode", "inputs": {"pixels": [f"vae22_{letter}_dec", 0],
+                                                                             "vae": ["vae22", 0]}}
+        prompt[f"vae22_{side}_enc"] = save_latent(f"vae22_{letter}_enc", f"fun22_vae22_{side}_enc")
+        prompt[f"vae22_{side}_dec"] = save_latent(f"vae22_{letter}_re", f"fun22_vae22_{side}_dec")
+
+
 def fun22_prompt(layout: dict[str, Any], native: bool, kinds: dict[str, str] | None = None,
                  conditionings: tuple[str, ...] = CONDITIONINGS, vae22: str | None = None) -> dict[str, Any]:
     """Node ``{cond}_{side}`` saves the latent of one side of one conditioning (``native`` only when asked);
@@ -144,6 +168,8 @@ def fun22_prompt(layout: dict[str, Any], native: bool, kinds: dict[str, str] | N
             "wmodel5b": {"class_type": "WanMeshNativeModel", "inputs": {"model": ["wm5b", 0]}},
         })
         three_samplers(prompt, "fiveb", ("unet5b", "wmodel5b", "wm5b"), native)
+        if native:
+            vae22_twins(prompt, vae22)
     for kind, model_file in (kinds or {}).items():
         prompt[f"kind_{kind}_wm"] = loader(model_file)
         prompt[f"kind_{kind}_k"] = wanmesh_sampler(f"kind_{kind}_wm", "ref_cond")
@@ -171,12 +197,22 @@ def test_wanmesh_equals_native_fun22_control(latents, cond: str, side: str) -> N
     native, wanmesh = latents["world1"][f"{cond}_native"], latents["world1"][f"{cond}_{side}"]
     assert native.abs().max().item() > 0.1, "the native latent is flat: the comparison proves nothing"
     difference = largest_difference(native, wanmesh)
+    print(f"MEASURE {cond} {side}: {difference:.3g} from native (max |native| {native.abs().max().item():.3g})")
     assert difference <= TOLERANCE, f"{cond} {side}: {difference:.3g} from native"
 
 
 def test_the_reference_image_reaches_the_model(latents) -> None:
     world1 = latents["world1"]
     assert largest_difference(world1["ref_native"], world1["plain_native"]) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("step", ["enc", "dec"])
+def test_wanmesh_vae_nodes_equal_native_on_the_native_width_wan22_vae(latents, step: str) -> None:
+    native, wanmesh = latents["world1"][f"vae22_native_{step}"], latents["world1"][f"vae22_wanmesh_{step}"]
+    assert tuple(native.shape) == (1, 48, 1, HEIGHT_5B // 16, WIDTH_5B // 16) and native.std() > 0.05
+    difference = largest_difference(native, wanmesh)
+    print(f"MEASURE vae22 {step}: {difference:.3g} from native")
+    assert difference <= TOLERANCE, f"{step}: {difference:.3g} from native"
 
 
 def test_fun_5b_samples_48_channel_latents(latents) -> None:
@@ -203,6 +239,7 @@ def test_wanmesh_reads_the_native_width_wan22_vae(tiny_models_dir: Path, native_
 def test_parallel_layout_equals_one_rank(latents, layout: str) -> None:
     for node, latent in latents[layout].items():
         difference = largest_difference(latent, latents["world1"][node])
+        print(f"MEASURE {layout} {node}: {difference:.3g} from world 1")
         assert difference <= TOLERANCE, f"{layout} {node}: {difference:.3g} from world 1"
 
 

@@ -208,3 +208,25 @@ def test_a_48_channel_vae_in_the_wan21_layout_and_a_transformer_are_refused(vae2
 def test_the_name_map_refuses_two_tensors_for_one_weight():
     one_line_error(ModelFileError, lambda: convert_wan22_vae_keys({"conv1.weight": 0, "quant_conv.weight": 1}),
                    "two tensors for 'quant_conv.weight'")
+
+
+def test_the_native_width_twin_is_the_tiny_draw_in_bf16(monkeypatch, tmp_path, vae22_file):
+    """``write_native_vae22`` (the release widths native VAELoader builds) draws what ``build_tiny_vae22`` draws at
+    the same widths, tensor by tensor, in bf16 and the original layout; here at the tiny widths, so it is cheap."""
+    from wanmesh.parallel.tiny import vae22
+
+    monkeypatch.setattr(vae22, "NATIVE_VAE22_WIDTHS", {key: TINY_VAE22[key] for key in ("base_dim", "decoder_base_dim")})
+    written = load_file(str(vae22.write_native_vae22(tmp_path)))
+    tiny = load_file(str(vae22_file))
+    assert set(written) == set(tiny) and {tensor.dtype for tensor in written.values()} == {torch.bfloat16}
+    assert all(torch.equal(written[key], tiny[key].to(torch.bfloat16)) for key in tiny)
+
+
+def test_make_tiny_native_vae22_flag_writes_the_twin(monkeypatch, tmp_path, capsys):
+    from wanmesh.parallel import cli
+    from wanmesh.parallel.tiny import models, vae22
+
+    monkeypatch.setattr(models, "make_models", lambda directory, preset, progress: {})
+    monkeypatch.setattr(vae22, "write_native_vae22", lambda root: tmp_path / vae22.NATIVE_VAE22_FILE)
+    assert cli.main(["make-tiny", str(tmp_path), "--native-vae22", "--quiet"]) == 0
+    assert str(tmp_path / vae22.NATIVE_VAE22_FILE) in capsys.readouterr().out
