@@ -197,7 +197,6 @@ def test_wanmesh_equals_native_fun22_control(latents, cond: str, side: str) -> N
     native, wanmesh = latents["world1"][f"{cond}_native"], latents["world1"][f"{cond}_{side}"]
     assert native.abs().max().item() > 0.1, "the native latent is flat: the comparison proves nothing"
     difference = largest_difference(native, wanmesh)
-    print(f"MEASURE {cond} {side}: {difference:.3g} from native (max |native| {native.abs().max().item():.3g})")
     assert difference <= TOLERANCE, f"{cond} {side}: {difference:.3g} from native"
 
 
@@ -211,7 +210,6 @@ def test_wanmesh_vae_nodes_equal_native_on_the_native_width_wan22_vae(latents, s
     native, wanmesh = latents["world1"][f"vae22_native_{step}"], latents["world1"][f"vae22_wanmesh_{step}"]
     assert tuple(native.shape) == (1, 48, 1, HEIGHT_5B // 16, WIDTH_5B // 16) and native.std() > 0.05
     difference = largest_difference(native, wanmesh)
-    print(f"MEASURE vae22 {step}: {difference:.3g} from native")
     assert difference <= TOLERANCE, f"{step}: {difference:.3g} from native"
 
 
@@ -239,7 +237,6 @@ def test_wanmesh_reads_the_native_width_wan22_vae(tiny_models_dir: Path, native_
 def test_parallel_layout_equals_one_rank(latents, layout: str) -> None:
     for node, latent in latents[layout].items():
         difference = largest_difference(latent, latents["world1"][node])
-        print(f"MEASURE {layout} {node}: {difference:.3g} from world 1")
         assert difference <= TOLERANCE, f"{layout} {node}: {difference:.3g} from world 1"
 
 
