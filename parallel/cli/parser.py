@@ -154,6 +154,8 @@ BENCHMARKS = {
     "gpu": ("gpu_check", "the CUDA path proven and measured on one GPU (tests/gpu/run.sh); --dry-run on the CPU"),
     "cli-start": ("cli_start", "command-line start-up: `wanmesh --help` and refusals of bad flags and values, median "
                   "and spread over fresh interpreters"),
+    "families": ("families", "Fun Control, Fun Camera and Animate against T2V at the same size: step time and "
+                             "counted FLOPs, their ratios"),
 }
 
 
