@@ -20,9 +20,6 @@ from pathlib import Path
 import torch
 
 from ..config import CLIP_VISION_WIDTH, LATENT_CHANNELS
-from ..networks.wan_animate import FACE_ADAPTER_EVERY
-from ..tensor_files import save_tensors_atomic
-from ..weights.detect import REF_CONV_CHANNELS
 from .files import TINY_FILES
 
 FAMILIES = ("t2v", "fun22_control", "fun_camera", "animate")
@@ -35,6 +32,9 @@ CAMERA_CHANNELS = 24  # the camera embedding's channels (Plücker rays of four f
 def family_configs(base: dict) -> dict[str, dict]:
     """Each family's transformer config on the preset's T2V config ``base`` (its depth rounded up to a multiple of
     Animate's face adapter period)."""
+    from ..networks.wan_animate import FACE_ADAPTER_EVERY
+    from ..weights.detect import REF_CONV_CHANNELS
+
     layers = math.ceil(base["num_layers"] / FACE_ADAPTER_EVERY) * FACE_ADAPTER_EVERY
     t2v = dict(base, num_layers=layers)
     inner = t2v["num_attention_heads"] * t2v["attention_head_dim"]
@@ -64,6 +64,8 @@ def ensure_family_files(directory: Path, preset: str, families: tuple[str, ...] 
                         say: Callable[[str], None] = lambda line: None) -> dict[str, Path]:
     """The paths of the families' files (and ``vae``) under ``directory``, writing the ones missing (each announced
     to ``say``); later runs reuse them."""
+    from ..tensor_files import save_tensors_atomic
+
     paths = {family: directory / family_file(preset, family) for family in families}
     paths["vae"] = directory / TINY_FILES["vae"]
     base, dtype = preset_base(preset)
