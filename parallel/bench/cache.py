@@ -24,7 +24,7 @@ import torch
 
 from ..config import ParallelConfig, latent_shape
 from ..cache_settings import cache_fields, parse_cache
-from .common import check_repeats, measured_runs, model_config, model_path
+from .common import check_repeats, cpu_seconds, measured_runs, model_config, model_path
 
 DEFAULT_CACHES = ("teacache:0.3:start=0.1", "teacache:0.6:start=0.1", "magcache:0.06:start=0.1",
                   "magcache:0.2:start=0.1:k=3", "fbcache:0.6:start=0.1", "fbcache:1.0:start=0.1")
@@ -80,19 +80,11 @@ def _layout_rows(args, layout: str, path: str, text_dim: int, caches: list, run)
         for repeat in range(args.repeats):
             for text, cache in settings:
                 run(f"{layout}, cache {text}, repeat {repeat + 1}/{args.repeats}")
-                cpu_start, start = _cpu_seconds(pool.pids()), time.perf_counter()
+                cpu_start, start = cpu_seconds(pool.pids()), time.perf_counter()
                 replies[text] = pool.call(replace(_request(args, text_dim, cache), handle=handle))
                 seconds[text].append(time.perf_counter() - start)
-                cpu[text].append(_cpu_seconds(pool.pids()) - cpu_start)
+                cpu[text].append(cpu_seconds(pool.pids()) - cpu_start)
     return [_row(args, layout, text, seconds[text], cpu[text], replies[text]) for text, _ in settings]
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """The CPU time (user and system, all threads) the ranks' processes used so far: the work done, which other
-    load on the machine stretches far less than the wall time."""
-    import psutil
-
-    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
 
 
 def _row(args, layout: str, text: str, seconds: list[float], cpu: list[float], reply) -> dict:

@@ -90,6 +90,14 @@ def write_rank_result(folder: str, rank: int, result) -> None:
     Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU time (user and system, all threads) the ranks' processes used so far: the work done, which other
+    load on the machine stretches far less than the wall time."""
+    import psutil
+
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
+
+
 def _anonymous_rss_bytes() -> int | None:
     try:
         with open("/proc/self/status") as status:

@@ -3,8 +3,8 @@ A14B, Wan 2.1 Fun Camera, Wan 2.2 Animate) against T2V at the same size, beside 
 call does; runs in the CLI process and its worker pools.
 
 The four transformers share the preset's width, depth and text width (``tiny/families.py``, written once into
-``--models`` or the cache). Every family samples ``--steps`` euler steps through the path Animate runs on, ComfyUI's
-samplers on the WanMesh MODEL: one ``ModelForward`` per step with the conditional and unconditional rows together
+``--models`` or the cache). Every family samples ``--steps`` euler steps as ComfyUI's samplers drive the WanMesh
+MODEL, which runs them all: one ``ModelForward`` per step with the conditional and unconditional rows together
 (cfg), the loop here. The inputs, random with a seed and of the shapes the native nodes make:
 
 * Fun Control: a control video and a reference image through the command line's ``--control-video`` conditioning
@@ -23,8 +23,8 @@ runs after a one-step warm-up, the fastest and slowest, the ranks' CPU seconds p
 median of the per-round ratios). The FLOPs of the transformer call are counted by ``torch.utils.flop_counter`` on
 one call in this process with the same inputs (Animate: its first call, with the encoders, and a later one; per
 step the encoders' share over the run's steps); the added modules' share is what the family adds to T2V's count.
-The issue's target: a family's time ratio at most its FLOP ratio. Prints a table (with the load average), writes
-JSON and a plot.
+The target: a family's time ratio at most its FLOP ratio (its added modules cost at most their share of the FLOPs).
+Prints a table (with the load average), writes JSON and a plot.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ import torch
 
 from ..tiny.families import FAMILIES, FAMILY_NAMES
 from .cache import LAYOUTS
-from .common import check_repeats, measured_runs
+from .common import check_repeats, cpu_seconds, measured_runs
 
-CLIP_TOKENS = 257  # one image's CLIP vision tokens (Animate's character image)
 TEXT_TOKENS = 512  # umT5's padded prompt length, as ComfyUI hands it to the model
 CAMERA_MOTION = "zoom-in"
 
@@ -112,7 +111,7 @@ class FamilyCall:
 
 def build_call(family: str, model, runner, vae: str, args) -> FamilyCall:
     """A family's inputs at the run's size (``model``: its transformer, for its config)."""
-    from ..config import LATENT_CHANNELS, latent_shape
+    from ..config import CLIP_VISION_TOKENS, CLIP_VISION_WIDTH, LATENT_CHANNELS, latent_shape
 
     shape = latent_shape(args.width, args.height, args.frames, 2)
     generator = torch.Generator().manual_seed(0)
@@ -139,7 +138,7 @@ def build_call(family: str, model, runner, vae: str, args) -> FamilyCall:
         mask[:, :, 0] = 0.0  # the character image's frame is given
         concat = image_channels(model, image, mask, 0, (2, LATENT_CHANNELS, frames, h, w))
         fields = {"pose_latents": torch.randn(1, LATENT_CHANNELS, shape[2], h, w, generator=generator),
-                  "clip_fea": torch.randn(1, CLIP_TOKENS, 1280, generator=generator)}
+                  "clip_fea": torch.randn(1, CLIP_VISION_TOKENS, CLIP_VISION_WIDTH, generator=generator)}
         return replace(call, frames=frames, concat=concat, fields=fields, face_frames=args.frames)
     return call
 
@@ -227,12 +226,6 @@ def sample(runner, handle: str, call: FamilyCall, sigmas: torch.Tensor, cfg: flo
     return x
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    from .cache import _cpu_seconds as ranks_cpu_seconds
-
-    return ranks_cpu_seconds(pids)
-
-
 def time_layout(runner, handles: dict[str, str], calls: dict[str, FamilyCall], args, layout: str, run) -> dict:
     """Per family: seconds per step of each timed run (wall and the ranks' CPU), the runs interleaved across the
     families after a one-step warm-up each."""
@@ -249,10 +242,10 @@ def time_layout(runner, handles: dict[str, str], calls: dict[str, FamilyCall], a
             face = call.face(repeat + 1)  # a new face video: the ranks encode it once, in this run
             run(f"{layout}, {FAMILY_NAMES[family]}, run {repeat + 1}/{args.repeats}")
             pids = runner.pool.pids()
-            cpu_start, start = _cpu_seconds(pids), time.perf_counter()
+            cpu_start, start = cpu_seconds(pids), time.perf_counter()
             sample(runner, handles[family], call, sigmas, args.cfg, face)
             wall[family].append((time.perf_counter() - start) / args.steps)
-            cpu[family].append((_cpu_seconds(pids) - cpu_start) / args.steps)
+            cpu[family].append((cpu_seconds(pids) - cpu_start) / args.steps)
     return {"wall": wall, "cpu": cpu}
 
 
