@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -364,8 +365,9 @@ def run(args) -> list[dict]:
 
     layouts, families = check_arguments(args)
     root = args.models or cache_root() / "bench-families"
+    quiet = getattr(args, "quiet", False)
     paths = ensure_family_files(root, args.preset, tuple(families),
-                                say=lambda line: print(f"  {line}", flush=True))
+                                say=lambda line: quiet or print(f"bench families: {line}", file=sys.stderr, flush=True))
     if args.threads:
         os.environ["WANMESH_WORKER_THREADS"] = str(args.threads)
     load_before = os.getloadavg()
