@@ -166,7 +166,8 @@ class MotionDecoder(nn.Module):
 
 
 class MotionEncoder(nn.Module):
-    """Face frames [N, 3, 512, 512] in [-1, 1] -> motion vectors [N, 512]."""
+    """Face frames [N, 3, 512, 512] in [-1, 1] -> motion vectors [N, 512], ``MOTION_ENCODER_BATCH`` frames at a
+    time; each frame's vector depends on that frame only (``distributed/frame_split.py`` splits the frames)."""
 
     def __init__(self):
         super().__init__()
@@ -174,7 +175,8 @@ class MotionEncoder(nn.Module):
         self.dec = MotionDecoder()
 
     def forward(self, faces: torch.Tensor) -> torch.Tensor:
-        return self.dec.direction(self.enc.fc(self.enc.net_app(faces)))
+        return torch.cat([self.dec.direction(self.enc.fc(self.enc.net_app(part)))
+                          for part in faces.split(MOTION_ENCODER_BATCH)])
 
 
 # -- the face adapter ---------------------------------------------------------------------------------------------
@@ -302,7 +304,7 @@ class WanAnimateTransformer(WanTransformer3DModel):
         the latent's frame count, as native."""
         batch, channels, count = pixels.shape[:3]
         flat = pixels.transpose(1, 2).reshape(batch * count, channels, *pixels.shape[-2:])
-        motion = torch.cat([self.motion_encoder(part) for part in flat.split(MOTION_ENCODER_BATCH)])
+        motion = self.motion_encoder(flat)
         face = self.face_encoder(motion.view(batch, count, -1))
         face = torch.cat([face.new_zeros(batch, 1, *face.shape[2:]), face], dim=1)[:, :frames]
         missing = frames - face.shape[1]

@@ -110,7 +110,8 @@ class ResidentModels:
         return self._load(key, lambda: self._load_transformer(path, vace_module, torch_dtype, weights), (path, vace_module))
 
     def _load_transformer(self, path: str, vace_module: str | None, torch_dtype: torch.dtype, weights: str):
-        """The transformer, tensor-parallel when tp > 1, then with its sequence split when ring x ulysses > 1."""
+        """The transformer, tensor-parallel when tp > 1, then with its sequence split when ring x ulysses > 1, and
+        its per-frame encoders (Animate's motion encoder) split over the frames when tp x ring x ulysses > 1."""
         if self._degree("tp") * self._degree("ulysses") > 1:  # heads split over these: check before reading weights
             self.parallel.config.check_heads(transformer_heads(path, vace_module))
         if self._degree("tp") == 1:
@@ -125,6 +126,10 @@ class ResidentModels:
             from ..distributed.context_parallel import apply_context_parallel
 
             apply_context_parallel(model, ring_group=self.parallel.ring_group, ulysses_group=self.parallel.ulysses_group)
+        if self._degree("tp") * self._degree("ring") * self._degree("ulysses") > 1:  # the ranks of one pass
+            from ..distributed.frame_split import apply_frame_split
+
+            apply_frame_split(model, [self.parallel.tp_group, self.parallel.ring_group, self.parallel.ulysses_group])
         return model
 
     def load_vae(self, path: str, *, dtype: str = "auto") -> str:

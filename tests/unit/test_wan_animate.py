@@ -204,3 +204,21 @@ def test_the_wanmesh_sampler_gives_each_guidance_pass_its_own_animate_inputs() -
     assert unconditional["face_pixel_values"].eq(-1).all()
     for call in (conditional, unconditional):
         assert torch.equal(call["pose_latents"], normalize_latents(pose))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_the_frame_slices_cover_every_face_frame_once_in_order(ranks: int) -> None:
+    from wanmesh.parallel.distributed.frame_split import FrameSlice
+
+    for count in range(0, 10):
+        slices = [FrameSlice(count, index, ranks) for index in range(ranks)]
+        frames = [frame for piece in slices for frame in range(*piece.bounds())]
+        assert frames == list(range(count))
+        assert all(stop - start <= piece.local_len for piece in slices for start, stop in [piece.bounds()])
+
+
+def test_the_frame_split_plan_names_animate_s_motion_encoder_only() -> None:
+    from wanmesh.parallel.distributed.frame_split import frame_split_plan
+
+    assert frame_split_plan(build_empty(lambda: WanAnimateTransformer.from_config(NATIVE_ANIMATE))) == ("motion_encoder",)
+    assert frame_split_plan(torch.nn.Linear(2, 2)) == ()
