@@ -211,8 +211,13 @@ class LocalWorkers:
         return P.encode_message(request, self._writer.pack)
 
     def send_request(self, request_id: int, body: dict[str, Any]) -> None:
-        for conn in self.conns:
-            conn.send({"kind": "request", "id": request_id, "body": body})
+        """The request to every rank; a rank whose pipe is closed is dead (killed between calls, before the pool's
+        liveness check saw it) and raises RankDied, as poll() does, rather than the pipe's OSError."""
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send({"kind": "request", "id": request_id, "body": body})
+            except OSError:
+                raise RankDied(rank, _exit_detail(self._exit_code(rank))) from None
 
     def send_cancel(self, request_id: int) -> None:
         for conn in self.conns:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from native_scripts import NATIVE_VAE22
 from test_native_sampling import TOLERANCE, largest_difference
 
 from wanmesh.parallel.cli import generate as generate_module
@@ -44,7 +45,8 @@ vae_file, io_file, width, height, length, vae22_file, width_5b = sys.argv[1], sy
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
 comfy.options.enable_args_parsing()
-import torch, comfy.ldm.wan.vae2_2 as vae2_2, comfy.sd, comfy.utils
+""" + NATIVE_VAE22 + r"""
+import torch, comfy.sd, comfy.utils
 from comfy_extras.nodes_wan import WanFunControlToVideo, Wan22FunControlToVideo
 from safetensors.torch import load_file, save_file
 vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(vae_file))
@@ -60,13 +62,7 @@ save_file({"fun21_latents": options["concat_latent_image"].contiguous(),
            "fun22_mask": options22["concat_mask"].contiguous(),
            "fun22_mask_index": torch.tensor(options22["concat_mask_index"]),
            "fun22_reference": options22["reference_latents"][-1].contiguous()}, io_file)
-# Fun 5B: comfy/sd.py builds every Wan 2.2 VAE at the release widths; the tiny file's widths come from its shapes.
-sd = comfy.utils.load_torch_file(vae22_file)
-widths = {"dim": sd["encoder.conv1.weight"].shape[0], "dec_dim": sd["decoder.head.0.gamma"].shape[0]}
-release_sized = vae2_2.WanVAE
-vae2_2.WanVAE = lambda **config: release_sized(**{**config, **widths})
-vae22 = comfy.sd.VAE(sd=sd)
-vae22.first_stage_model.load_state_dict(sd, strict=True)
+vae22 = native_vae22(vae22_file)  # Fun 5B: the tiny Wan 2.2 VAE
 positive5b, _, latent5b = Wan22FunControlToVideo.execute(conditioning, conditioning, vae22, width_5b, height, length, 1,
                                                          ref_image=given["image"], control_video=given["control"]).result
 options5b = positive5b[0][1]

@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 import torch
 from comfyui_server import ComfyUIServer
+from native_scripts import NATIVE_VAE22
 from safetensors.torch import load_file, save_file
 from test_comfyui_server import run_successfully
-from test_native_sampling import (CFG, NATIVE_SHIFT, SEED, TOLERANCE, largest_difference, pool_and_prompts, pool_inputs,
+from test_native_sampling import (CFG, NATIVE_SHIFT, SEED, TOLERANCE, largest_difference, pool_and_prompts,
                                    save_latent, saved)
 
 MODEL_FILE = "wan22_tiny_ti2v.safetensors"
@@ -178,16 +179,10 @@ vae_file, io_file, width, height, length, batch = sys.argv[1], sys.argv[2], *map
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
 comfy.options.enable_args_parsing()
-import comfy.ldm.wan.vae2_2 as vae2_2, comfy.sd, comfy.utils
+""" + NATIVE_VAE22 + r"""
 from comfy_extras.nodes_wan import Wan22ImageToVideoLatent
 from safetensors.torch import load_file, save_file
-sd = comfy.utils.load_torch_file(vae_file)
-# comfy/sd.py builds every Wan 2.2 VAE at the release widths; the tiny file's widths come from its shapes.
-widths = {"dim": sd["encoder.conv1.weight"].shape[0], "dec_dim": sd["decoder.head.0.gamma"].shape[0]}
-release_sized = vae2_2.WanVAE
-vae2_2.WanVAE = lambda **config: release_sized(**{**config, **widths})
-vae = comfy.sd.VAE(sd=sd)
-vae.first_stage_model.load_state_dict(sd, strict=True)
+vae = native_vae22(vae_file)
 start = load_file(io_file)["start"]
 (latent,) = Wan22ImageToVideoLatent.execute(vae, width, height, length, batch, start_image=start).result
 (empty,) = Wan22ImageToVideoLatent.execute(vae, width, height, length, batch).result

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from native_scripts import NATIVE_VAE22
 
 TILE_PX, OVERLAP_PX = 64, 16  # native VAEDecodeTiled's smallest tile: 4 latents, overlap 1 latent at 16 px a latent
 LATENT_SHAPE = (1, 48, 2, 5, 6)  # 80x96 px, 5 frames: 2x2 tiles of 64 px; odd latent height
@@ -36,17 +37,11 @@ vae_file, io_file, tile, overlap = sys.argv[1], sys.argv[2], int(sys.argv[3]), i
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
 comfy.options.enable_args_parsing()
-import torch, comfy.latent_formats, comfy.ldm.wan.vae2_2 as vae2_2, comfy.sd, comfy.utils, nodes
+""" + NATIVE_VAE22 + r"""
+import torch, comfy.latent_formats, nodes
 from safetensors.torch import load_file, save_file
-sd = comfy.utils.load_torch_file(vae_file)
-# comfy/sd.py builds every Wan 2.2 VAE at the release widths (160 / 256); the tiny file's widths come from its shapes.
-widths = {"dim": sd["encoder.conv1.weight"].shape[0], "dec_dim": sd["decoder.head.0.gamma"].shape[0]}
-release_sized = vae2_2.WanVAE
-vae2_2.WanVAE = lambda **config: release_sized(**{**config, **widths})
-vae = comfy.sd.VAE(sd=sd)
-assert isinstance(vae.first_stage_model, release_sized) and vae.latent_channels == 48, "not detected as Wan 2.2"
+vae = native_vae22(vae_file)  # every tensor of the file is a weight, none is missing
 assert (vae.spacial_compression_decode(), vae.spacial_compression_encode()) == (16, 16)
-vae.first_stage_model.load_state_dict(sd, strict=True)  # every tensor of the file is a weight, none is missing
 assert vae.vae_dtype == torch.float32, vae.vae_dtype
 inputs = load_file(io_file)
 latent = {"samples": inputs["latents"]}

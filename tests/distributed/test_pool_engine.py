@@ -73,3 +73,19 @@ def test_world_two_serves_the_engine_like_one_engine(tiny, reference, monkeypatc
 
         pool.call(P.Unload())
         assert all(r["loaded"] == [] for r in pool.health().ranks)
+
+
+def test_a_request_to_a_rank_killed_between_calls_names_the_rank(monkeypatch):
+    """A rank killed between calls, before the pool's liveness check has seen it (the check is held off here): the
+    next request finds the rank's pipe closed when it is sent, and the call raises WorkerDied naming the rank, not
+    the pipe's BrokenPipeError; the call after starts a fresh pool."""
+    with cpu_pool(world=2) as pool:
+        pool.health()
+        backend = pool._backend
+        monkeypatch.setattr(backend, "check_alive", lambda: None)
+        os.kill(pool.pids()[1], signal.SIGKILL)
+        backend.procs[1].wait(timeout=30)
+        with pytest.raises(WorkerError, match="WorkerDied") as died:
+            pool.health()
+        assert died.value.rank == 1, died.value
+        assert len(pool.health().ranks) == 2
