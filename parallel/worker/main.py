@@ -84,8 +84,17 @@ def driver_gone(parent_pid: int, settle: bool = True) -> bool:
     return os.getppid() != parent_pid
 
 
+# Held while this process creates a shared-memory segment, and taken for good by _leave before its cleanup: a
+# segment made by one thread (a streaming chunk, a reply) just after another thread's cleanup listed the segments
+# would outlive the process; with the lock, creation either ends before the cleanup (which removes it) or waits
+# for the exit.
+SEGMENT_CREATION = threading.RLock()
+LEAVE_WAIT_S = 10.0  # creating a segment takes milliseconds; never wait for ever to leave
+
+
 def _leave(cleanup: Callable[[], None], code: int = 1) -> None:
     try:
+        SEGMENT_CREATION.acquire(timeout=LEAVE_WAIT_S)
         cleanup()
     finally:
         os._exit(code)
@@ -178,8 +187,9 @@ class LocalWorker:
                                 lambda fields: self._send_progress(request_id, fields))
 
     def _pack_reply(self, reply: P.Reply) -> dict[str, Any]:
-        self.writer.reserve(P.tensors_in(reply))
-        return P.encode_message(reply, self.writer.pack)
+        with SEGMENT_CREATION:
+            self.writer.reserve(P.tensors_in(reply))
+            return P.encode_message(reply, self.writer.pack)
 
     def _send_progress(self, request_id: int, fields: dict[str, Any]) -> None:
         chunk = fields.get("chunk")
@@ -188,7 +198,8 @@ class LocalWorker:
             # takes over, not through the pipe: pickling them there would hold this rank, and so every rank at
             # its next collective, for as long as the driver takes to read them.
             self._chunks_sent += 1
-            fields = {**fields, "chunk": pack_handed_over(chunk, f"{self.shm_prefix}_r0c{self._chunks_sent}")}
+            with SEGMENT_CREATION:
+                fields = {**fields, "chunk": pack_handed_over(chunk, f"{self.shm_prefix}_r0c{self._chunks_sent}")}
         self.send({"kind": "progress", "id": request_id, **fields})
 
 
