@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .groups import optional_group_size_and_rank
+from .groups import all_gather_nested, optional_group_size_and_rank
 from .attention import ring_attention, ulysses_attention
 from ..config import check_head_split
 
@@ -63,14 +63,19 @@ class SequenceShard:
     def padded_len(self) -> int:
         return self.local_len * self.count
 
+    def bounds(self) -> tuple[int, int]:
+        """Where this rank's slice lies in the unpadded sequence (fewer than ``local_len`` at the end, possibly none)."""
+        start = min(self.index * self.local_len, self.valid_len)
+        return start, min(start + self.local_len, self.valid_len)
+
     def local_slice(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's slice of ``full`` (the whole, unpadded sequence along ``dim``), zero-padded at the end."""
         if full.shape[dim] != self.valid_len:
             raise ValueError(
                 f"expected the whole sequence of {self.valid_len} tokens along dim {dim}, got shape {tuple(full.shape)}"
             )
-        start = self.index * self.local_len
-        piece = full.narrow(dim, min(start, self.valid_len), max(0, min(self.local_len, self.valid_len - start)))
+        start, stop = self.bounds()
+        piece = full.narrow(dim, start, stop - start)
         missing = self.local_len - piece.shape[dim]
         if missing == 0:
             return piece
@@ -229,13 +234,8 @@ class ContextParallel:
 
     def _gather_output(self, module, args, output: torch.Tensor) -> torch.Tensor:
         shard = self.current_shard()
-        gathered = output.contiguous()
         # Ulysses first: its ranks hold neighbouring slices (i * u + j), then whole ring chunks.
-        for group, size in ((self.ulysses_group, self.ulysses_size), (self.ring_group, self.ring_size)):
-            if group is not None:
-                pieces = [torch.empty_like(gathered) for _ in range(size)]
-                dist.all_gather(pieces, gathered, group=group)
-                gathered = torch.cat(pieces, dim=1)
+        gathered = all_gather_nested(output, [self.ulysses_group, self.ring_group], dim=1)
         self.shard = None
         return gathered[:, : shard.valid_len]
 

@@ -11,20 +11,21 @@ result equals the unsplit one up to float reassociation of the batched convoluti
 Applied from outside the model as two hooks on the encoder module (a pre-hook that keeps this rank's frames, a
 hook that gathers the outputs); the model code is unchanged. Ranks are ordered as in the mesh: tp varies
 fastest, then ring, then Ulysses, so slice ``(u * ring + r) * tp + t`` belongs to the rank at (u, r, t), and the
-gathers run innermost group first. Uneven counts: every rank takes ``ceil(N / ranks)`` frames (the last ones
-fewer, possibly none) and pads its output to that many rows before the gather; the padding is cut after it.
+gathers run innermost group first. Uneven counts are cut as the token split cuts them (``SequenceShard``): every
+rank takes ``ceil(N / ranks)`` frames (the last ones fewer, possibly none) and pads its output to that many rows
+before the gather; the padding is cut after it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .groups import optional_group_size_and_rank
+from .context_parallel import SequenceShard
+from .groups import all_gather_nested, optional_group_size_and_rank
 
 __all__ = ["FrameSplit", "apply_frame_split", "frame_split_plan"]
 
@@ -37,58 +38,36 @@ def frame_split_plan(model: nn.Module) -> tuple[str, ...]:
     return tuple(path for path in PER_FRAME_MODULES if hasattr(model, path))
 
 
-@dataclass(frozen=True)
-class FrameSlice:
-    """``count`` frames cut into ``ranks`` slices of ``local_len``; this rank holds slice ``index``."""
-
-    count: int
-    index: int
-    ranks: int
-
-    @property
-    def local_len(self) -> int:
-        return -(-self.count // self.ranks)
-
-    def bounds(self) -> tuple[int, int]:
-        start = min(self.index * self.local_len, self.count)
-        return start, min(start + self.local_len, self.count)
-
-
 class FrameSplit:
     """One rank's frame split over ``groups`` (innermost first, e.g. tp, ring, Ulysses); groups of one rank or
     ``None`` are left out."""
 
     def __init__(self, groups: list[dist.ProcessGroup | None]):
-        self.groups: list[tuple[dist.ProcessGroup, int]] = []
+        self.groups: list[dist.ProcessGroup] = []
         self.index, stride = 0, 1
         for group in groups:
             size, rank = optional_group_size_and_rank(group)
             if size > 1:
-                self.groups.append((group, size))
+                self.groups.append(group)
                 self.index += rank * stride
                 stride *= size
         self.ranks = stride
-        self._pending: list[FrameSlice] = []
+        self._pending: list[SequenceShard] = []
         self._handles: list[Any] = []
 
     def _keep_local_frames(self, module, args):
         frames, *rest = args
-        frame_slice = FrameSlice(frames.shape[0], self.index, self.ranks)
+        frame_slice = SequenceShard(valid_len=frames.shape[0], index=self.index, count=self.ranks)
         self._pending.append(frame_slice)
         start, stop = frame_slice.bounds()
         return (frames[start:stop], *rest)
 
     def _gather_frames(self, module, args, output: torch.Tensor) -> torch.Tensor:
         frame_slice = self._pending.pop()
-        local = output.contiguous()
-        missing = frame_slice.local_len - local.shape[0]
+        missing = frame_slice.local_len - output.shape[0]
         if missing:
-            local = torch.cat([local, local.new_zeros(missing, *local.shape[1:])])
-        for group, size in self.groups:
-            pieces = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(pieces, local, group=group)
-            local = torch.cat(pieces)
-        return local[: frame_slice.count]
+            output = torch.cat([output, output.new_zeros(missing, *output.shape[1:])])
+        return all_gather_nested(output, self.groups, dim=0)[: frame_slice.valid_len]
 
     def install(self, model: nn.Module, paths: tuple[str, ...]) -> None:
         for path in paths:

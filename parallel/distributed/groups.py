@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -23,3 +24,16 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
 def optional_group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """Like :func:`group_size_and_rank`, but ``None`` means "not split along this dimension": (1, 0)."""
     return (1, 0) if group is None else group_size_and_rank(group)
+
+
+def all_gather_nested(tensor: torch.Tensor, groups: list[dist.ProcessGroup | None], dim: int) -> torch.Tensor:
+    """``tensor`` (this rank's slice) joined with every rank's along ``dim``, one group after another, innermost
+    first: each group's ranks hold neighbouring pieces of what the gathers before it joined. ``None`` groups (no
+    split along that dimension) are skipped."""
+    for group in groups:
+        if group is None:
+            continue
+        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        tensor = torch.cat(pieces, dim=dim)
+    return tensor

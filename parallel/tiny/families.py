@@ -92,12 +92,7 @@ def _family_state(family: str, config: dict) -> dict[str, torch.Tensor]:
 
 
 def _vae_state() -> dict[str, torch.Tensor]:
-    """The tiny VAE's weights (``models.build_tiny_models``' seed) in the released layout."""
-    from diffusers import AutoencoderKLWan
-    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    """The tiny VAE's weights in the released layout."""
+    from .models import build_tiny_vae, original_vae_state
 
-    from .models import SEED, TINY_VAE, original_state_dict, original_vae_names, randomise_
-
-    vae = AutoencoderKLWan(**TINY_VAE)
-    randomise_(vae, SEED + 2)
-    return original_state_dict(vae.eval(), original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers)
+    return original_vae_state(build_tiny_vae())

@@ -169,8 +169,7 @@ def build_tiny_models(seed: int = SEED) -> TinyModels:
     vace = WanVACETransformer3DModel(**TINY_VACE)
     vace.load_state_dict(t2v.state_dict(), strict=False)
     randomise_(vace, seed + 1, only=lambda name: name.startswith("vace_"))
-    vae = AutoencoderKLWan(**TINY_VAE)
-    randomise_(vae, seed + 2)
+    vae = build_tiny_vae(seed)
     spiece_model = train_tokenizer()
     vocab_size = sentencepiece.SentencePieceProcessor(model_proto=spiece_model).get_piece_size()
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=vocab_size, **TINY_UMT5))
@@ -178,6 +177,18 @@ def build_tiny_models(seed: int = SEED) -> TinyModels:
     for model in (t2v, vace, vae, text_encoder):
         model.eval().requires_grad_(False)
     return TinyModels(t2v, vace, vae, text_encoder, spiece_model)
+
+
+def build_tiny_vae(seed: int = SEED) -> AutoencoderKLWan:
+    """The tiny Wan 2.1 VAE (``build_tiny_models``' own, the same weights for the same seed)."""
+    vae = AutoencoderKLWan(**TINY_VAE)
+    randomise_(vae, seed + 2)
+    return vae.eval().requires_grad_(False)
+
+
+def original_vae_state(vae: AutoencoderKLWan) -> dict[str, torch.Tensor]:
+    """A tiny Wan 2.1 VAE's weights in the released key layout."""
+    return original_state_dict(vae, original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers)
 
 
 def build_tiny_low_noise_expert(seed: int = SEED) -> WanTransformer3DModel:
@@ -357,7 +368,7 @@ def _write_scaled_fp8(state: dict[str, torch.Tensor], path: Path, heads: dict[st
 
 
 def _write_vae_and_text_encoder(models: TinyModels, paths: dict[str, Path]) -> None:
-    vae_state = original_state_dict(models.vae, original_vae_names(TINY_VAE), convert_wan_vae_to_diffusers)
+    vae_state = original_vae_state(models.vae)
     save_tensors_atomic(vae_state, paths["vae"])
     save_tensors_atomic(original_text_encoder_state(models.text_encoder, models.spiece_model), paths["text_encoder"])
 

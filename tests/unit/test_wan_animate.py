@@ -208,10 +208,10 @@ def test_the_wanmesh_sampler_gives_each_guidance_pass_its_own_animate_inputs() -
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_the_frame_slices_cover_every_face_frame_once_in_order(ranks: int) -> None:
-    from wanmesh.parallel.distributed.frame_split import FrameSlice
+    from wanmesh.parallel.distributed.context_parallel import SequenceShard
 
     for count in range(0, 10):
-        slices = [FrameSlice(count, index, ranks) for index in range(ranks)]
+        slices = [SequenceShard(valid_len=count, index=index, count=ranks) for index in range(ranks)]
         frames = [frame for piece in slices for frame in range(*piece.bounds())]
         assert frames == list(range(count))
         assert all(stop - start <= piece.local_len for piece in slices for start, stop in [piece.bounds()])
