@@ -51,6 +51,7 @@ from typing import Callable
 import torch
 
 from .common import Timing, time_interleaved
+from .gpu_sampling_check import check_half_precision_sampling
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DEADLINE_S = 330.0
@@ -953,7 +954,8 @@ def _device_info(device: torch.device) -> dict:
 
 CHECKS = (("cuda_tests", 90, check_cuda_tests), ("world1_vs_cpu", 75, check_world1_vs_cpu),
           ("attention_backends", 30, check_attention_backends), ("quantized_layers", 30, check_quantized_layers),
-          ("vae_decode", 40, check_vae_decode), ("two_ranks", 90, check_two_ranks))
+          ("vae_decode", 40, check_vae_decode), ("two_ranks", 90, check_two_ranks),
+          ("half_precision_sampling", 60, check_half_precision_sampling))
 MEASUREMENTS = (("transformer_step", 150, measure_transformer_step), ("quantized_step", 60, measure_quantized_step),
                 ("load_time", 30, measure_load), ("vae_decode_time", 40, measure_vae_decode),
                 ("torch_compile", 100, measure_compile))

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -241,13 +242,20 @@ def weights_words(args, model: str) -> str:
     from ..validation import TRANSFORMER_KINDS, inspect_model_file
 
     info = inspect_model_file(model, "--model", TRANSFORMER_KINDS)
-    counts: dict[str, int] = {}
-    for dtype in info.dtypes.values():
-        counts[str(dtype)] = counts.get(str(dtype), 0) + 1
-    stored = max(counts, key=counts.get) if counts else "as in the folder"
+    stored = stored_type_by_elements(info.dtypes, info.shapes)
     quantized = stored.startswith("F8") or (Path(model).suffix.lower() == ".gguf")
     held = ("kept quantized" if args.weights == "keep" else "dequantized at load") if quantized else "as stored"
     return f"{stored} file, {held}, compute dtype {args.dtype}"
+
+
+def stored_type_by_elements(dtypes: dict[str, str], shapes: dict[str, tuple[int, ...]]) -> str:
+    """The stored type holding most of a file's weights (by element count, not tensor count: a scaled-fp8 file has
+    more bf16 norms and scales than fp8 matrices, yet nearly all its bytes are fp8); "as in the folder" when the
+    header names no types (diffusers folders)."""
+    elements: dict[str, int] = {}
+    for name, dtype in dtypes.items():
+        elements[str(dtype)] = elements.get(str(dtype), 0) + math.prod(shapes.get(name, ()))
+    return max(elements, key=elements.get) if elements else "as in the folder"
 
 
 def step_estimate(args, model: str, config: ParallelConfig) -> str | None:

@@ -1,7 +1,9 @@
 """How the loaded Wan transformer takes its inputs as native Wan takes them; runs in the workers.
 
-Forward hooks on diffusers' ``WanTransformer3DModel`` (and the VACE model): latents of any size are padded to the
-patch grid and the output cropped back; image-to-video models get native text lengths and first-last-frame image
+Forward hooks on diffusers' ``WanTransformer3DModel`` (and the VACE model): every floating input is cast to the
+model's compute dtype at its edge (``compute_dtype``: bf16 / fp16 weights take bf16 / fp16 inputs, as ComfyUI's
+``apply_model`` casts them; timesteps stay float32 for the fp32 time embedding); latents of any size are padded to
+the patch grid and the output cropped back; image-to-video models get native text lengths and first-last-frame image
 tokens, and without CLIP vision tokens attend to the text in their image cross-attention as native Wan does; a
 model with a ``ref_conv`` (Wan 2.2 Fun) takes a reference latent (``reference.py``). Applied by the loaders after
 the weights are in.
@@ -29,6 +31,44 @@ def with_native_inputs(model: torch.nn.Module) -> torch.nn.Module:
         if getattr(model.config, "pos_embed_seq_len", None):
             embed_image_tokens_natively(model.condition_embedder.image_embedder)
     return model
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a loaded transformer computes in: its patch embedding's (the layer every input meets first; the
+    modules diffusers keeps in float32, the time embedding and the norms, and weights kept quantized say nothing of
+    it), else its first floating parameter's (models without a patch embedding: test doubles)."""
+    patch_embedding = getattr(model, "patch_embedding", None)
+    if patch_embedding is not None:
+        return patch_embedding.weight.dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+UNCAST_INPUTS = ("timestep",)  # the time embedding runs in float32 (diffusers keeps it so); it casts for itself
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """``value`` with its floating tensors (also inside lists, tuples and dicts) in ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: cast_floating(item, dtype) for key, item in value.items()}
+    return value
+
+
+def cast_inputs_to_compute_dtype(model: torch.nn.Module) -> None:
+    """Every floating input of a forward (latents, text and image tokens, VACE contexts and scales, image, reference,
+    pose, face and camera inputs) cast to the model's ``compute_dtype``, the one place where inputs meet the model's
+    dtype; the hook runs before every other pre-hook. Timesteps are left as given."""
+
+    def cast(module, args, kwargs):
+        dtype = compute_dtype(module)
+        kwargs = {name: value if name in UNCAST_INPUTS else cast_floating(value, dtype)
+                  for name, value in kwargs.items()}
+        return cast_floating(args, dtype), kwargs
+
+    model.register_forward_pre_hook(cast, with_kwargs=True, prepend=True)
 
 
 def pad_text_for_image_tokens(model: torch.nn.Module) -> None:

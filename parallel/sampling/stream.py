@@ -48,6 +48,7 @@ from ..config import (check_stream_layout, check_stream_options, check_stream_st
                       stream_chunks)
 from ..errors import Cancelled
 from ..networks.causal import CacheWindow, CausalWan, LocalAttention
+from ..networks.wan_inputs import compute_dtype
 from .guidance import combine_guidance
 from .latents import check_finite, denormalize_latents, normalize_latents, seeded_noise
 
@@ -136,8 +137,7 @@ def sample_stream(
     start_frames = 0 if start_latent is None else check_stream_start_latent(start_latent, latent_shape, kv_window, sink)
     strategy = _attention_strategy(model, plan, fused_all_to_all)
     _check_model(model)
-    parameter = next(model.parameters())
-    device, dtype = parameter.device, parameter.dtype
+    device, dtype = next(model.parameters()).device, compute_dtype(model)
     branches = [("positive", positive.to(device=device, dtype=dtype))]
     if guidance_scale != 1.0:
         branches.append(("negative", negative.to(device=device, dtype=dtype)))

@@ -20,6 +20,7 @@ from ..errors import Cancelled
 from ..distributed.patch_parallel import effective_patch_size
 from ..networks.frames import centre_crop, frames_to_pixels, pixels_to_frames
 from ..networks.vae_tiling import decode_raw, spatial_factor, tiled_decode, tiled_encode
+from ..networks.wan_inputs import compute_dtype
 from ..protocol import SampleRequest
 from ..sampling.guidance import guidance_for
 from ..vace.encode import encode_vace
@@ -67,7 +68,7 @@ class RankExecutor(ResidentModels):
         model = self._get(request.handle, "model")
         low_model = low_noise_expert(self, request, model)
         check_conditioning(model, request)
-        dtype = next(model.parameters()).dtype
+        dtype = compute_dtype(model)
         rows = self._batch_rows(request.latent.shape[0])
         caches = self._sampling_caches(request, [model, low_model])
         with caches or contextlib.nullcontext():
@@ -137,7 +138,7 @@ class RankExecutor(ResidentModels):
         self.apply_loras(request.handle, request.loras)
         model = self._get(request.handle, "model")
         check_text_width(model, "context", [request.context[0]])
-        dtype = next(model.parameters()).dtype
+        dtype = compute_dtype(model)
         batch = request.latent.shape[0]
         rows = self._replica_rows(batch)
         self._call_cache(model, request, batch)

@@ -15,6 +15,7 @@ import torch
 
 from ..networks.frames import pixels_to_frames
 from ..networks.vae_stream import StreamingVaeDecoder
+from ..networks.wan_inputs import compute_dtype
 from ..protocol import StreamSample
 from ..sampling.loop import text_context
 
@@ -51,7 +52,7 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
     from ..cache_settings import cache_settings
     from ..sampling.stream import sample_stream, stream_sigmas  # the causal model code loads with the request
 
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     batch = request.latent.shape[0]
     positive = text_context(request.positive, batch, dtype, device)
     negative = text_context(request.negative, batch, dtype, device) if request.guidance_scale != 1.0 else None

@@ -16,6 +16,11 @@ into the session's models tree, which the ComfyUI server of this module serves.
   line and the node give the same latents for the same graph. The 2024 ComfyUI lists every kind (its transformer
   folders are ``unet`` plus ``diffusion_models``) and runs the representative ones as the recent one does.
 
+Compute dtypes: the representative kinds also run in bf16 (and the float file in fp16), through the command line
+(``--dtype``), the Model Loader on one rank and on the tp 2 pool; each within ``COMPUTE_BARS`` of the same file
+computed in fp32 (and differing from it: the dtype reached the ranks), tp 2 within ``COMPUTE_TP_BARS`` of one rank
+in the same dtype.
+
 Each kind's latents stay within its error bar of the float file's (``model_kinds``: exact for the same float32
 weights, close for fp16/bf16, fp8 and Q8_0, looser for 5 bits, loosest for 4 bits and fewer); another seed lands
 far outside every bar, so the comparison can fail.
@@ -58,6 +63,12 @@ STREAM_KINDS = ("fp8_scaled", "gguf_Q4_K")
 TWO_EXPERTS = ("fp8_e4m3fn", "gguf_Q4_0")  # --model, --model-low
 CROSS_ROUTE = 1e-5  # the same graph through the command line and through the node, or in and out of process
 UNET_ONLY_FILE = "wan_tiny_t2v_unet_only_Q8_0.gguf"
+# Compute dtypes (--dtype, the loader's dtype): relative error bars against the same file computed in fp32, and of
+# tp 2 against one rank in the same dtype. Measured here: bf16 about 1e-2, fp16 1.5e-3; tp 2 in bf16 below 1e-2.
+COMPUTE_CASES = (("bf16", "bf16"), ("fp8_scaled", "bf16"), ("gguf_Q8_0", "bf16"), ("fp32", "fp16"))
+COMPUTE_BARS = {"bf16": 0.05, "fp16": 0.01}
+COMPUTE_TP_BARS = {"bf16": 0.03, "fp16": 0.006}
+HALF_DIFFERS = 1e-4  # a half-precision run differs from fp32 at least this much: the dtype reached the ranks
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +117,8 @@ def _cli_commands(kinds: WrittenKinds) -> dict[str, Any]:
     lora = ["--lora", f"{tree / 'loras' / LORA[0]}:{LORA[1]}"]
     commands = {f"{name}:keep": (lambda out, name=name: _generate(tree, out, kinds.path(name)))
                 for name in KINDS}
+    commands.update({f"{name}:keep:{dtype}": (lambda out, name=name, dtype=dtype: _generate(
+        tree, out, kinds.path(name), "--dtype", dtype)) for name, dtype in COMPUTE_CASES})
     commands.update({
         f"{name}:dequantize": (lambda out, name=name: _generate(tree, out, kinds.path(name), "--weights", "dequantize"))
         for name in CLI_DEQUANTIZE})
@@ -180,6 +193,26 @@ def test_generate_runs_every_kind_close_to_the_float_file(kinds, cli, name):
     error = relative_error(_latents(cli, f"{name}:keep"), _latents(cli, f"{FLOAT_KIND}:keep"))
     print(f"wanmesh generate --model {name}: relative error {error:.3g} (bar {KINDS[name].bar})")
     assert error <= KINDS[name].bar, f"{name}: relative error {error:.3g} over its bar {KINDS[name].bar}"
+
+
+def _check_compute_dtype(results: dict, name: str, dtype: str) -> None:
+    """The file computed in ``dtype`` against the same file in fp32: within the dtype's bar, and not equal."""
+    error = relative_error(results[f"{name}:keep:{dtype}"], results[f"{name}:keep"])
+    print(f"{name} computed in {dtype}: relative error {error:.3g} against fp32 (bar {COMPUTE_BARS[dtype]})")
+    assert HALF_DIFFERS < error <= COMPUTE_BARS[dtype], f"{name} in {dtype}: relative error {error:.3g} to fp32"
+
+
+@pytest.mark.parametrize("name, dtype", COMPUTE_CASES)
+def test_generate_computes_in_the_given_dtype(kinds, cli, name, dtype):
+    latents = {case: _latents(cli, case) for case in (f"{name}:keep", f"{name}:keep:{dtype}")}
+    _check_compute_dtype(latents, name, dtype)
+    assert f"compute dtype {dtype}" in cli[f"{name}:keep:{dtype}"]["stderr"]
+
+
+def test_the_plan_line_names_the_type_holding_most_weights(kinds, cli):
+    """A scaled-fp8 file holds more bf16 norms than fp8 matrices, but nearly all its bytes are fp8."""
+    assert "F8_E4M3 file, kept quantized, compute dtype bf16" in cli["fp8_scaled:keep:bf16"]["stderr"]
+    assert "Q8_0 file, kept quantized, compute dtype bf16" in cli["gguf_Q8_0:keep:bf16"]["stderr"]
 
 
 @pytest.mark.parametrize("name", CLI_DEQUANTIZE)
@@ -261,8 +294,8 @@ class Graph:
                                                                  "batch_size": 1})
 
     def add(self, case: str, model_name: str, weights: str = "keep", vace_module: str = "none",
-            lora: tuple[str, float] | None = None, seed: int | None = None) -> None:
-        model = self.w.node("WanMeshModelLoader", [0, 0], {"model_name": model_name, "dtype": "auto",
+            lora: tuple[str, float] | None = None, seed: int | None = None, dtype: str = "auto") -> None:
+        model = self.w.node("WanMeshModelLoader", [0, 0], {"model_name": model_name, "dtype": dtype,
                                                            "vace_module": vace_module, "weights": weights},
                             {"pool": (self.pool, 0)})
         if lora is not None:
@@ -308,6 +341,8 @@ def node_matrix(kinds: WrittenKinds, recent_comfyui_server: ComfyUIServer, info)
             graph.add(f"{name}:{mode}", kinds.comfy_name(name), mode)
     float_name = kinds.comfy_name(FLOAT_KIND)
     graph.add("other_seed", float_name, seed=SEED + 1)
+    for name, dtype in COMPUTE_CASES:
+        graph.add(f"{name}:keep:{dtype}", kinds.comfy_name(name), dtype=dtype)
     graph.add("unet_only", UNET_ONLY_FILE)
     graph.add("scales_without_marker", SCALES_WITHOUT_MARKER.removeprefix("diffusion_models/"))
     for name in (FLOAT_KIND, *QUANTIZED_FOR_PATHS):
@@ -347,6 +382,11 @@ def test_another_seed_lands_far_outside_every_bar(node_matrix):
 def test_a_file_in_the_unet_folder_and_scales_without_the_marker_load(node_matrix):
     assert torch.equal(node_matrix["unet_only"], node_matrix["gguf_Q8_0:keep"])
     assert torch.equal(node_matrix["scales_without_marker"], node_matrix["fp8_scaled:keep"])
+
+
+@pytest.mark.parametrize("name, dtype", COMPUTE_CASES)
+def test_the_model_loader_computes_in_the_given_dtype(node_matrix, name, dtype):
+    _check_compute_dtype(node_matrix, name, dtype)
 
 
 @pytest.mark.parametrize("name", QUANTIZED_FOR_PATHS)
@@ -396,6 +436,8 @@ def node_tp2(kinds: WrittenKinds, node_matrix, recent_comfyui_server: ComfyUISer
     graph = Graph(info, {**SINGLE_RANK_POOL, "devices": "cpu:2", "world": 2, "tp": 2})
     for name in TP2_KINDS:
         graph.add(name, kinds.comfy_name(name))
+    for name, dtype in COMPUTE_CASES:
+        graph.add(f"{name}:keep:{dtype}", kinds.comfy_name(name), dtype=dtype)
     return graph.run(recent_comfyui_server, "tp 2")
 
 
@@ -403,6 +445,13 @@ def node_tp2(kinds: WrittenKinds, node_matrix, recent_comfyui_server: ComfyUISer
 def test_tp2_gives_the_one_rank_latents(kinds, node_matrix, node_tp2, name):
     difference = (node_tp2[name] - node_matrix[f"{name}:keep"]).abs().max()
     assert difference <= TP_TOLERANCE, f"{name}: tp 2 differs from one rank by {difference:.3g}"
+
+
+@pytest.mark.parametrize("name, dtype", COMPUTE_CASES)
+def test_tp2_in_half_precision_is_close_to_one_rank(node_matrix, node_tp2, name, dtype):
+    case = f"{name}:keep:{dtype}"
+    error = relative_error(node_tp2[case], node_matrix[case])
+    assert error <= COMPUTE_TP_BARS[dtype], f"{case}: tp 2 differs from one rank by {error:.3g}"
 
 
 # == the 2024 ComfyUI =========================================================================================

@@ -63,8 +63,10 @@ def ksampler(model: list, positive: list, negative: list, latent: list, sampler:
         "steps": STEPS, "cfg": CFG, "sampler_name": sampler, "scheduler": scheduler, "denoise": 1.0}}
 
 
-def twin_prompt(layout: dict[str, Any], model_file: str = MODEL_FILE, pairs=SAMPLERS, seed: int = SEED) -> dict[str, Any]:
-    """Native and WanMesh KSamplers side by side; node ``n{i}`` / ``w{i}`` save the latents of pair i."""
+def twin_prompt(layout: dict[str, Any], model_file: str = MODEL_FILE, pairs=SAMPLERS, seed: int = SEED,
+                wanmesh_dtype: str = "fp32") -> dict[str, Any]:
+    """Native and WanMesh KSamplers side by side; node ``n{i}`` / ``w{i}`` save the latents of pair i; the WanMesh
+    Model Loader computes in ``wanmesh_dtype``."""
     prompt: dict[str, Any] = {
         "pool": {"class_type": "WanMeshPool", "inputs": pool_inputs(layout)},
         "te": {"class_type": "WanMeshTextEncoderLoader",
@@ -73,7 +75,7 @@ def twin_prompt(layout: dict[str, Any], model_file: str = MODEL_FILE, pairs=SAMP
         "neg": {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": ["te", 0], "text": "blurry"}},
         "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": model_file, "weight_dtype": "default"}},
         "wm": {"class_type": "WanMeshModelLoader",
-               "inputs": {"model_name": model_file, "dtype": "fp32", "pool": ["pool", 0]}},
+               "inputs": {"model_name": model_file, "dtype": wanmesh_dtype, "pool": ["pool", 0]}},
         "wmodel": {"class_type": "WanMeshNativeModel", "inputs": {"model": ["wm", 0]}},
         "latent": {"class_type": "EmptyHunyuanLatentVideo",
                    "inputs": {"width": WIDTH, "height": HEIGHT, "length": LENGTH, "batch_size": 1}},
@@ -180,6 +182,29 @@ def test_native_samplers_on_layout_auto_choose_the_layout_once_per_size(recent_c
     tables = re.findall(rf"WanMesh Native Model: auto layout \({WIDTH}x{HEIGHT}, {LENGTH} frames, (\d+) steps\)", log)
     assert tables, f"no auto layout table from a native sampler's model call in the log:\n{log[-3000:]}"
     assert tables == [str(STEPS)], f"{len(tables)} tables (steps {tables}): the layout was chosen more than once"
+
+
+BF16_BAR, BF16_LAYOUT_BAR = 0.05, 0.03  # relative errors: bf16 against native fp32; tp 2 against world 1 in bf16
+BF16_PAIRS = (("uni_pc", "simple"), ("euler_ancestral", "normal"))
+
+
+def test_the_native_model_computes_in_bf16_on_every_layout(recent_comfyui_server: ComfyUIServer) -> None:
+    """The WanMesh Model Loader's dtype bf16 reaches ComfyUI's KSampler through the native MODEL (the GPU default):
+    world 1 within BF16_BAR of the native fp32 model (and not equal to it), tp 2 and cfg parallel within
+    BF16_LAYOUT_BAR of world 1."""
+    latents = {}
+    for name in ("world1", "tp2", "cfg_parallel2"):
+        result = run_successfully(recent_comfyui_server, twin_prompt(LAYOUTS[name], pairs=BF16_PAIRS,
+                                                                     seed=SEED + 7, wanmesh_dtype="bf16"))
+        latents[name] = {node: saved(recent_comfyui_server, result, node)
+                         for node in ("n0", "w0", "n1", "w1")}
+    for pair in ("0", "1"):
+        native, world1 = latents["world1"]["n" + pair], latents["world1"]["w" + pair]
+        error = float((world1 - native).norm() / native.norm())
+        assert 1e-4 < error <= BF16_BAR, f"{BF16_PAIRS[int(pair)]}: bf16 is {error:.3g} from native fp32"
+        for layout in ("tp2", "cfg_parallel2"):
+            spread = float((latents[layout]["w" + pair] - world1).norm() / world1.norm())
+            assert spread <= BF16_LAYOUT_BAR, f"{layout} {BF16_PAIRS[int(pair)]}: {spread:.3g} from world 1 in bf16"
 
 
 def test_the_comparison_is_sensitive(layout_latents) -> None:

@@ -16,7 +16,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "gpu" / "run.sh"
-CHECKS = ["cuda_tests", "world1_vs_cpu", "attention_backends", "quantized_layers", "vae_decode", "two_ranks"]
+CHECKS = ["cuda_tests", "world1_vs_cpu", "attention_backends", "quantized_layers", "vae_decode", "two_ranks",
+          "half_precision_sampling"]
 MEASUREMENTS = ["transformer_step", "quantized_step", "load_time", "vae_decode_time", "torch_compile"]
 
 
@@ -46,6 +47,10 @@ def test_every_check_ran_and_passed(dry_run):
     assert {row["what"].split()[1] for row in checks["vae_decode"]["rows"]} == {"2.1", "2.2"}
     assert checks["two_ranks"]["backend"] == "gloo"
     assert [row["what"].split(" (")[0] for row in checks["two_ranks"]["rows"]] == ["tp 2", "ulysses 2"]
+    # a rank's whole sampling path in bf16 and fp16 (both loops and a native-MODEL call), nothing cast for it
+    assert sorted(row["what"] for row in checks["half_precision_sampling"]["rows"]) == sorted(
+        f"{what} {dtype}" for what in ("sample uni_pc", "sample wan_unipc", "model call") for dtype in ("bf16", "fp16"))
+    assert all(row["finite"] and row["error"] > 1e-5 for row in checks["half_precision_sampling"]["rows"])
 
 
 def test_every_measurement_has_its_rows(dry_run):
