@@ -36,3 +36,40 @@ def _check_saved(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
         found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     if found != shapes:
         raise OSError(f"reading {path} back gave tensors {found}; expected {shapes}")
+
+
+SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.uint8: "U8"}
+
+
+def save_tensors_streamed(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], make, path: str | Path,
+                          metadata: dict[str, str] | None = None) -> Path:
+    """A safetensors file written one tensor at a time: ``entries`` are (name, dtype, shape) in file order and
+    ``make(name)`` returns that tensor when its turn comes, so at most one tensor is in memory. Written by hand
+    because safetensors' ``save_file`` takes every tensor at once: a real 14B file (27 GiB) would not fit this
+    machine's memory. The format is the library's (8-byte header length, JSON header padded to 8 bytes, the data
+    in offset order); the file is read back with safetensors and written atomically, as ``save_tensors_atomic``."""
+    import json
+
+    path = Path(path)
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape in entries:
+        size = dtype.itemsize
+        for extent in shape:
+            size *= extent
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with written_atomically(path) as temporary:
+        with open(temporary, "wb") as file:
+            file.write(len(encoded).to_bytes(8, "little"))
+            file.write(encoded)
+            for name, dtype, shape in entries:
+                tensor = make(name)
+                if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                    raise ValueError(f"{name}: made {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {shape}")
+                file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        _check_saved(temporary, {name: tuple(shape) for name, _, shape in entries})
+    return path

@@ -43,7 +43,8 @@ def tiny_models_root(tiny_models) -> Path:
 LONGEST_FILES = (
     "comfyui/test_browser_workflows.py", "comfyui/test_model_kinds.py", "distributed/test_two_hosts.py",
     "faults/test_shutdown_driver.py", "comfyui/test_native_sampling.py", "comfyui/test_native_model_patches.py",
-    "distributed/test_context_parallel.py", "comfyui/test_image_to_video.py", "faults/test_validation_cli.py",
+    "distributed/test_context_parallel.py", "unit/test_bench_real_size.py", "distributed/test_dtype_matrix.py",
+    "comfyui/test_image_to_video.py", "faults/test_validation_cli.py",
     "comfyui/test_phantom_and_tracks.py", "unit/test_cli.py", "distributed/test_pool.py", "unit/test_cli_vace.py",
     "unit/test_bench_plan.py", "distributed/test_pool_ray.py", "comfyui/test_comfyui_server.py",
 )

@@ -19,13 +19,8 @@ from typing import Callable
 import torch
 
 from .common import Timing, time_interleaved
+from .releases import WAN_1_3B, WAN_VACE_1_3B
 
-WAN_1_3B = dict(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-)
-WAN_VACE_1_3B = dict(WAN_1_3B, vace_layers=list(range(0, 30, 2)), vace_in_channels=96)  # Wan2.1-VACE-1.3B
 SIZES = {"tiny": (128, 96, 17), "1.3b": (832, 480, 81)}  # width, height, frames of the denoise step
 ENCODE_SIZES = {"tiny": (96, 64, 9), "1.3b": (832, 480, 81)}  # of the VACE encode (the tiny VAE is slow on a CPU)
 VACE_TILES = (32, 64)  # VAE tile edges (px) of the encode rows

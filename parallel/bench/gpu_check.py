@@ -52,6 +52,7 @@ import torch
 
 from .common import Timing, time_interleaved
 from .gpu_sampling_check import check_half_precision_sampling
+from .releases import WAN_1_3B, WAN_14B, WAN_14B_LAYERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DEADLINE_S = 330.0
@@ -69,11 +70,7 @@ PARALLEL_TOLERANCE = 1e-4  # tp 2 / ulysses 2 against world 1, fp32: all-reduce 
 BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
                     ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0), ("B200", 2250.0))
 
-WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6)
-WAN_14B_LAYERS = 40
-WAN_14B_SLICE = dict(WAN_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=4)  # dim 5120, 4 of 40 layers
+WAN_14B_SLICE = dict(WAN_14B, num_layers=4)  # dim 5120, 4 of 40 layers
 VIDEO_SIZES = {"480p": (832, 480, 81), "720p": (1280, 720, 81)}  # width, height, frames
 
 TARGETS = {

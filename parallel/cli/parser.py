@@ -149,6 +149,8 @@ BENCHMARKS = {
     "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice"),
     "cache": ("cache", "step caching (TeaCache, MagCache, first-block cache) against no cache: wall time, calls, "
                        "latents' distance, per layout"),
+    "real-size": ("real_size", "released Wan models at their real sizes, written on the fly: load time, memory per "
+                               "rank against its share of the file, one step, per layout"),
     "memory": ("memory", "quantized weights kept or dequantized: resident, file and load-peak bytes and step time per rank"),
     "soak": ("soak", "many prompts against a running ComfyUI server: server and worker memory, fds, shared memory"),
     "gpu": ("gpu_check", "the CUDA path proven and measured on one GPU (tests/gpu/run.sh); --dry-run on the CPU"),

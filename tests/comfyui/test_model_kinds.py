@@ -286,12 +286,18 @@ class Graph:
     def __init__(self, info: dict[str, Any], pool: dict[str, Any], seed: int = SEED):
         self.w, self.seed, self.cases = WorkflowBuilder(info, upload_in_prompt=False), seed, {}
         self.pool = self.w.node("WanMeshPool", [0, 0], {**pool, "backend": "local", "ray_address": ""})
-        encoder = self.w.node("WanMeshTextEncoderLoader", [0, 0], {"text_encoder_name": "umt5_tiny.safetensors",
-                                                                   "dtype": "auto"}, {"pool": (self.pool, 0)})
-        self.texts = [self.w.node("WanMeshTextEncode", [0, 0], {"text": text}, {"text_encoder": (encoder, 0)})
-                      for text in (PROMPT, NEGATIVE)]
+        self.text_by_dtype: dict[str, list] = {}
         self.latent = self.w.node("WanMeshEmptyLatent", [0, 0], {"width": WIDTH, "height": HEIGHT, "length": FRAMES,
                                                                  "batch_size": 1})
+
+    def texts(self, dtype: str) -> list:
+        """The prompt and negative prompt encoded by the text encoder in ``dtype`` (as ``--dtype`` loads it)."""
+        if dtype not in self.text_by_dtype:
+            encoder = self.w.node("WanMeshTextEncoderLoader", [0, 0], {"text_encoder_name": "umt5_tiny.safetensors",
+                                                                       "dtype": dtype}, {"pool": (self.pool, 0)})
+            self.text_by_dtype[dtype] = [self.w.node("WanMeshTextEncode", [0, 0], {"text": text},
+                                                     {"text_encoder": (encoder, 0)}) for text in (PROMPT, NEGATIVE)]
+        return self.text_by_dtype[dtype]
 
     def add(self, case: str, model_name: str, weights: str = "keep", vace_module: str = "none",
             lora: tuple[str, float] | None = None, seed: int | None = None, dtype: str = "auto") -> None:
@@ -303,8 +309,9 @@ class Graph:
                                 {"model": (model, 0)})
         sampled = self.w.node("WanMeshSampler", [0, 0], {
             "seed": self.seed if seed is None else seed, "steps": STEPS, "cfg": CFG, "shift": SHIFT,
-            "sampler_name": "unipc", "denoise": 1.0}, {"model": (model, 0), "positive": (self.texts[0], 0),
-                                                      "negative": (self.texts[1], 0), "latent_image": (self.latent, 0)})
+            "sampler_name": "unipc", "denoise": 1.0}, {"model": (model, 0), "positive": (self.texts(dtype)[0], 0),
+                                                      "negative": (self.texts(dtype)[1], 0),
+                                                      "latent_image": (self.latent, 0)})
         self.cases[case] = str(self.w.node("SaveLatent", [0, 0], {"filename_prefix": f"kinds/{case}"},
                                            {"samples": (sampled, 0)}))
 
