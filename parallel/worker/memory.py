@@ -35,7 +35,11 @@ def memory_budget_bytes(budget_gb: float, device: torch.device, ranks_on_machine
 def resident_bytes(model: object) -> int:
     """Bytes of the storages behind the tensors a loaded model holds: its own parameters and buffers (a quantized
     layer's stored tensor included), or those of the modules it wraps (a text encoder with its tokenizer, a VAE
-    wrapper); each storage counts once, however many tensors view it."""
+    wrapper); each storage counts once, however many tensors view it. A model whose blocks stream from host memory
+    (``block_streaming.py``) counts what it holds on its device at most."""
+    streamer = getattr(model, "block_streamer", None)
+    if streamer is not None:
+        return streamer.device_bytes
     storages: dict[tuple[torch.device, int], int] = {}
     for module in _modules_of(model):
         for tensor in (*module.parameters(), *module.buffers()):

@@ -7,7 +7,9 @@ between requests until unloaded.
 Memory budget: the resident models of a rank are kept within ``budget_bytes`` (``ParallelConfig
 .memory_budget_gb``; 0 = what the device can hold, ``memory.py``). Loading a model that does not fit first
 unloads the least recently used other models (logged). Every handle keeps its recipe, so a handle whose model
-was unloaded (by the budget, or by ComfyUI's "unload models") is loaded again when a request next uses it.
+was unloaded (by the budget, or by ComfyUI's "unload models") is loaded again when a request next uses it. A
+transformer whose share exceeds the budget on its own streams its blocks from host memory
+(``block_streaming.py``), decided from the file's header before any weight is read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import inspect
 import logging
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -114,14 +117,22 @@ class ResidentModels:
         its per-frame encoders (Animate's motion encoder) split over the frames when tp x ring x ulysses > 1."""
         if self._degree("tp") * self._degree("ulysses") > 1:  # heads split over these: check before reading weights
             self.parallel.config.check_heads(transformer_heads(path, vace_module))
+        streamed = self._streams_blocks(path, vace_module, torch_dtype, weights)
+        device = torch.device("cpu") if streamed else self.device  # streamed blocks stay on the host
         if self._degree("tp") == 1:
-            model = wan.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=self.device,
+            model = wan.load_transformer(path, vace_module=vace_module, dtype=torch_dtype, device=device,
                                          weights=weights)
         else:
             from ..weights.sharded import load_transformer_tp
 
-            model = load_transformer_tp(path, vace_module=vace_module, dtype=torch_dtype, device=self.device,
+            model = load_transformer_tp(path, vace_module=vace_module, dtype=torch_dtype, device=device,
                                         tp_group=self.parallel.tp_group, weights=weights)
+        if streamed:  # before the plans below, which find the model's device from its (non-block) parameters
+            from .block_streaming import stream_blocks
+
+            streamer = stream_blocks(model, self.device)
+            log.info("%s: streamed block by block from host memory (memory budget %.2f GB per rank; on the device "
+                     "at most %.2f GB)", path, self.budget_bytes / 1e9, streamer.device_bytes / 1e9)
         if self._degree("ring") * self._degree("ulysses") > 1:
             from ..distributed.context_parallel import apply_context_parallel
 
@@ -131,6 +142,23 @@ class ResidentModels:
 
             apply_frame_split(model, [self.parallel.tp_group, self.parallel.ring_group, self.parallel.ulysses_group])
         return model
+
+    def _streams_blocks(self, path: str, vace_module: str | None, dtype: torch.dtype, weights: str) -> bool:
+        """Whether this rank's share of the transformer must stream its blocks to fit the memory budget (from the
+        file's header, before any weight is read; a model that cannot fit even so is refused). On the CPU, where
+        host and device memory are one, only an explicit ``memory_budget_gb`` streams; past the default budget the
+        model loads with a warning."""
+        from .block_streaming import BlockSizes, plan_streaming
+
+        sizes = BlockSizes.from_file(path, vace_module, dtype, weights, self._degree("tp"))
+        explicit = getattr(getattr(self.parallel, "config", None), "memory_budget_gb", 0.0) > 0
+        if self.device.type == "cpu" and not explicit:
+            if sizes.total > self.budget_bytes:
+                log.warning("%s: this rank's share (about %.2f GB) exceeds its memory budget of %.2f GB; loading it "
+                            "whole (set memory_budget_gb to stream its blocks)", path, sizes.total / 1e9,
+                            self.budget_bytes / 1e9)
+            return False
+        return plan_streaming(sizes, self.budget_bytes, Path(path).name)
 
     def load_vae(self, path: str, *, dtype: str = "auto") -> str:
         torch_dtype = resolve_dtype(dtype, self.device)
