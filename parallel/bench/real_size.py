@@ -17,6 +17,13 @@ Each rank reports, on Linux (``/proc/self/status``):
 * ``hwm_bytes``: the process's resident high-water mark (``VmHWM``, file pages included) after one step;
 * ``step_s``: one transformer forward at ``--width x --height x --frames`` (guidance off), after one warm-up.
 
+With ``--memory-budget-gb`` each rank also loads the file a second time with its blocks streamed from host memory
+(``worker/block_streaming.py``, as a pool under that budget does; refused as the pool refuses when even streaming
+cannot fit) and reports ``streamed_bytes_per_step`` (bytes copied into the device per forward),
+``streamed_device_bytes`` (the most it holds on the device) and ``streamed_step_ratio``: the median over interleaved
+rounds of streamed / resident step time (on the CPU the copies are memory to memory: the mechanism and the bytes;
+the time is a GPU's to measure).
+
 The targets (printed, not asserted in timed tests): resident <= 1.1 x share + 0.5 GiB, and load peak <= resident +
 the file's largest tensor.
 """
@@ -53,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=DEFAULT_SIZE[2])
     parser.add_argument("--work", type=Path, help="folder for the written files (default: a temporary folder)")
     parser.add_argument("--keep-files", action="store_true", help="keep the written files in --work")
+    parser.add_argument("--memory-budget-gb", type=float, default=0.0,
+                        help="also run the model streamed block by block under this budget per rank (GB)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the streamed comparison")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
 
 
@@ -162,11 +172,39 @@ def _rank_main(rank: int, world: int, settings: dict, result_folder: str) -> Non
     forward()
     step_s = time.perf_counter() - started
     after = _proc_status()
-    write_rank_result(result_folder, rank, {
-        "rank": rank, "load_s": load_s, "share_bytes": share, "resident_bytes": resident_bytes(model),
-        "load_peak_bytes": host.increase,
-        "file_pages_bytes": loaded.get("RssFile", 0) - before.get("RssFile", 0) if loaded else None,
-        "hwm_bytes": after.get("VmHWM"), "step_s": step_s})
+    row = {"rank": rank, "load_s": load_s, "share_bytes": share, "resident_bytes": resident_bytes(model),
+           "load_peak_bytes": host.increase,
+           "file_pages_bytes": loaded.get("RssFile", 0) - before.get("RssFile", 0) if loaded else None,
+           "hwm_bytes": after.get("VmHWM"), "step_s": step_s}
+    if settings["memory_budget_gb"] > 0:
+        row.update(_streamed(model, settings, device, tp_group))
+    write_rank_result(result_folder, rank, row)
+
+
+def _streamed(resident, settings: dict, device: torch.device, tp_group) -> dict:
+    """The same file streamed block by block under the budget, against the resident model (see the module)."""
+    from ..distributed.spawn import slowest_rank_seconds
+    from ..weights.sharded import load_transformer_tp
+    from ..worker.block_streaming import BlockSizes, plan_streaming, stream_blocks
+    from ..worker.residency import DTYPES
+    from .common import time_interleaved
+    from .memory import _forward, paired_ratio
+
+    dtype = DTYPES[settings["dtype"]]
+    sizes = BlockSizes.from_file(settings["model"], None, dtype, "keep", settings["tp"])
+    if not plan_streaming(sizes, int(settings["memory_budget_gb"] * 1e9), Path(settings["model"]).name):
+        return {"streamed_bytes_per_step": 0, "streamed_device_bytes": None, "streamed_step_ratio": None}
+    model = load_transformer_tp(settings["model"], dtype=dtype, device=torch.device("cpu"), tp_group=tp_group,
+                                weights="keep")
+    streamer = stream_blocks(model, device)
+    forwards = {"resident": _forward(resident, settings, device), "streamed": _forward(model, settings, device)}
+    moved = streamer.bytes_moved
+    timings = time_interleaved(forwards, device, settings["repeats"], seconds=slowest_rank_seconds)
+    calls = settings["repeats"] + 1  # the warm-up too
+    return {"streamed_bytes_per_step": (streamer.bytes_moved - moved) // calls,
+            "streamed_device_bytes": streamer.device_bytes,
+            "streamed_step_ratio": paired_ratio(timings["streamed"], timings["resident"]),
+            "streamed_step_s": timings["streamed"].median, "resident_step_s": timings["resident"].median}
 
 
 # ------------------------------------------------------------------ driver
@@ -193,10 +231,14 @@ def resolve(args: argparse.Namespace) -> dict:
         for layout in layouts:
             check_tp_degree(RELEASES[name]["num_attention_heads"], RELEASES[name]["ffn_dim"], LAYOUTS[layout][1])
     check_frame_count(args.frames)
+    if args.memory_budget_gb < 0 or args.repeats < 1:
+        raise ValueError(f"--memory-budget-gb must be 0 or more and --repeats at least 1; got "
+                         f"{args.memory_budget_gb} and {args.repeats}")
     if device == "cuda" and max(LAYOUTS[name][0] for name in layouts) > torch.cuda.device_count():
         raise ValueError(f"layouts {','.join(layouts)} need one GPU per rank; {torch.cuda.device_count()} visible")
     return {"models": models, "kinds": args.kind or ["bf16"], "layouts": layouts, "device": device,
-            "dtype": args.dtype, "latent": latent_shape(args.width, args.height, args.frames)}
+            "dtype": args.dtype, "latent": latent_shape(args.width, args.height, args.frames),
+            "memory_budget_gb": args.memory_budget_gb, "repeats": args.repeats}
 
 
 def measure_file(path: Path, layout: str, settings: dict) -> list[dict]:
@@ -204,7 +246,8 @@ def measure_file(path: Path, layout: str, settings: dict) -> list[dict]:
 
     world, tp = LAYOUTS[layout]
     rank_settings = {"model": str(path), "tp": tp, "device": settings["device"], "dtype": settings["dtype"],
-                     "latent": settings["latent"], "text_dim": 4096}
+                     "latent": settings["latent"], "text_dim": 4096,
+                     "memory_budget_gb": settings["memory_budget_gb"], "repeats": settings["repeats"]}
     threads = max(1, torch.get_num_threads() // world)
     rows = run_world(_rank_main, world, rank_settings, threads=threads)
     if len(rows) != world:
@@ -235,6 +278,18 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_streamed(rows: list[dict], budget_gb: float) -> str:
+    header = f"{'model':<18} {'kind':<10} {'layout':<9} {'rank':>4} {'on device GiB':>13} {'moved GiB/step':>14} " \
+             f"{'streamed/resident step':>22}"
+    lines = [f"streamed block by block under a budget of {budget_gb} GB per rank:", header, "-" * len(header)]
+    for row in rows:
+        ratio = "-" if row["streamed_step_ratio"] is None else f"{row['streamed_step_ratio']:.2f}"
+        device = "-" if row["streamed_device_bytes"] is None else f"{row['streamed_device_bytes'] / GIB:.2f}"
+        lines.append(f"{row['model']:<18} {row['kind']:<10} {row['layout']:<9} {row['rank']:>4} {device:>13} "
+                     f"{row['streamed_bytes_per_step'] / GIB:>14.2f} {ratio:>22}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -262,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
                 if not args.keep_files:
                     path.unlink()
     print(format_rows(rows))
+    if settings["memory_budget_gb"] > 0:
+        print(format_streamed(rows, settings["memory_budget_gb"]))
     print(f"compute {settings['dtype']} on {settings['device']}, latent {list(settings['latent'])}; share: the "
           "rank's part of the file (tp-sharded tensors / tp); resident: the model's tensors; res target: resident <= "
           "1.1 x share + 0.5 GiB; load peak: anonymous memory gained while loading; peak target: <= resident + the "

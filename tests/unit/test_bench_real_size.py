@@ -1,7 +1,8 @@
 """`wanmesh bench real-size`: the released Wan 2.1 1.3B in bf16 (2.64 GiB, ComfyUI's single-file layout) written on
 the fly and loaded at world 1, tp 2 and two replicas (Ulysses / ring / CFG hold whole copies), computing in bf16; the
 released shapes of every model and file kind from the header alone. Memory is asserted in bytes of tensors (no
-timed assertions): each rank's resident model within 1.1 x its share of the file + 0.5 GiB."""
+timed assertions): each rank's resident model within 1.1 x its share of the file + 0.5 GiB; the same file streamed
+block by block under a 1 GB budget holds at most the budget on the device and moves its blocks once per step."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_the_released_layouts_have_the_released_sizes(model, kind):
 def measured(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("real_size")
     code = main(["bench", "real-size", "--model", "wan21-1.3b", "--kind", "bf16", "--layouts",
-                 "world1,tp2,replicas2", "--device", "cpu", "--work", str(out), "--json", str(out / "rows.json")])
+                 "world1,tp2,replicas2", "--device", "cpu", "--memory-budget-gb", "1.0", "--repeats", "1", "--work", str(out), "--json", str(out / "rows.json")])
     assert code == 0
     assert not list(out.glob("*.safetensors")), "the written file is deleted after the run"
     return json.loads((out / "rows.json").read_text())
@@ -63,3 +64,12 @@ def test_each_rank_holds_its_share_of_the_file(measured):
         assert row["resident_target"], row
         assert row["resident_bytes"] <= 1.01 * row["share_bytes"], "bf16 weights stay bf16 on the rank"
 
+
+
+def test_streamed_blocks_stay_within_the_budget_and_move_once_per_step(measured):
+    for row in measured["rows"]:
+        assert row["streamed_device_bytes"] <= 1e9, row
+        # every block once per forward: the share less what stays on the device (embeddings, head, modulation)
+        blocks = row["streamed_bytes_per_step"]
+        assert 0.95 * row["share_bytes"] < blocks < row["share_bytes"], row
+        assert row["streamed_step_ratio"] > 0
