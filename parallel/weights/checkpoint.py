@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .quantized import FP8, StoredTensor, dequantize_stored, hold_stored_, keeps_quantized
+from .quantized import FP8, NARROW_FLOAT, StoredTensor, dequantize_stored, hold_stored_, keeps_quantized
 
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -29,6 +29,7 @@ COMFY_TRANSFORMER_PREFIX = "model.diffusion_model."
 SCALED_FP8_MARKER = "scaled_fp8"
 _SCALE_WEIGHT_SUFFIX = ".scale_weight"
 _SCALE_INPUT_SUFFIX = ".scale_input"
+READ_CHUNK_BYTES = 16 * 2**20  # rows read at once for a column slice: the most a slice read holds beyond the slice
 _FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, name)
@@ -95,7 +96,9 @@ class CheckpointFile:
         if self.path.suffix.lower() in PICKLE_SUFFIXES:
             self._tensors = _load_pickle_state_dict(self.path)
         else:
-            _check_safetensors_header(self.path)
+            self._header = _check_safetensors_header(self.path)
+            with self.path.open("rb") as stream:
+                self._data_start = 8 + struct.unpack("<Q", stream.read(8))[0]
             try:
                 self._handle = safe_open(str(self.path), framework="pt", device="cpu")
             except Exception as error:  # safetensors raises its own error types
@@ -120,6 +123,14 @@ class CheckpointFile:
     def is_quantized(self, key: str) -> bool:
         return self.stored_dtype(key) in _FP8_DTYPES
 
+    def read_narrow(self, key: str, compute_dtype: torch.dtype, index: TensorSlice = None) -> StoredTensor | None:
+        """A bf16 / fp16 tensor (or slice) as stored, when ``compute_dtype`` is wider; None otherwise."""
+        stored = self.stored_dtype(key)
+        if stored not in (torch.bfloat16, torch.float16) or compute_dtype.itemsize <= stored.itemsize:
+            return None
+        data = self.raw(key, index)
+        return StoredTensor(data, NARROW_FLOAT, tuple(data.shape))
+
     def read_stored(self, key: str, index: TensorSlice = None) -> StoredTensor | None:
         """An fp8 weight (or slice) as stored, with its scale; None for a float tensor."""
         if not self.is_quantized(key):
@@ -134,12 +145,63 @@ class CheckpointFile:
         if self._tensors is not None:
             tensor = self._tensors[key]
             return tensor if index is None else tensor[index]
-        if index is None:
-            return self._handle.get_tensor(key)
-        return self._handle.get_slice(key)[index]
+        return self._read_safetensors(key, index)
+
+    def _read_safetensors(self, key: str, index: TensorSlice) -> torch.Tensor:
+        """Tensor ``key`` (or ``index`` of it) read with plain file reads into a buffer of its own: a range of
+        rows reads only those rows' bytes; a slice of later dimensions (a row-parallel weight's columns) reads the
+        rows in chunks of at most ``READ_CHUNK_BYTES`` through one reused buffer and keeps the slice of each.
+        Written by hand rather than through safetensors' memory map: every page a mapped read touches stays in the
+        process's resident set until the file is closed, so a rank reading its tensor-parallel slices of a
+        27 GiB file would map most of it; a private buffer is also aligned, which keeps the CPU kernels on one
+        path whatever the file's layout."""
+        entry = self._header[key]
+        dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
+        start, end = entry["data_offsets"]
+        if not shape or index is None:
+            return self._pread(start, end - start, dtype, shape)
+        parts = index if isinstance(index, tuple) else (index,)
+        first, rest = parts[0], parts[1:]
+        if not isinstance(first, slice) or first.step not in (None, 1):
+            return self._pread(start, end - start, dtype, shape)[index].contiguous()
+        low, high, _ = first.indices(shape[0])
+        high = max(low, high)
+        row_bytes = (end - start) // shape[0] if shape[0] else 0
+        if all(part == slice(None) for part in rest):
+            return self._pread(start + low * row_bytes, (high - low) * row_bytes, dtype, (high - low, *shape[1:]))
+        out = torch.empty(torch.empty(shape, device="meta")[(slice(low, high), *rest)].shape, dtype=dtype)
+        step, buffer = max(1, READ_CHUNK_BYTES // max(1, row_bytes)), None
+        for row in range(low, high, step):
+            count = min(step, high - row)
+            buffer = self._pread(start + row * row_bytes, count * row_bytes, dtype, (count, *shape[1:]), buffer)
+            out[row - low : row - low + count] = buffer[(slice(None), *rest)]
+        return out
+
+    def _pread(self, offset: int, size: int, dtype: torch.dtype, shape: tuple[int, ...],
+               reuse: torch.Tensor | None = None) -> torch.Tensor:
+        """``size`` bytes at ``offset`` of the data as a tensor; into ``reuse``'s buffer when it is large enough."""
+        if reuse is not None and reuse.untyped_storage().nbytes() >= size:
+            buffer = torch.empty(0, dtype=torch.uint8).set_(reuse.untyped_storage(), 0, (size,))
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8)
+        with open(self.path, "rb", buffering=0) as stream:
+            stream.seek(self._data_start + offset)
+            view, done = memoryview(buffer.numpy()), 0
+            while done < size:
+                count = stream.readinto(view[done:])
+                if not count:
+                    raise ModelFileError(f"{self.path}: the file ended {size - done} bytes early while reading")
+                done += count
+        return buffer.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
 
     def has(self, key: str) -> bool:
         return key in self._key_set
+
+    @property
+    def reads_private(self) -> bool:
+        """Whether every tensor ``raw`` returns owns a fresh, contiguous buffer (safetensors, read by
+        ``_read_safetensors``), so a loader may keep it without copying; a pickle's tensors view its mapping."""
+        return self._tensors is None
 
     @property
     def is_scaled_fp8(self) -> bool:
@@ -269,6 +331,17 @@ class WeightSource:
         ref = self.refs[name]
         return ref.file.is_quantized(ref.key)
 
+    def reads_private(self, name: str) -> bool:
+        """Whether tensor ``name`` is read into a buffer of its own (see ``CheckpointFile.reads_private``)."""
+        return bool(getattr(self.refs[name].file, "reads_private", False))
+
+    def read_narrow(self, name: str, compute_dtype: torch.dtype, index: TensorSlice = None) -> StoredTensor | None:
+        """A float tensor stored narrower than ``compute_dtype`` (bf16 / fp16 for float32), as stored; None for
+        other tensors and for files that do not tell (GGUF, pickles read whole)."""
+        ref = self.refs[name]
+        read = getattr(ref.file, "read_narrow", None)
+        return None if read is None else read(ref.key, compute_dtype, index)
+
     def merged_with(self, other: WeightSource) -> WeightSource:
         return WeightSource({**self.refs, **other.refs}, f"{self.description} + {other.description}")
 
@@ -346,13 +419,19 @@ def _hold_quantized_(model: torch.nn.Module, source: WeightSource, names: set[st
     held, cut = set(), []
     for name in sorted(names):
         module = model.get_submodule(name.rpartition(".")[0])
-        if not (keeps_quantized(name) and _is_linear(module) and source.is_quantized(name)):
+        if not (keeps_quantized(name) and _is_linear(module)):
+            continue
+        if not source.is_quantized(name):  # a bf16 / fp16 weight computed in float32 stays as stored too
+            stored = source.read_narrow(name, dtype)
+            if stored is not None:
+                hold_stored_(module, stored, dtype, device, copy=not source.reads_private(name))
+                held.add(name)
             continue
         stored = source.read_stored(name)
         if stored is None:
             cut.append(name)
             continue
-        hold_stored_(module, stored, dtype, device)
+        hold_stored_(module, stored, dtype, device, copy=not source.reads_private(name))
         held.add(name)
     if cut:
         cost = sum(math.prod(source.shape(name)) for name in cut) * dtype.itemsize
@@ -401,9 +480,11 @@ def load_weights_into(
     state = {}
     for name in sorted(expected - held):
         target = torch.float32 if dtype != torch.float32 and _keeps_float32(name, keep_modules) else dtype
-        # A private copy: tensors read from a mapped file may sit at unaligned offsets, which makes CPU
-        # kernels take different (differently rounding) paths depending on the file's layout.
-        state[name] = source.read(name, target).to(device, copy=True)
+        # A private copy, unless the file was read into buffers of the tensors' own: tensors viewing a mapped file
+        # may sit at unaligned offsets, which makes CPU kernels take different (differently rounding) paths
+        # depending on the file's layout; and a copy of a private buffer only adds to the load's peak.
+        tensor = source.read(name, target)
+        state[name] = tensor.to(device, copy=not (source.reads_private(name) and tensor.is_contiguous()))
     for alias, original in aliases.items():
         state[alias] = state[original]
     result = model.load_state_dict(state, strict=False, assign=True)

@@ -8,7 +8,10 @@ ComfyUI's cast-on-the-fly ops and the ComfyUI GGUF loader do. The stored tensor 
 ``<module>.parametrizations.weight.original``; ``nn.Linear``, the tensor-parallel linears and diffusers' attention
 processors read ``.weight`` and run unchanged.
 
-Norms, biases, the patch and time embedders, modulation tables and the head are small and stay float. A LoRA on a quantized layer is
+The same holds a bf16 / fp16 file's linears when the compute dtype is wider (float32, the CPU's): they stay in the
+file's dtype and are widened for each matmul, as ComfyUI's manual-cast ops run such files, so a rank holds the
+file's bytes, not twice them. Norms, biases, the patch and time embedders, modulation tables and the head are small
+and stay float. A LoRA on a quantized layer is
 another parametrization after the dequantization (``lora_merge.py``): the stored bytes are never written.
 """
 
@@ -22,11 +25,12 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["FP8", "Dequantize", "StoredTensor", "dequantize_stored", "hold_stored_", "is_quantized_layer",
+__all__ = ["FP8", "NARROW_FLOAT", "Dequantize", "StoredTensor", "dequantize_stored", "hold_stored_", "is_quantized_layer",
            "keeps_quantized", "logical_name", "logical_parameters", "logical_weight", "quantized_layers",
            "read_weights"]
 
 FP8 = "fp8"  # the qtype of fp8 values (e4m3fn, e5m2), with or without a scale; GGUF tensors use gguf's type enum
+NARROW_FLOAT = "narrow float"  # the qtype of bf16 / fp16 values computed in a wider dtype (float32 on the CPU)
 # The linears that may stay quantized, by diffusers and original (file) names: the transformer and VACE blocks (nearly
 # all of a Wan transformer's bytes), the timestep modulation projection (6 x dim x dim) and the text projection.
 # The time embedder stays float: diffusers casts the timestep to the dtype of its first parameter.
@@ -50,6 +54,8 @@ def dequantize_stored(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: 
     """The float weight of stored ``data``, in ``dtype``: fp8 times its scale (in ``dtype``), or GGUF blocks decoded.
 
     The one dequantization used at load ("dequantize") and per matmul ("keep"), so both give the same weights."""
+    if qtype == NARROW_FLOAT:  # exact: every bf16 / fp16 value is a float32 value
+        return data.to(dtype)
     if qtype == FP8:
         values = fp8_values(data, dtype)
         if scale is not None:  # one scalar per layer: real weight = fp8 weight x scale_weight, in the compute
@@ -97,9 +103,11 @@ def keeps_quantized(name: str, prefixes: tuple[str, ...] = QUANTIZED_PREFIXES) -
     return name.startswith(prefixes) and name.endswith(".weight") and ".norm" not in name
 
 
-def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, device: str | torch.device) -> None:
-    """Make ``module.weight`` the stored tensor on ``device``, dequantized to ``dtype`` whenever it is read."""
-    module.weight = nn.Parameter(stored.data.to(device, copy=True), requires_grad=False)
+def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, device: str | torch.device,
+                 copy: bool = True) -> None:
+    """Make ``module.weight`` the stored tensor on ``device``, dequantized to ``dtype`` whenever it is read; without
+    ``copy`` a stored tensor already in a buffer of its own is kept as it is (when on ``device``)."""
+    module.weight = nn.Parameter(stored.data.to(device, copy=copy), requires_grad=False)
     scale = None if stored.scale is None else stored.scale.to(device=device, dtype=torch.float32, copy=True)
     parametrize.register_parametrization(module, "weight", Dequantize(stored.qtype, stored.shape, dtype, scale),
                                          unsafe=True)  # unsafe: the stored tensor's shape and dtype differ on purpose

@@ -64,6 +64,11 @@ class ShardedWeightSource(WeightSource):
             raise ValueError("a sharded weight source chooses the slice itself; read without an index")
         return super().read_stored(name, self.local_index(name))
 
+    def read_narrow(self, name: str, compute_dtype: torch.dtype, index: TensorSlice = None) -> StoredTensor | None:
+        if index is not None:
+            raise ValueError("a sharded weight source chooses the slice itself; read without an index")
+        return super().read_narrow(name, compute_dtype, self.local_index(name))
+
 
 def load_transformer_shard(
     path: str | Path,

@@ -58,7 +58,9 @@ LORA = ("wan_tiny_lora_comfy.safetensors", 0.8)
 # tp 2 == one rank on these (the server's tp 2 pool): float, scaled fp8, GGUF block and K-quant, the mixed file.
 TP2_KINDS = ("bf16", "fp8_scaled", "gguf_Q8_0", "gguf_Q4_K", "gguf_Q4_K_M")
 QUANTIZED_FOR_PATHS = ("fp8_scaled", "gguf_Q8_0")  # the quantized kinds a LoRA is applied to
-CLI_DEQUANTIZE = ("fp8_scaled", "gguf_Q4_K_M")  # --weights dequantize on the command line (the node runs every kind)
+CLI_DEQUANTIZE = ("fp8_scaled", "gguf_Q4_K_M", "bf16")  # --weights dequantize on the command line (the node: every kind)
+# bf16 / fp16 files computed in float32 (the CPU's auto): "keep" holds them as stored, widened per layer
+NARROW_KINDS = ("fp16", "bf16")
 STREAM_KINDS = ("fp8_scaled", "gguf_Q4_K")
 TWO_EXPERTS = ("fp8_e4m3fn", "gguf_Q4_0")  # --model, --model-low
 CROSS_ROUTE = 1e-5  # the same graph through the command line and through the node, or in and out of process
@@ -329,8 +331,13 @@ def _saved_latent(server: ComfyUIServer, result: PromptResult, node_id: str) -> 
     return load_file(str(server.output_dir / item["subfolder"] / item["filename"]))["latent_tensor"]
 
 
+def _held_as_stored(name: str) -> bool:
+    """Whether "keep" holds the file's bytes and "dequantize" expands them (quantized, or narrower than fp32)."""
+    return KINDS[name].quantized or name in NARROW_KINDS
+
+
 def _modes(name: str) -> tuple[str, ...]:
-    return ("keep", "dequantize") if KINDS[name].quantized else ("keep",)
+    return ("keep", "dequantize") if _held_as_stored(name) else ("keep",)
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +383,7 @@ def test_the_model_loader_runs_every_kind_close_to_the_float_file(kinds, node_ma
         error = relative_error(node_matrix[f"{name}:{mode}"], reference)
         print(f"Model Loader {name} weights={mode}: relative error {error:.3g} (bar {KINDS[name].bar})")
         assert error <= KINDS[name].bar, f"{name} ({mode}): relative error {error:.3g} over {KINDS[name].bar}"
-    if KINDS[name].quantized:
+    if _held_as_stored(name):
         difference = (node_matrix[f"{name}:keep"] - node_matrix[f"{name}:dequantize"]).abs().max()
         assert difference <= SAME_WEIGHTS, f"{name}: keep and dequantize differ by {difference:.3g}"
 

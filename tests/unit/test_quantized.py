@@ -1,5 +1,5 @@
-"""Quantized weights stay as stored (``weights="keep"``): fp8, scaled fp8 and GGUF block linears keep the file's
-bytes on the rank, give exactly the outputs of the same file dequantized at load, shard for tensor parallelism
+"""Quantized weights stay as stored (``weights="keep"``): fp8, scaled fp8 and GGUF block linears, and bf16 / fp16
+ones computed in float32 (the CPU's dtype), keep the file's bytes on the rank, give exactly the outputs of the same file dequantized at load, shard for tensor parallelism
 (a GGUF slice that would cut quant blocks is dequantized at load, logged), and take LoRAs without any stored
 weight being written."""
 
@@ -10,7 +10,7 @@ import logging
 import gguf
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from wanmesh.parallel.weights.checkpoint import read_safetensors_header
 from wanmesh.parallel.weights.quantized import keeps_quantized, quantized_layers, read_weights
@@ -21,9 +21,11 @@ from wanmesh.parallel.tiny.models import TINY_TRANSFORMER
 from wanmesh.parallel.worker.lora_merge import apply_loras
 from wanmesh.parallel.worker.memory import resident_bytes
 
-KINDS = ("fp8_e4m3fn", "fp8_e5m2", "fp8_scaled", "t2v_gguf_q8_0", "t2v_gguf_q4_k")
+KINDS = ("fp8_e4m3fn", "fp8_e5m2", "fp8_scaled", "t2v_gguf_q8_0", "t2v_gguf_q4_k", "bf16", "fp16")
 STORED_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "fp8_scaled": torch.float8_e4m3fn,
-                 "t2v_gguf_q8_0": torch.uint8, "t2v_gguf_q4_k": torch.uint8}
+                 "t2v_gguf_q8_0": torch.uint8, "t2v_gguf_q4_k": torch.uint8, "bf16": torch.bfloat16,
+                 "fp16": torch.float16}
+NARROW = {"BF16": torch.bfloat16, "F16": torch.float16}  # float files narrower than the CPU's float32 compute
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,10 @@ def files(tiny_models, tmp_path_factory) -> dict[str, str]:
         written[name] = str(folder / f"{name}.safetensors")
         write_fp8_file(state, written[name], dtype, scaled=scaled,
                        metadata={"num_heads": str(TINY_TRANSFORMER["num_attention_heads"])})
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        written[name] = str(folder / f"{name}.safetensors")
+        save_file({key: tensor.to(dtype) for key, tensor in state.items()}, written[name],
+                  metadata={"num_heads": str(TINY_TRANSFORMER["num_attention_heads"])})
     return written
 
 
@@ -46,8 +52,8 @@ def _quantized_in_file(path: str) -> int:
         floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
         return sum(t.tensor_type not in floats and keeps_quantized(t.name) for t in gguf.GGUFReader(path).tensors)
     header = read_safetensors_header(path)
-    return sum(entry["dtype"].startswith("F8") and keeps_quantized(key) for key, entry in header.items()
-               if key != "__metadata__")
+    return sum((entry["dtype"].startswith("F8") or (entry["dtype"] in NARROW and len(entry["shape"]) == 2))
+               and keeps_quantized(key) for key, entry in header.items() if key != "__metadata__")
 
 
 def _forward(model: torch.nn.Module) -> torch.Tensor:
@@ -74,7 +80,7 @@ def test_keep_holds_the_stored_bytes_and_equals_dequantize(files, kind):
     assert output.std() > 0.1 and torch.equal(output, _forward(expanded))
 
 
-@pytest.mark.parametrize("kind", ["fp8_scaled", "t2v_gguf_q8_0"])
+@pytest.mark.parametrize("kind", ["fp8_scaled", "t2v_gguf_q8_0", "bf16"])
 def test_tp2_shards_keep_their_slices_of_the_stored_data(files, kind):
     whole = read_weights(load_transformer(files[kind], weights="dequantize"))
     shards = [load_transformer_shard(files[kind], tp_rank=rank, tp_size=2, tp_group=None) for rank in (0, 1)]
@@ -102,7 +108,7 @@ def test_a_gguf_slice_that_cuts_quant_blocks_is_dequantized_at_load_and_logged(f
     assert torch.equal(shard.blocks[0].ffn.net[2].weight, whole[:, 128:])
 
 
-@pytest.mark.parametrize("kind", ["fp8_scaled", "t2v_gguf_q4_k"])
+@pytest.mark.parametrize("kind", ["fp8_scaled", "t2v_gguf_q4_k", "fp16"])
 def test_loras_on_kept_weights_equal_loras_merged_into_dequantized_ones(files, tiny_models, kind):
     loras = [(str(tiny_models["lora_comfy"]), 0.8), (str(tiny_models["lora_kohya"]), -0.5),
              (str(tiny_models["lora_diff"]), 1.0)]
@@ -134,3 +140,11 @@ def test_fp8_table_decode_is_bit_identical_to_torch_cast_for_every_byte(fp8_dtyp
         decoded, cast = fp8_values(data, dtype), data.to(dtype)
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         assert decoded.dtype == dtype and torch.equal(decoded.view(bits), cast.view(bits))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_a_half_precision_file_computed_in_its_own_dtype_is_not_wrapped(files, kind):
+    """Only a wider compute dtype keeps the narrow weights aside: computed in the file's own dtype (the GPU's bf16)
+    the weights are ordinary parameters of that dtype."""
+    model = load_transformer(files[kind], dtype=STORED_DTYPES[kind], weights="keep")
+    assert not quantized_layers(model) and model.blocks[0].ffn.net[2].weight.dtype == STORED_DTYPES[kind]
