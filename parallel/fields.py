@@ -103,7 +103,8 @@ FIELDS: tuple[Field, ...] = (
     Field("previews", "BOOLEAN", True, "show a small preview of the video being made at every sampler step "
           "(cheap, no VAE); off sends no preview images", nodes=("WanMeshPool.previews",)),
     Field("memory_budget_gb", "FLOAT", 0.0, "GB of model weights each rank keeps resident; loading past it unloads "
-          "the least recently used models. 0 = auto (what the device can hold)", 0.0, 4096.0, 0.5, valid=Valid(0.0),
+          "the least recently used models, and a transformer larger than it alone streams its blocks from host "
+          "memory. 0 = auto (what the device can hold)", 0.0, 4096.0, 0.5, valid=Valid(0.0),
           nodes=("WanMeshPool.memory_budget_gb",), flags=("generate --memory-budget-gb", "stream --memory-budget-gb"),
           checked=("ParallelConfig.memory_budget_gb",)),
     Field("layout", "CHOICE", "manual", "manual: the degrees given; auto: the degrees that fit in memory and "
