@@ -19,7 +19,7 @@ from wanmesh.parallel.errors import WorkerError
 from wanmesh.parallel.worker.block_streaming import IN_FLIGHT_BLOCKS, BlockSizes, size_text
 from wanmesh.parallel.worker.executors import RankExecutor
 
-DEADLINE_S = 600
+DEADLINE_S = 900
 DIAGNOSTICS = str(Path(__file__).with_name("streaming_diagnostics.py"))
 LAYOUTS = {"world1": dict(world=1), "tp2": dict(world=2, tp=2), "ulysses2": dict(world=2, ulysses=2),
            "ring2": dict(world=2, ring=2), "cfg2": dict(world=2, cfg_parallel=True)}
