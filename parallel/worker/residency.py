@@ -26,6 +26,7 @@ import torch
 from ..config import DTYPE_NAMES, check_weights_mode
 from ..weights import loaders as wan
 from ..weights import umt5_files
+from .block_streaming import BlockSizes, plan_streaming, stream_blocks
 from .memory import estimated_load_bytes, memory_budget_bytes, resident_bytes
 
 log = logging.getLogger(__name__)
@@ -128,8 +129,6 @@ class ResidentModels:
             model = load_transformer_tp(path, vace_module=vace_module, dtype=torch_dtype, device=device,
                                         tp_group=self.parallel.tp_group, weights=weights)
         if streamed:  # before the plans below, which find the model's device from its (non-block) parameters
-            from .block_streaming import stream_blocks
-
             streamer = stream_blocks(model, self.device)
             log.info("%s: streamed block by block from host memory (memory budget %.2f GB per rank; on the device "
                      "at most %.2f GB)", path, self.budget_bytes / 1e9, streamer.device_bytes / 1e9)
@@ -148,8 +147,6 @@ class ResidentModels:
         file's header, before any weight is read; a model that cannot fit even so is refused). On the CPU, where
         host and device memory are one, only an explicit ``memory_budget_gb`` streams; past the default budget the
         model loads with a warning."""
-        from .block_streaming import BlockSizes, plan_streaming
-
         sizes = BlockSizes.from_file(path, vace_module, dtype, weights, self._degree("tp"))
         explicit = getattr(getattr(self.parallel, "config", None), "memory_budget_gb", 0.0) > 0
         if self.device.type == "cpu" and not explicit:

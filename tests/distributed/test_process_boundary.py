@@ -43,6 +43,7 @@ WORKER_LOOP = {"parallel", "parallel.cache_settings", "parallel.config", "parall
                "parallel.worker.runtime"}
 # What a worker imports when it starts (WorkerRuntime.preload_model_code), besides its loop.
 WORKER_MODEL_CODE = {"parallel.worker.executors", "parallel.worker.residency", "parallel.worker.lora_merge",
+                     "parallel.worker.block_streaming",
                      "parallel.weights.loaders", "parallel.weights.umt5_files", "parallel.networks.umt5",
                      "parallel.sampling.loop"}
 NEVER_IN_A_WORKER = ("nodes", "parallel.driver", "parallel.validation", "parallel.cli", "parallel.bench",
