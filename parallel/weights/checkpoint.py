@@ -29,7 +29,6 @@ COMFY_TRANSFORMER_PREFIX = "model.diffusion_model."
 SCALED_FP8_MARKER = "scaled_fp8"
 _SCALE_WEIGHT_SUFFIX = ".scale_weight"
 _SCALE_INPUT_SUFFIX = ".scale_input"
-READ_CHUNK_BYTES = 16 * 2**20  # rows read at once for a column slice: the most a slice read holds beyond the slice
 _FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
     if hasattr(torch, name)
@@ -96,9 +95,7 @@ class CheckpointFile:
         if self.path.suffix.lower() in PICKLE_SUFFIXES:
             self._tensors = _load_pickle_state_dict(self.path)
         else:
-            self._header = _check_safetensors_header(self.path)
-            with self.path.open("rb") as stream:
-                self._data_start = 8 + struct.unpack("<Q", stream.read(8))[0]
+            _check_safetensors_header(self.path)
             try:
                 self._handle = safe_open(str(self.path), framework="pt", device="cpu")
             except Exception as error:  # safetensors raises its own error types
@@ -145,63 +142,18 @@ class CheckpointFile:
         if self._tensors is not None:
             tensor = self._tensors[key]
             return tensor if index is None else tensor[index]
-        return self._read_safetensors(key, index)
-
-    def _read_safetensors(self, key: str, index: TensorSlice) -> torch.Tensor:
-        """Tensor ``key`` (or ``index`` of it) read with plain file reads into a buffer of its own: a range of
-        rows reads only those rows' bytes; a slice of later dimensions (a row-parallel weight's columns) reads the
-        rows in chunks of at most ``READ_CHUNK_BYTES`` through one reused buffer and keeps the slice of each.
-        Written by hand rather than through safetensors' memory map: every page a mapped read touches stays in the
-        process's resident set until the file is closed, so a rank reading its tensor-parallel slices of a
-        27 GiB file would map most of it; a private buffer is also aligned, which keeps the CPU kernels on one
-        path whatever the file's layout."""
-        entry = self._header[key]
-        dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
-        start, end = entry["data_offsets"]
-        if not shape or index is None:
-            return self._pread(start, end - start, dtype, shape)
-        parts = index if isinstance(index, tuple) else (index,)
-        first, rest = parts[0], parts[1:]
-        if not isinstance(first, slice) or first.step not in (None, 1):
-            return self._pread(start, end - start, dtype, shape)[index].contiguous()
-        low, high, _ = first.indices(shape[0])
-        high = max(low, high)
-        row_bytes = (end - start) // shape[0] if shape[0] else 0
-        if all(part == slice(None) for part in rest):
-            return self._pread(start + low * row_bytes, (high - low) * row_bytes, dtype, (high - low, *shape[1:]))
-        out = torch.empty(torch.empty(shape, device="meta")[(slice(low, high), *rest)].shape, dtype=dtype)
-        step, buffer = max(1, READ_CHUNK_BYTES // max(1, row_bytes)), None
-        for row in range(low, high, step):
-            count = min(step, high - row)
-            buffer = self._pread(start + row * row_bytes, count * row_bytes, dtype, (count, *shape[1:]), buffer)
-            out[row - low : row - low + count] = buffer[(slice(None), *rest)]
-        return out
-
-    def _pread(self, offset: int, size: int, dtype: torch.dtype, shape: tuple[int, ...],
-               reuse: torch.Tensor | None = None) -> torch.Tensor:
-        """``size`` bytes at ``offset`` of the data as a tensor; into ``reuse``'s buffer when it is large enough."""
-        if reuse is not None and reuse.untyped_storage().nbytes() >= size:
-            buffer = torch.empty(0, dtype=torch.uint8).set_(reuse.untyped_storage(), 0, (size,))
-        else:
-            buffer = torch.empty(size, dtype=torch.uint8)
-        with open(self.path, "rb", buffering=0) as stream:
-            stream.seek(self._data_start + offset)
-            view, done = memoryview(buffer.numpy()), 0
-            while done < size:
-                count = stream.readinto(view[done:])
-                if not count:
-                    raise ModelFileError(f"{self.path}: the file ended {size - done} bytes early while reading")
-                done += count
-        return buffer.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
+        if index is None:
+            return self._handle.get_tensor(key)
+        return self._handle.get_slice(key)[index]
 
     def has(self, key: str) -> bool:
         return key in self._key_set
 
     @property
     def reads_private(self) -> bool:
-        """Whether every tensor ``raw`` returns owns a fresh, contiguous buffer (safetensors, read by
-        ``_read_safetensors``), so a loader may keep it without copying; a pickle's tensors view its mapping."""
-        return self._tensors is None
+        """Whether every tensor ``raw`` returns owns a fresh, contiguous buffer, so a loader may keep it without
+        copying: never here (safetensors and pickle tensors view the file's memory map)."""
+        return False
 
     @property
     def is_scaled_fp8(self) -> bool:
