@@ -150,12 +150,6 @@ class CheckpointFile:
         return key in self._key_set
 
     @property
-    def reads_private(self) -> bool:
-        """Whether every tensor ``raw`` returns owns a fresh, contiguous buffer, so a loader may keep it without
-        copying: never here (safetensors and pickle tensors view the file's memory map)."""
-        return False
-
-    @property
     def is_scaled_fp8(self) -> bool:
         return self.has(SCALED_FP8_MARKER) or any(key.endswith(_SCALE_WEIGHT_SUFFIX) for key in self.keys)
 
@@ -283,10 +277,6 @@ class WeightSource:
         ref = self.refs[name]
         return ref.file.is_quantized(ref.key)
 
-    def reads_private(self, name: str) -> bool:
-        """Whether tensor ``name`` is read into a buffer of its own (see ``CheckpointFile.reads_private``)."""
-        return bool(getattr(self.refs[name].file, "reads_private", False))
-
     def read_narrow(self, name: str, compute_dtype: torch.dtype, index: TensorSlice = None) -> StoredTensor | None:
         """A float tensor stored narrower than ``compute_dtype`` (bf16 / fp16 for float32), as stored; None for
         other tensors and for files that do not tell (GGUF, pickles read whole)."""
@@ -376,14 +366,14 @@ def _hold_quantized_(model: torch.nn.Module, source: WeightSource, names: set[st
         if not source.is_quantized(name):  # a bf16 / fp16 weight computed in float32 stays as stored too
             stored = source.read_narrow(name, dtype)
             if stored is not None:
-                hold_stored_(module, stored, dtype, device, copy=not source.reads_private(name))
+                hold_stored_(module, stored, dtype, device)
                 held.add(name)
             continue
         stored = source.read_stored(name)
         if stored is None:
             cut.append(name)
             continue
-        hold_stored_(module, stored, dtype, device, copy=not source.reads_private(name))
+        hold_stored_(module, stored, dtype, device)
         held.add(name)
     if cut:
         cost = sum(math.prod(source.shape(name)) for name in cut) * dtype.itemsize
@@ -432,11 +422,9 @@ def load_weights_into(
     state = {}
     for name in sorted(expected - held):
         target = torch.float32 if dtype != torch.float32 and _keeps_float32(name, keep_modules) else dtype
-        # A private copy, unless the file was read into buffers of the tensors' own: tensors viewing a mapped file
-        # may sit at unaligned offsets, which makes CPU kernels take different (differently rounding) paths
-        # depending on the file's layout; and a copy of a private buffer only adds to the load's peak.
-        tensor = source.read(name, target)
-        state[name] = tensor.to(device, copy=not (source.reads_private(name) and tensor.is_contiguous()))
+        # A private copy: tensors read from a mapped file may sit at unaligned offsets, which makes CPU
+        # kernels take different (differently rounding) paths depending on the file's layout.
+        state[name] = source.read(name, target).to(device, copy=True)
     for alias, original in aliases.items():
         state[alias] = state[original]
     result = model.load_state_dict(state, strict=False, assign=True)

@@ -103,11 +103,9 @@ def keeps_quantized(name: str, prefixes: tuple[str, ...] = QUANTIZED_PREFIXES) -
     return name.startswith(prefixes) and name.endswith(".weight") and ".norm" not in name
 
 
-def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, device: str | torch.device,
-                 copy: bool = True) -> None:
-    """Make ``module.weight`` the stored tensor on ``device``, dequantized to ``dtype`` whenever it is read; without
-    ``copy`` a stored tensor already in a buffer of its own is kept as it is (when on ``device``)."""
-    module.weight = nn.Parameter(stored.data.to(device, copy=copy), requires_grad=False)
+def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Make ``module.weight`` the stored tensor on ``device``, dequantized to ``dtype`` whenever it is read."""
+    module.weight = nn.Parameter(stored.data.to(device, copy=True), requires_grad=False)
     scale = None if stored.scale is None else stored.scale.to(device=device, dtype=torch.float32, copy=True)
     parametrize.register_parametrization(module, "weight", Dequantize(stored.qtype, stored.shape, dtype, scale),
                                          unsafe=True)  # unsafe: the stored tensor's shape and dtype differ on purpose
