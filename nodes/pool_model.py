@@ -25,7 +25,7 @@ import torch
 
 from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
 from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
-from .conditioning_keys import UNSUPPORTED_INPUTS, model_input_refusal
+from .conditioning_keys import NATIVE_WAN_CLASSES, UNSUPPORTED_INPUTS, check_family_keys, model_input_refusal
 from .pool_patches import (POOL_LORAS, add_lora_patches, check_model_patches, drop_torch_compile,
                            native_weight_shapes, skipped_blocks)
 from .runtime import ResidentModel, arrange, auto_layout_of, interrupted, raise_if_interrupted
@@ -127,12 +127,23 @@ def call_timesteps(timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return timestep.reshape(-1).expand(x.shape[0]).clone()
 
 
+# The model inputs ComfyUI's Wan model classes give the transformer that the pool takes (the functions below), and
+# those it needs no part in (WAN22's noise mask, already in the timesteps; the text of a ControlNet, refused with
+# its control). Any other input stops the call: a new node's input is never dropped without a word.
+POOL_INPUTS = frozenset({"vace_context", "vace_strength", "pose_latents", "face_pixel_values", "camera_conditions",
+                         "reference_latent", "denoise_mask", "crossattn_controlnet", "y"})
+
+
 def check_supported_inputs(control, extra: dict) -> None:
     """Refuse, in one line, conditioning the pool's transformer would otherwise silently ignore."""
     given = {"control": control, **extra}
     refused = [name for name in UNSUPPORTED_INPUTS if given.get(name) is not None]
     if refused:
         raise ValueError(model_input_refusal(refused[0]))
+    unknown = sorted(name for name, value in extra.items() if value is not None and name not in POOL_INPUTS)
+    if unknown:
+        raise ValueError(f"the WanMesh MODEL does not take the model input {unknown[0]} (from a conditioning node "
+                         "WanMesh does not run yet); sample without that node, or with native UNETLoader")
 
 
 def reference_input(reference: torch.Tensor | None) -> torch.Tensor | None:
@@ -197,9 +208,10 @@ def camera_model_class():
         raise ValueError("WanMesh Native Model needs a ComfyUI with Wan Fun Camera support (2025 or newer) for a Fun "
                          "Camera model; update ComfyUI, or sample with the WanMesh Sampler")
 
-    class PoolWanCamera(comfy.model_base.WAN21_Camera):
-        def memory_required(self, *args, **kwargs):
-            return 0  # as comfy_classes' PoolMemory: the transformer runs in the pool's processes
+    memory = comfy_classes()[0].__mro__[1]  # PoolMemory: no memory reserved, other models' keys refused
+
+    class PoolWanCamera(memory, comfy.model_base.WAN21_Camera):
+        pass
 
     return PoolWanCamera
 
@@ -220,6 +232,11 @@ def comfy_classes():
             # The transformer runs in the pool's processes, not here: ComfyUI needs no memory for it, and with
             # none reserved it batches the conditional and unconditional rows into one call.
             return 0
+
+        def extra_conds(self, **kwargs):
+            """ComfyUI's, after refusing a key of another Wan model's conditioning node (conditioning_keys.py)."""
+            check_family_keys(kwargs, native_class_of(type(self)))
+            return super().extra_conds(**kwargs)
 
     class PoolWan(PoolMemory, comfy.model_base.WAN21):
         pass
@@ -254,6 +271,24 @@ def comfy_classes():
     return PoolWan, PoolWanVace, PoolWan22, PoolModelPatcher
 
 
+def native_class_of(model_class: type) -> str:
+    """The name of the ComfyUI Wan model class a pool BaseModel class is made from (its first such base)."""
+    return next(base.__name__ for base in model_class.__mro__
+                if base.__name__ in NATIVE_WAN_CLASSES and base.__module__ == "comfy.model_base")
+
+
+def native_class_name(resident: ResidentModel) -> str:
+    """The ComfyUI Wan model class ``pool_model`` makes for the resident's file (what its conditioning may hold)."""
+    _, image_kind = model_image_inputs(resident.path)
+    if image_kind in IMAGE_KIND_CLASSES:
+        return IMAGE_KIND_CLASSES[image_kind]
+    return "WAN21_Vace" if has_vace_blocks(resident.model_files()) else "WAN21"
+
+
+# ``detect.image_inputs`` kinds that ComfyUI runs with a model class of their own
+IMAGE_KIND_CLASSES = {"first_frame": "WAN22", "animate": "WAN22_Animate", "camera": "WAN21_Camera"}
+
+
 def pool_model(resident: ResidentModel, cache: dict | None = None):
     """ComfyUI's MODEL (a ModelPatcher) over the resident transformer, configured as ComfyUI configures a Wan model
     it loads itself (latent format, flow sampling with shift 8; an image-to-video model with its input channels, the
@@ -264,14 +299,11 @@ def pool_model(resident: ResidentModel, cache: dict | None = None):
     *_, patcher = comfy_classes()
     in_channels, image_kind = model_image_inputs(resident.path)
     device = comfy.model_management.get_torch_device()
-    if image_kind == "first_frame":
-        model = _wan22_model(in_channels, device)
-    elif image_kind == "animate":
-        model = _animate_model(in_channels, device)
-    elif image_kind == "camera":
-        model = _camera_model(in_channels, device)
+    class_name = native_class_name(resident)
+    if class_name in MODEL_MAKERS:
+        model = MODEL_MAKERS[class_name](in_channels, device)
     else:
-        model = _wan21_model(has_vace_blocks(resident.model_files()), in_channels, image_kind, device)
+        model = _wan21_model(class_name == "WAN21_Vace", in_channels, image_kind, device)
     model.diffusion_model = PoolTransformer(resident, in_channels, cache)
     return patcher(model, load_device=device, offload_device=comfy.model_management.unet_offload_device())
 
@@ -294,7 +326,7 @@ def animate_class():
 
     if not hasattr(comfy.model_base, "WAN22_Animate"):
         return None
-    memory = comfy_classes()[0].__mro__[1]  # PoolMemory: no memory reserved here for the pool's transformer
+    memory = comfy_classes()[0].__mro__[1]  # PoolMemory: no memory reserved, other models' keys refused
 
     class PoolWanAnimate(memory, comfy.model_base.WAN22_Animate):
         pass
@@ -337,3 +369,6 @@ def _wan22_model(in_channels: int, device):
     config = config_class({"image_model": "wan2.1", "model_type": "t2v", "in_dim": in_channels,
                            "out_dim": WAN22_LATENT_CHANNELS, "disable_unet_model_creation": True})
     return wan22(config, image_to_video=True, device=device)
+
+
+MODEL_MAKERS = {"WAN22": _wan22_model, "WAN22_Animate": _animate_model, "WAN21_Camera": _camera_model}

@@ -247,7 +247,24 @@ def check_model_patches(patcher) -> None:
     if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None):
         raise ValueError("the WanMesh MODEL cannot take hook LoRAs (CreateHookLora, SetClipHooks scheduling); load "
                          "the LoRA with LoraLoaderModelOnly or the WanMesh LoRA Loader")
-    skipped_blocks(patcher.model_options.get("transformer_options", {}))
+    transformer_options = patcher.model_options.get("transformer_options", {})
+    skipped_blocks(transformer_options)
+    check_model_function_patches(transformer_options)
+
+
+# the native nodes that set the model patches ComfyUI's Wan model calls inside its blocks, by the patch's class
+PATCH_NODES = {"MultiTalkCrossAttnPatch": "WanInfiniteTalkToVideo", "MultiTalkGetAttnMapPatch": "WanInfiniteTalkToVideo"}
+
+
+def check_model_function_patches(transformer_options: dict) -> None:
+    """Refuse the functions ComfyUI's Wan model calls inside its blocks (``set_model_patch``: attention and block
+    patches, InfiniteTalk's audio cross-attention): the blocks run in the worker pool, which cannot call them."""
+    for kind, functions in (transformer_options.get("patches") or {}).items():
+        if functions:
+            name = _node_of(functions[0])
+            node = f"{PATCH_NODES[name]} ({name})" if name in PATCH_NODES else name
+            raise ValueError(f"{node}: the WanMesh MODEL cannot run a {kind} model patch (its blocks run in the "
+                             "worker pool); remove the node, or use a native model")
 
 
 def drop_torch_compile(wrapper_type: str, key: str) -> bool:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from wanmesh.nodes.convert import ANIMATE_KEYS
-from wanmesh.nodes.conditioning_keys import (NO_EFFECT, UNSUPPORTED_CONDITIONING, UNSUPPORTED_INPUTS,
-                                             check_conditioning_keys, model_input_refusal)
+from wanmesh.nodes.conditioning_keys import (FAMILY_KEY_NODES, NATIVE_WAN_CLASSES, NO_EFFECT,
+                                             UNSUPPORTED_CONDITIONING, UNSUPPORTED_INPUTS, check_conditioning_keys,
+                                             check_family_keys, keys_read_by, model_input_refusal)
 from wanmesh.parallel.sampling.guidance import PASS_INPUTS, TIME_CONCAT, guided_prediction
 
 MODEL_BASE = Path(__file__).resolve().parents[2] / "build" / "comfyui-recent" / "comfy" / "model_base.py"
@@ -24,23 +25,54 @@ NOT_FROM_CONDITIONING_NODES = {"noise", "denoise_mask", "latent_image", "cross_a
                                "noise_concat"}
 
 
-def wan_model_keys() -> set[str]:
-    """The keys the extra_conds of ComfyUI's Wan model classes (and their base class) read."""
+def wan_class_keys() -> dict[str, tuple[str, set[str]]]:
+    """Each Wan model class of ComfyUI's source (and BaseModel): (its first base, the keys its extra_conds read)."""
     source = MODEL_BASE.read_text(encoding="utf-8")
-    keys = set()
-    for match in re.finditer(r"^class (\w+)\(", source, re.M):
+    classes = {}
+    for match in re.finditer(r"^class (\w+)\((\w+)", source, re.M):
         if "WAN" in match.group(1).upper() or match.group(1) == "BaseModel":
             body = source[match.end():].split("\nclass ", 1)[0]
-            keys |= set(re.findall(r'kwargs\.get\("(\w+)"', body))
-    return keys
+            classes[match.group(1)] = (match.group(2), set(re.findall(r'kwargs\.get\("(\w+)"', body)))
+    return classes
 
 
-@pytest.mark.skipif(not MODEL_BASE.is_file(), reason="no prepared recent ComfyUI copy")
+needs_recent = pytest.mark.skipif(not MODEL_BASE.is_file(), reason="no prepared recent ComfyUI copy")
+
+
+@needs_recent
 def test_every_key_comfyui_wan_reads_is_taken_or_refused() -> None:
-    keys = wan_model_keys()
+    keys = set().union(*(read for _, read in wan_class_keys().values()))
     assert "time_dim_concat" in keys and "camera_conditions" in keys, "the reading of ComfyUI's code broke"
-    unknown = keys - READ_BY_WANMESH - NOT_FROM_CONDITIONING_NODES - set(UNSUPPORTED_CONDITIONING)
-    assert not unknown, f"ComfyUI's Wan model acts on {sorted(unknown)}: take them or add them to the table"
+    family_keys = set().union(*(read for _, _, read in NATIVE_WAN_CLASSES.values()))
+    unknown = keys - READ_BY_WANMESH - NOT_FROM_CONDITIONING_NODES - set(UNSUPPORTED_CONDITIONING) - family_keys
+    assert not unknown, f"ComfyUI's Wan model acts on {sorted(unknown)}: take them or add them to the tables"
+
+
+@needs_recent
+def test_the_table_of_wan_model_classes_is_comfyuis() -> None:
+    """Every Wan model class of ComfyUI (bar the causal and FlowRVS ones, which read nothing of their own) is in
+    the table with its base and exactly the conditioning keys it reads; each key only some classes read names the
+    nodes that set it."""
+    source = {name: (base, read - NOT_FROM_CONDITIONING_NODES) for name, (base, read) in wan_class_keys().items()
+              if name not in ("BaseModel", "WAN21_CausalAR", "WAN21_FlowRVS")}
+    table = {name: (base or "BaseModel", set(read)) for name, (base, _, read) in NATIVE_WAN_CLASSES.items()}
+    assert table == source
+    partial = {key for name in NATIVE_WAN_CLASSES for key in keys_read_by(name)} - keys_read_by("WAN21")
+    assert partial == set(FAMILY_KEY_NODES)
+
+
+@pytest.mark.parametrize("key", sorted(FAMILY_KEY_NODES))
+def test_a_key_of_another_wan_model_is_refused_naming_it_its_node_and_both_models(key: str) -> None:
+    readers = [name for name, (_, _, read) in NATIVE_WAN_CLASSES.items() if key in read]
+    others = [name for name in NATIVE_WAN_CLASSES if key not in keys_read_by(name)]
+    for name in others:
+        with pytest.raises(ValueError) as refused:
+            check_family_keys([[torch.zeros(1, 4, 8), {key: torch.zeros(1)}]], name)
+        message = str(refused.value)
+        assert key in message and FAMILY_KEY_NODES[key] in message and NATIVE_WAN_CLASSES[name][1] in message
+        assert all(NATIVE_WAN_CLASSES[reader][1] in message for reader in readers) and "\n" not in message
+    for name in set(NATIVE_WAN_CLASSES) - set(others):
+        check_family_keys({key: torch.zeros(1), "noise": torch.zeros(1)}, name)  # extra_conds' keyword form
 
 
 @pytest.mark.parametrize("key", UNSUPPORTED_CONDITIONING)
@@ -58,8 +90,8 @@ def test_sampler_keys_pass_on_the_comfyui_path_and_no_effect_values_pass() -> No
     check_conditioning_keys([[torch.zeros(1, 4, 8), {"start_percent": 0.3}]], "positive", model_inputs_only=True)
     check_conditioning_keys([[torch.zeros(1, 4, 8), {"start_percent": 0.0, "end_percent": 1.0, "strength": 1.0}]],
                             "positive")
-    with pytest.raises(ValueError, match="audio_embed"):
-        check_conditioning_keys([[torch.zeros(1, 4, 8), {"audio_embed": torch.zeros(1)}]], "negative",
+    with pytest.raises(ValueError, match="context_latents"):
+        check_conditioning_keys([[torch.zeros(1, 4, 8), {"context_latents": [torch.zeros(1)]}]], "negative",
                                 model_inputs_only=True)
 
 
@@ -121,8 +153,16 @@ def test_the_wanmesh_model_refuses_time_concat_that_cannot_follow_its_input() ->
 def test_the_wanmesh_model_refuses_a_controlnet_in_one_line() -> None:
     from wanmesh.nodes.pool_model import check_supported_inputs
 
-    check_supported_inputs(None, {"time_dim_concat": torch.zeros(1), "reference_latent": torch.zeros(1)})
+    check_supported_inputs(None, {"reference_latent": torch.zeros(1), "vace_context": None})
     with pytest.raises(ValueError) as refused:
         check_supported_inputs(object(), {})
     message = str(refused.value)
     assert "control" in message and "ControlNetApply" in message and len(message) <= 300, message
+
+
+def test_the_wanmesh_model_refuses_a_model_input_it_does_not_know() -> None:
+    """A model input no table knows (a newer ComfyUI's, another pack's) stops the call instead of being dropped."""
+    from wanmesh.nodes.pool_model import check_supported_inputs
+
+    with pytest.raises(ValueError, match="model input pose_branch_tokens .*sample without that node"):
+        check_supported_inputs(None, {"pose_branch_tokens": torch.zeros(1), "denoise_mask": torch.zeros(1)})
