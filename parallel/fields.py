@@ -4,9 +4,9 @@ A field says once what a setting is called, its type, default, the range its wid
 checks accept (``valid``), its help text, and where users meet it: node inputs (``"WanMeshSampler.steps"``),
 command-line flags (``"generate --steps"``) and the request or config attribute the protocol checks
 (``"SampleRequest.steps"``). The nodes build their inputs with :func:`node_input`, the command line its flags
-with :func:`add_flag`; ``README.md``'s settings table is :func:`markdown_table` (``python -m
-wanmesh.parallel.fields README.md`` rewrites it). tests/unit/test_fields.py fails when a node input, a flag, a
-protocol check or the README disagrees with a row. Plain Python, light at import; used in the driver process
+with :func:`add_flag`; the settings table of ``docs/settings.md`` is :func:`markdown_table` (``python -m
+wanmesh.parallel.fields docs/settings.md`` rewrites it). tests/unit/test_fields.py fails when a node input, a flag, a
+protocol check or that page disagrees with a row. Plain Python, light at import; used in the driver process
 (ComfyUI or CLI).
 """
 
@@ -313,7 +313,7 @@ def _cell(text: str) -> str:
 
 
 def markdown_table() -> str:
-    """README.md's settings table, one row per field."""
+    """The settings table of docs/settings.md, one row per field."""
     lines = ["| setting | node inputs | command line | default | widget | checked | meaning |",
              "|---|---|---|---|---|---|---|"]
     for row in FIELDS:
@@ -328,24 +328,26 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-TABLE_START, TABLE_END = "<!-- settings table: python -m wanmesh.parallel.fields README.md -->", "<!-- end of settings table -->"
+SETTINGS_PAGE = "docs/settings.md"
+TABLE_START = f"<!-- settings table: python -m wanmesh.parallel.fields {SETTINGS_PAGE} -->"
+TABLE_END = "<!-- end of settings table -->"
 
 
-def readme_with_table(text: str) -> str:
-    """``text`` (README.md) with the settings table between its markers replaced by :func:`markdown_table`."""
+def page_with_table(text: str) -> str:
+    """``text`` (docs/settings.md) with the settings table between its markers replaced by :func:`markdown_table`."""
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
     return f"{text[:start]}\n{markdown_table()}\n{text[end:]}"
 
 
 def main(argv: list[str]) -> int:
-    """Rewrite the settings table in the README given (print it when no file is given)."""
+    """Rewrite the settings table in the page given (docs/settings.md; print the table when no file is given)."""
     if not argv:
         print(markdown_table())
         return 0
     with open(argv[0], encoding="utf-8") as file:
         text = file.read()
     with open(argv[0], "w", encoding="utf-8") as file:
-        file.write(readme_with_table(text))
+        file.write(page_with_table(text))
     return 0
 
 if __name__ == "__main__":

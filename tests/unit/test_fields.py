@@ -1,6 +1,7 @@
 """Every entry point against the table of user-facing fields (``parallel/fields.py``): the node inputs, the CLI
-flags, the protocol checks and README.md's settings table and usage block. A node widget or a flag that is in
-neither the table nor the short lists of entry-specific inputs below fails too, so a new setting gets a row."""
+flags, the protocol checks, the settings table of docs/settings.md and the usage block of docs/command-line.md.
+A node widget or a flag that is in neither the table nor the short lists of entry-specific inputs below fails too,
+so a new setting gets a row."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from wanmesh.parallel import fields
 from wanmesh.parallel.config import ParallelConfig
 from wanmesh.parallel.fields import FIELDS, Field, flag_help
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS_PAGE, COMMAND_LINE_PAGE = ROOT / fields.SETTINGS_PAGE, ROOT / "docs" / "command-line.md"
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING")
 # Node widgets that belong to one node only: file lists, the prompt, output names, CLIP vision crop, the VACE builders' geometry
 # (the command line takes it as --outpaint L,T,R,B and --extend-keep FIRST,LAST), the trim count.
@@ -220,22 +222,23 @@ def test_protocol_attributes_named_by_the_table_exist():
             assert callable(_check(target)), target
 
 
-# -- README.md -----------------------------------------------------------------------------------------------
+# -- the documentation pages -----------------------------------------------------------------------------------
 
 
-def test_the_readme_settings_table_is_the_table():
-    text = README.read_text(encoding="utf-8")
-    assert fields.readme_with_table(text) == text, (
-        "README.md's settings table differs from parallel/fields.py; run `python -m wanmesh.parallel.fields README.md`")
+def test_the_settings_page_is_the_table():
+    text = SETTINGS_PAGE.read_text(encoding="utf-8")
+    assert fields.page_with_table(text) == text, (
+        f"{fields.SETTINGS_PAGE}'s settings table differs from parallel/fields.py; "
+        f"run `python -m wanmesh.parallel.fields {fields.SETTINGS_PAGE}`")
 
 
 @pytest.mark.parametrize("command", ["generate", "stream"])
-def test_the_readme_usage_names_every_flag_of_the_table(command: str):
-    text = README.read_text(encoding="utf-8")
+def test_the_command_line_usage_names_every_flag_of_the_table(command: str):
+    text = COMMAND_LINE_PAGE.read_text(encoding="utf-8")
     usage = re.search(rf"^wanmesh {command} .*?(?=^wanmesh )", text, re.S | re.M).group(0)
     flags = [entry.split(" ")[1] for row in FIELDS for entry in row.flags if entry.startswith(f"{command} ")]
     missing = [flag for flag in flags if not re.search(rf"{re.escape(flag)}(?![\w-])", usage)]
-    assert not missing, f"README's `wanmesh {command}` usage lacks {missing}"
+    assert not missing, f"docs/command-line.md's `wanmesh {command}` usage lacks {missing}"
 
 
 def test_defaults_are_finite_and_inside_their_widgets():
