@@ -2,18 +2,23 @@
 per rank against the rank's share of the file, one step; runs in the CLI process and the ranks it spawns.
 
 The CLI process writes each requested file on the fly (``write_release_file``: random weights in the released
-shapes and ComfyUI's single-file key layout, bf16 or ComfyUI's scaled fp8, one tensor in memory at a time), then
-for each layout spawns fresh ranks (``common.run_world``: gloo on the CPU, one GPU per rank on CUDA) and deletes
-the file when done (``--keep-files`` keeps it). Layouts: ``world1``; ``tp2`` / ``tp4`` (each rank reads its
-tensor-parallel slices); ``replicas2`` (two ranks holding whole copies, as Ulysses, ring and CFG parallel do).
+shapes and key names, one tensor in memory at a time), then for each layout spawns fresh ranks
+(``common.run_world``: gloo on the CPU, one GPU per rank on CUDA) and deletes the file when done (``--keep-files``
+keeps it). File kinds: ``bf16`` and ``fp8_scaled`` (ComfyUI's single file, bf16 or its scaled fp8); ``gguf_q8_0`` and
+``gguf_q4_k`` (ComfyUI-GGUF's layout, written by ``tiny.gguf_write``: the matrices quantized, the small, modulation
+and 5-D tensors F32; packing Q4_K in Python takes about a minute per billion values). The ranks load every kind as a
+pool does by default, quantized weights kept as stored (weights "keep"). Layouts: ``world1``; ``tp2`` / ``tp4``
+(each rank reads its tensor-parallel slices); ``replicas2`` (two ranks holding whole copies, as Ulysses, ring and
+CFG parallel do).
 Each rank reports, on Linux (``/proc/self/status``):
 
 * ``load_s``: the loader's wall time (``weights.sharded.load_transformer_tp``, the workers' own loader);
-* ``share_bytes``: its share of the file, from the header (``memory.file_slice_bytes``: sharded tensors / tp);
+* ``share_bytes``: its share of the file, from the header (``memory.file_slice_bytes``: sharded tensors / tp; a
+  GGUF tensor-parallel slice that cuts quant blocks is read dequantized, so it holds more than its share);
 * ``resident_bytes``: the model's tensor storages after the load (``worker/memory.resident_bytes``);
 * ``load_peak_bytes``: the anonymous resident memory gained at the load's peak (``common.PeakAnonymousMemory``);
 * ``file_pages_bytes``: the file pages the rank has mapped after the load (``RssFile`` gained): page cache,
-  shared between the ranks of one machine, not the rank's own memory;
+  shared between the ranks of one machine, not the rank's own memory (none for a GGUF: closed once loaded);
 * ``hwm_bytes``: the process's resident high-water mark (``VmHWM``, file pages included) after one step;
 * ``step_s``: one transformer forward at ``--width x --height x --frames`` (guidance off), after one warm-up.
 
@@ -32,15 +37,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    import gguf
+
 GIB = 2**30
 LAYOUTS = {"world1": (1, 1), "tp2": (2, 2), "tp4": (4, 4), "replicas2": (2, 1)}  # name: (world, tp)
-FILE_KINDS = ("bf16", "fp8_scaled")
+GGUF_KINDS = {"gguf_q8_0": "Q8_0", "gguf_q4_k": "Q4_K"}  # kind: GGMLQuantizationType name
+FILE_KINDS = ("bf16", "fp8_scaled", *GGUF_KINDS)
 DEFAULT_SIZE = (64, 64, 5)  # a small latent: the step proves the model runs, the memory is the weights'
 
 
@@ -70,8 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def release_layout(config: dict, kind: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(original key, stored dtype, shape) of every tensor of a released model's single file, in key order: bf16,
-    or ComfyUI's scaled fp8 (block linears fp8 with a float32 ``scale_weight`` each, and the marker)."""
+    """(original key, stored dtype, shape) of every tensor of a released model's single safetensors file, in key
+    order: bf16, or ComfyUI's scaled fp8 (block linears fp8 with a float32 ``scale_weight`` each, and the marker)."""
     from ..tiny.fp8_write import is_block_linear_weight
     from ..tiny.models import diffusers_to_original, original_transformer_names
     from ..weights.checkpoint import SCALED_FP8_MARKER, scale_key_for
@@ -95,6 +106,31 @@ def release_layout(config: dict, kind: str) -> list[tuple[str, torch.dtype, tupl
     return sorted(entries)
 
 
+def gguf_layout(config: dict, kind: str) -> list[tuple[str, gguf.GGMLQuantizationType, tuple[int, ...]]]:
+    """(original key, stored GGUF type, shape) of every tensor of a released model's GGUF of ``kind``, in key order:
+    the bf16 file's tensors, each stored as ``tiny.gguf_write.gguf_storage_type`` picks."""
+    import gguf
+
+    from ..tiny.gguf_write import gguf_storage_type
+
+    target = gguf.GGMLQuantizationType[GGUF_KINDS[kind]]
+    return [(key, gguf_storage_type(key, shape, target), shape) for key, _, shape in release_layout(config, "bf16")]
+
+
+def layout_bytes(config: dict, kind: str) -> int:
+    """The tensor data's bytes of a released model's file of ``kind`` (the header excluded)."""
+    if kind in GGUF_KINDS:
+        from gguf import quant_shape_to_byte_shape
+
+        layout = gguf_layout(config, kind)
+        return sum(math.prod(quant_shape_to_byte_shape(shape, stored)) for _, stored, shape in layout)
+    return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in release_layout(config, kind))
+
+
+def file_name(model: str, kind: str) -> str:
+    return f"{model}_{kind}{'.gguf' if kind in GGUF_KINDS else '.safetensors'}"
+
+
 def _drawn(key: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 values of tensor ``key``: drawn from a generator seeded by the key alone, so a tensor and its
     scale agree whatever order they are written in."""
@@ -104,7 +140,10 @@ def _drawn(key: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def write_release_file(config: dict, kind: str, path: Path) -> Path:
-    """A released model's single file of random weights (see ``release_layout``), written one tensor at a time."""
+    """A released model's single file of random weights (see ``release_layout`` and ``gguf_layout``), written one
+    tensor at a time."""
+    if kind in GGUF_KINDS:
+        return _write_gguf(config, kind, path)
     from ..tensor_files import save_tensors_streamed
     from ..tiny.fp8_write import _scaled
     from ..weights.checkpoint import SCALED_FP8_MARKER
@@ -124,6 +163,20 @@ def write_release_file(config: dict, kind: str, path: Path) -> Path:
         return _drawn(key, shapes[key]).to(torch.bfloat16)
 
     return save_tensors_streamed(entries, make, path)
+
+
+def _write_gguf(config: dict, kind: str, path: Path) -> Path:
+    """The GGUF of ``kind``: the bf16 file's float32 values, quantized one tensor at a time."""
+    import gguf
+
+    from ..tiny.gguf_write import write_wan_gguf_streamed
+
+    layout = gguf_layout(config, kind)
+    shapes = {key: shape for key, _, shape in layout}
+    types = {key: stored for key, stored, _ in layout}
+    write_wan_gguf_streamed(list(shapes.items()), lambda key: _drawn(key, shapes[key]), path,
+                            gguf.GGMLQuantizationType[GGUF_KINDS[kind]], type_of=lambda key, shape: types[key])
+    return path
 
 
 def largest_tensor_bytes(path: Path) -> int:
@@ -301,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         work = args.work or Path(temporary)
         for model in settings["models"]:
             for kind in settings["kinds"]:
-                path = work / f"{model}_{kind}.safetensors"
+                path = work / file_name(model, kind)
                 started = time.perf_counter()
                 if not path.is_file():
                     write_release_file(RELEASES[model], kind, path)

@@ -1,5 +1,5 @@
 """Writing Wan transformer GGUF files in the layout ComfyUI users have (original Wan key names,
-``general.architecture`` "wan"); runs in the CLI process (`wanmesh make-tiny`) and tests.
+``general.architecture`` "wan"); runs in the CLI process (`wanmesh make-tiny`, `wanmesh bench real-size`) and tests.
 
 Per-tensor types follow what the usual converters do: one-dimensional, very small (<= 1024 elements) and
 ``modulation`` tensors stay F32, the 5-D patch embedding stays F32 (it is added unquantised after
@@ -9,6 +9,8 @@ only the float and legacy block types (Q8_0, Q5_x, Q4_x; llama.cpp's K-type quan
 Q6_K, Q5_K, Q4_K, Q3_K and Q2_K are packed here by hand, with plain min/max or absmax fits rather than
 llama.cpp's error-minimising searches: good enough for test files, which need only read back close to what
 was written. The tests check them against gguf's dequantiser.
+Tensors are written one at a time (``write_wan_gguf_streamed``: the header, which lists every tensor's type
+and size, is written first from the shapes), so a file larger than memory can be written.
 Files are written atomically (``video_io.written_atomically``, as the project's other outputs are).
 """
 
@@ -25,7 +27,7 @@ from ..weights.gguf_file import HEAD_COUNT_FIELD, WAN_ARCHITECTURE, block_size
 from ..video_io import written_atomically
 
 __all__ = ["gguf_storage_type", "quantize", "quantize_q2_k", "quantize_q3_k", "quantize_q4_k", "quantize_q5_k",
-           "quantize_q6_k", "write_wan_gguf"]
+           "quantize_q6_k", "write_wan_gguf", "write_wan_gguf_streamed"]
 
 SMALL_TENSOR_ELEMENTS = 1024
 MAX_QUANTISED_DIMS = 4
@@ -176,26 +178,45 @@ def write_wan_gguf(
     """Write an original-layout Wan state dict as a GGUF of `tensor_type` (atomically: nothing appears under `path`
     unless all of it was written); returns each tensor's stored type. ``type_of(key, shape)``, when given, picks each
     tensor's type instead of `gguf_storage_type` (a file that mixes types, as llama.cpp's "K_M" files do)."""
+    entries = [(key, tuple(tensor.shape)) for key, tensor in state.items()]
+    return write_wan_gguf_streamed(entries, state.__getitem__, path, tensor_type, num_heads, type_of)
+
+
+def write_wan_gguf_streamed(
+    entries: list[tuple[str, tuple[int, ...]]], make: Callable[[str], torch.Tensor], path: str | Path,
+    tensor_type: gguf.GGMLQuantizationType, num_heads: int | None = None, type_of: TypeRule | None = None,
+) -> dict[str, gguf.GGMLQuantizationType]:
+    """`write_wan_gguf` one tensor at a time: ``entries`` are (key, shape) in file order and ``make(key)`` returns
+    that tensor when its turn comes, so at most one tensor (and its quantised copy) is in memory."""
+    type_of = type_of or (lambda key, shape: gguf_storage_type(key, shape, tensor_type))
+    stored = {key: type_of(key, shape) for key, shape in entries}
     with written_atomically(Path(path)) as temporary:
-        return _write_gguf(state, temporary, tensor_type, num_heads,
-                           type_of or (lambda key, shape: gguf_storage_type(key, shape, tensor_type)))
+        writer = _writer(temporary, tensor_type, num_heads)
+        for key, shape in entries:  # the header lists every tensor's type and size before any data
+            byte_shape = gguf.quant_shape_to_byte_shape(shape, stored[key])
+            writer.add_tensor_info(key, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                                   raw_dtype=stored[key])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for key, shape in entries:
+            writer.write_tensor_data(_stored_array(key, make(key), shape, stored[key]))
+        writer.close()
+    return stored
 
 
-def _write_gguf(state: Mapping[str, torch.Tensor], path: Path, tensor_type: gguf.GGMLQuantizationType,
-                num_heads: int | None, type_of: TypeRule) -> dict[str, gguf.GGMLQuantizationType]:
+def _writer(path: Path, tensor_type: gguf.GGMLQuantizationType, num_heads: int | None) -> gguf.GGUFWriter:
     writer = gguf.GGUFWriter(str(path), arch=WAN_ARCHITECTURE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if tensor_type in _FILE_TYPES:
         writer.add_file_type(_FILE_TYPES[tensor_type])
     if num_heads is not None:
         writer.add_uint32(HEAD_COUNT_FIELD.format(arch=WAN_ARCHITECTURE), num_heads)
-    stored = {}
-    for key, tensor in state.items():
-        array = tensor.detach().to(torch.float32).numpy()
-        stored[key] = type_of(key, array.shape)
-        writer.add_tensor(key, quantize(array, stored[key]), raw_dtype=stored[key])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return stored
+    return writer
+
+
+def _stored_array(key: str, tensor: torch.Tensor, shape: tuple[int, ...],
+                  stored: gguf.GGMLQuantizationType) -> np.ndarray:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{key}: made shape {tuple(tensor.shape)}, declared {tuple(shape)}")
+    return quantize(tensor.detach().to(torch.float32).numpy(), stored)
