@@ -247,11 +247,18 @@ def check_model_patches(patcher) -> None:
     if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None):
         raise ValueError("the WanMesh MODEL cannot take hook LoRAs (CreateHookLora, SetClipHooks scheduling); load "
                          "the LoRA with LoraLoaderModelOnly or the WanMesh LoRA Loader")
+    for key in getattr(patcher, "injections", None) or {}:  # ComfyUI 0.33's forward injections
+        node = INJECTION_NODES.get(key, f"the node that injects {key!r}")
+        raise ValueError(f"{node}: the WanMesh MODEL cannot run code injected into its forward (its transformer runs "
+                         "in the worker pool); load a LoRA with LoraLoaderModelOnly (the same LoRA, as weight "
+                         "patches) or the WanMesh LoRA Loader")
     transformer_options = patcher.model_options.get("transformer_options", {})
     skipped_blocks(transformer_options)
     check_model_function_patches(transformer_options)
 
 
+# the native nodes that inject code into the model's forward, by the injection's key
+INJECTION_NODES = {"bypass_lora": "LoraLoaderBypass / LoraLoaderBypassModelOnly"}
 # the native nodes that set the model patches ComfyUI's Wan model calls inside its blocks, by the patch's class
 PATCH_NODES = {"MultiTalkCrossAttnPatch": "WanInfiniteTalkToVideo", "MultiTalkGetAttnMapPatch": "WanInfiniteTalkToVideo"}
 

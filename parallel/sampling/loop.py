@@ -268,8 +268,11 @@ class KeptLatent:
 
 def ancestral_noise(seed: int, shape: tuple[int, ...], rows: range, device) -> Callable[[], torch.Tensor]:
     """Noise for the steps of ancestral samplers, drawn as ComfyUI draws it: a generator on the latent's device seeded
-    with the sampler seed, the whole batch each time (so a replica's rows match one device's), float32."""
-    generator = torch.Generator(device=device).manual_seed(int(seed))
+    with the sampler seed, plus one on the CPU (ComfyUI 0.33's ``default_noise_sampler``: there the initial noise
+    comes from a CPU generator with the seed itself, which the steps would otherwise repeat), the whole batch each
+    time (so a replica's rows match one device's), float32."""
+    on_cpu = torch.device(device).type == "cpu"
+    generator = torch.Generator(device=device).manual_seed(int(seed) + (1 if on_cpu else 0))
 
     def draw() -> torch.Tensor:
         return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)[rows.start : rows.stop]

