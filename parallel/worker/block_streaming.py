@@ -2,8 +2,9 @@
 the workers (``residency.py`` applies it at load, from outside the model, on every layout).
 
 ``BlockSizes.from_file`` estimates from the file's header alone, before any weight is read, what the rank will hold:
-each block's bytes (transformer and VACE blocks) and the rest (embeddings, head, modulation), in the compute dtype,
-quantized tensors kept at about one byte per value, block matrices divided by the tensor-parallel degree.
+each block's bytes (transformer and VACE blocks) and the rest (embeddings, head, modulation, the rotary tables), in
+the compute dtype (float32 for the modules the model keeps in float32), quantized tensors kept at about one byte
+per value, block matrices divided by the tensor-parallel degree.
 ``plan_streaming`` decides: resident when everything fits the budget; streamed when the rest plus two blocks (the
 one running and the one being fetched) fit; else a one-line refusal naming the block size and the budget.
 
@@ -23,10 +24,13 @@ import re
 from dataclasses import dataclass
 
 import torch
+from diffusers import WanTransformer3DModel
 
 BLOCK_NAME = re.compile(r"^((?:vace_)?blocks\.\d+)\.")
 QUANTIZED_BYTES_PER_VALUE = 1  # fp8 and Q8_0 (1.06); fewer-bit GGUF types take less: an upper bound for those
 IN_FLIGHT_BLOCKS = 2  # the running block and the one fetched meanwhile
+FLOAT32_MODULES = frozenset(WanTransformer3DModel._keep_in_fp32_modules)
+ROPE_MAX_SEQ_LEN = 1024  # diffusers' default for Wan
 
 
 @dataclass(frozen=True)
@@ -45,14 +49,13 @@ class BlockSizes:
         return max(self.blocks.values(), default=0)
 
     @classmethod
-    def from_source(cls, source, dtype: torch.dtype, keep_quantized: bool, tp: int) -> BlockSizes:
+    def from_source(cls, source, dtype: torch.dtype, keep_quantized: bool, tp: int, config: dict | None = None
+                    ) -> BlockSizes:
         blocks: dict[str, int] = {}
-        rest = 0
+        rest = rope_buffer_bytes(config or {})
         for name in source.names():
             shape = source.shape(name)
-            per_value = (QUANTIZED_BYTES_PER_VALUE if keep_quantized and source.is_quantized(name)
-                         else dtype.itemsize)
-            size = math.prod(shape) * per_value
+            size = math.prod(shape) * bytes_per_value(name, dtype, keep_quantized and source.is_quantized(name))
             match = BLOCK_NAME.match(name)
             if match is None:
                 rest += size
@@ -65,8 +68,26 @@ class BlockSizes:
         from ..weights.loaders import transformer_weight_source
 
         with contextlib.ExitStack() as stack:
-            _, _, source = transformer_weight_source(path, vace_module, stack)
-            return cls.from_source(source, dtype, weights == "keep", tp)
+            _, config, source = transformer_weight_source(path, vace_module, stack)
+            return cls.from_source(source, dtype, weights == "keep", tp, config)
+
+
+def bytes_per_value(name: str, dtype: torch.dtype, kept_quantized: bool) -> int:
+    """What a rank holds per value of the tensor ``name``: about one byte kept quantized; four in the modules the
+    model keeps in float32 whatever the compute dtype (diffusers' ``_keep_in_fp32_modules``: the time embedder,
+    the modulation tables, the norms); else the compute dtype's size."""
+    if kept_quantized:
+        return QUANTIZED_BYTES_PER_VALUE
+    if dtype.itemsize < 4 and FLOAT32_MODULES.intersection(name.split(".")):
+        return 4
+    return dtype.itemsize
+
+
+def rope_buffer_bytes(config: dict) -> int:
+    """The rotary tables the model builds (cosine and sine, float32, ``rope_max_seq_len`` x head width); they are
+    in no file."""
+    head_width = config.get("attention_head_dim", 0)
+    return 2 * config.get("rope_max_seq_len", ROPE_MAX_SEQ_LEN) * head_width * 4
 
 
 def plan_streaming(sizes: BlockSizes, budget_bytes: int, what: str) -> bool:

@@ -46,13 +46,15 @@ assert vae.vae_dtype == torch.float32, vae.vae_dtype
 inputs = load_file(io_file)
 latent = {"samples": inputs["latents"]}
 stats = comfy.latent_formats.Wan22()
-save_file({
-    "decoded": nodes.VAEDecode().decode(vae, latent)[0].contiguous(),
-    "tiled": nodes.VAEDecodeTiled().decode(vae, latent, tile, overlap, 4096, 8)[0].contiguous(),
-    "encoded": nodes.VAEEncode().encode(vae, inputs["frames"])[0]["samples"].contiguous(),
-    "latents_mean": stats.latents_mean.flatten().contiguous(),
-    "latents_std": stats.latents_std.flatten().contiguous(),
-}, io_file)
+import torch
+with torch.inference_mode():  # as ComfyUI's executor runs every node
+    save_file({
+        "decoded": nodes.VAEDecode().decode(vae, latent)[0].contiguous(),
+        "tiled": nodes.VAEDecodeTiled().decode(vae, latent, tile, overlap, 4096, 8)[0].contiguous(),
+        "encoded": nodes.VAEEncode().encode(vae, inputs["frames"])[0]["samples"].contiguous(),
+        "latents_mean": stats.latents_mean.flatten().contiguous(),
+        "latents_std": stats.latents_std.flatten().contiguous(),
+    }, io_file)
 """
 
 

@@ -45,13 +45,15 @@ from safetensors.torch import load_file, save_file
 vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(vae_file))
 inputs = load_file(io_file)
 latent = {"samples": inputs["latents"]}
-save_file({
-    "decoded": nodes.VAEDecode().decode(vae, latent)[0].contiguous(),
-    "tiled": nodes.VAEDecodeTiled().decode(vae, latent, tile, overlap, 4096, 8)[0].contiguous(),
-    **{f"tiled_{wide}": nodes.VAEDecodeTiled().decode(vae, latent, tile, wide, 4096, 8)[0].contiguous()
-       for wide in wide_overlaps},
-    "encoded": nodes.VAEEncode().encode(vae, inputs["frames"])[0]["samples"].contiguous(),
-}, io_file)
+import torch
+with torch.inference_mode():  # as ComfyUI's executor runs every node
+    save_file({
+        "decoded": nodes.VAEDecode().decode(vae, latent)[0].contiguous(),
+        "tiled": nodes.VAEDecodeTiled().decode(vae, latent, tile, overlap, 4096, 8)[0].contiguous(),
+        **{f"tiled_{wide}": nodes.VAEDecodeTiled().decode(vae, latent, tile, wide, 4096, 8)[0].contiguous()
+           for wide in wide_overlaps},
+        "encoded": nodes.VAEEncode().encode(vae, inputs["frames"])[0]["samples"].contiguous(),
+    }, io_file)
 """
 
 

@@ -4,8 +4,8 @@ latents of the resident model on one device (world 1 exactly; the other layouts 
 parallel tests), moves each block once per model call (bytes counted on rank 0), leaves no block fetched between
 calls and holds at most the budget on the device. Computing in bf16 (world 1 and tp 2, the budget sized from the bf16
 model), the streamed run samples exactly the latents of the resident run of the same layout in bf16, which differ
-from the fp32 ones; at tp 2 in bf16 the device holds a little more than the budget (``ESTIMATE_BELOW_BF16``). A
-budget below the rest plus two blocks is refused in one line, from the header, before any weight is read (the refusal
+from the fp32 ones, and holds at most the budget too (the estimate counts the modules kept in float32 and the
+rotary tables). A budget below the rest plus two blocks is refused in one line, from the header, before any weight is read (the refusal
 names the block size and the budget)."""
 
 from __future__ import annotations
@@ -116,15 +116,9 @@ def test_each_block_moves_once_per_model_call(runs, run):
     assert streamer["bytes_moved"] == calls * streamer["block_bytes"]
 
 
-# The header's estimate (BlockSizes) counts every float tensor in the compute dtype and leaves out the rotary
-# tables: in bf16 the modules the model keeps in float32 (time embedder, scale_shift_table, norm2) and
-# rope.freqs_cos / freqs_sin make the tiny VACE model's rest 840 KB against 479 KB estimated, so at tp 2 the
-# streamed model holds 1378432 bytes under a budget of 1347072 (at the real sizes the gap is a few MB).
-ESTIMATE_BELOW_BF16 = pytest.mark.xfail(strict=True, reason="the bf16 estimate leaves out float32-kept modules")
 
 
-@pytest.mark.parametrize("run", [pytest.param(run, marks=ESTIMATE_BELOW_BF16) if run == "tp2_bf16" else run
-                                 for run in RUNS])
+@pytest.mark.parametrize("run", RUNS)
 def test_the_streamed_model_holds_at_most_the_budget(runs, run):
     streamer, budget = runs[run]["streamer"], runs[run]["state"]["budget"]
     assert streamer["device_bytes"] <= budget < streamer["block_bytes"] + streamer["device_bytes"]

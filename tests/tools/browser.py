@@ -282,7 +282,7 @@ class ComfyPage:
                 pass
         dialog_shown = dialog.count() > 0
         if self.frontend.missing_node_text and dialog_shown:
-            named = re.findall(self.frontend.missing_node_text, " ".join(dialog.all_text_contents()))
+            named = re.findall(self.frontend.missing_node_text, "\n".join(dialog.all_inner_texts()))
             found["missing_node_types"] += [name for name in named if name not in found["missing_node_types"]]
         found["changing_seeds"] = [tuple(pair) for pair in found["changing_seeds"]]
         return LoadReport(missing_nodes_dialog_shown=dialog_shown, **found)
