@@ -1,4 +1,4 @@
-"""The one place that knows ComfyUI's IMAGE, LATENT and CONDITIONING types (layouts as in README.md, Nodes)."""
+"""The one place that knows ComfyUI's IMAGE, LATENT and CONDITIONING types (layouts as in docs/nodes.md, Conventions)."""
 
 from __future__ import annotations
 

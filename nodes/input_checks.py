@@ -3,7 +3,7 @@
 ComfyUI checks a widget's min and max when a prompt is queued (``POST /prompt``), but not a step (a width of 100,
 a length of 10) and not NaN (``cfg: NaN`` is neither below a minimum nor above a maximum). ``install`` gives every
 node with such inputs a ``VALIDATE_INPUTS`` classmethod (the classic node API, the same in the 2024 copies and in
-0.3.75) listing exactly those inputs, so a bad value makes ``/prompt`` answer 400 with the field named, as
+0.33) listing exactly those inputs, so a bad value makes ``/prompt`` answer 400 with the field named, as
 ComfyUI's own nodes do, and nothing runs. ComfyUI leaves the range check of a listed input to the node, so the
 range is checked here too. The domain checks are ``config.py``'s (one place for each check); a linked input
 (unknown until the graph runs) is checked when the node runs.

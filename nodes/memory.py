@@ -43,7 +43,7 @@ def install() -> bool:
     execution = sys.modules.get("execution")
     if management is None or execution is None or not hasattr(execution, "PromptExecutor"):
         return False
-    # The only two places the pack patches ComfyUI. ComfyUI (2024 to 0.3.75) has no hook a custom node can
+    # The only two places the pack patches ComfyUI. ComfyUI (2024 to 0.33) has no hook a custom node can
     # register for /free: its main loop calls these two functions for the unload_models and free_memory flags,
     # so wrapping them (once: MARK) stands in for that hook. Each wrapper runs ComfyUI's own code first.
     if not getattr(management.unload_all_models, MARK, False):

@@ -2,7 +2,7 @@
 
 The servers are started once per test module on the ComfyUI copies that
 ``tests/tools/prepare_comfyui.py`` makes (``comfyui_server``: the 2024 copy;
-``recent_comfyui_server``: ComfyUI 0.3.75), with tiny models written by
+``recent_comfyui_server``: ComfyUI 0.33), with tiny models written by
 ``wanmesh make-tiny``. Outside CI a ComfyUI copy that cannot be prepared (no
 access to the package registry) skips these tests; with ``CI=true`` it fails
 them, so CI never passes without having run them.
@@ -65,7 +65,7 @@ def comfyui_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def recent_comfyui_dir() -> Path:
-    """The prepared ComfyUI 0.3.75 copy (``build/comfyui-recent``) with this pack in ``custom_nodes``.
+    """The prepared ComfyUI 0.33 copy (``build/comfyui-recent``) with this pack in ``custom_nodes``.
 
     Preparing it also installs what that ComfyUI needs (frontend, templates, av, ...) into this Python.
     """
@@ -113,12 +113,12 @@ def comfyui_server(comfyui_dir: Path, tiny_models_dir: Path,
 @pytest.fixture(scope="module")
 def recent_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
                           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
-    """A running ComfyUI 0.3.75 server; at teardown it is stopped and must leave no processes behind."""
+    """A running ComfyUI 0.33 server; at teardown it is stopped and must leave no processes behind."""
     yield from _serve(RecentComfyUIServer, recent_comfyui_dir, tiny_models_dir, tmp_path_factory)
 
 
 class LruCacheComfyUIServer(RecentComfyUIServer):
-    """ComfyUI 0.3.75 with ``--cache-lru``: outputs of earlier prompts stay cached (as with the LRU and RAM caches
+    """ComfyUI 0.33 with ``--cache-lru``: outputs of earlier prompts stay cached (as with the LRU and RAM caches
     users turn on), so a cached node output can outlive the pool it holds."""
 
     def command(self) -> list[str]:
@@ -128,7 +128,7 @@ class LruCacheComfyUIServer(RecentComfyUIServer):
 @pytest.fixture(scope="module")
 def lru_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
-    """A running ComfyUI 0.3.75 server with the LRU node cache; it must leave no processes behind."""
+    """A running ComfyUI 0.33 server with the LRU node cache; it must leave no processes behind."""
     yield from _serve(LruCacheComfyUIServer, recent_comfyui_dir, tiny_models_dir, tmp_path_factory)
 
 

@@ -1,4 +1,4 @@
-"""Wan 2.2 Animate in a real ComfyUI (0.3.75): native ``WanAnimateToVideo`` conditioning (reference image, pose video,
+"""Wan 2.2 Animate in a real ComfyUI (0.33): native ``WanAnimateToVideo`` conditioning (reference image, pose video,
 face video, CLIP vision tokens of the reference) sampled by native KSampler on ``UNETLoader``'s model, and by KSampler
 on the WanMesh MODEL and by the WanMesh Sampler on the same tiny Animate file, in the same API prompts: both within
 1e-4 of native on one rank, and tp 2 x CFG parallel 2 and Ulysses 2 equal to one rank (under CFG parallel each rank

@@ -6,7 +6,7 @@ workflow as a dropped file is loaded, compares the API prompt the frontend
 builds with the workflow's twin in ``workflows/api/``, presses the Queue button
 and follows the run to the files it writes and to the results the page shows
 (today's frontend must play each saved MP4 in a <video> on its node). Every test runs
-against both servers: the 2024 ComfyUI with its built-in frontend and ComfyUI 0.3.75
+against both servers: the 2024 ComfyUI with its built-in frontend and ComfyUI 0.33
 with today's. Screenshots of the loaded graph and of the finished run go to
 ``build/test-output/screenshots/``. A broken workflow (unknown node type,
 absent model file) must be reported, so the checks are known to be able to fail.
@@ -39,7 +39,7 @@ RECENT_ONLY_WORKFLOWS = ("native/t2v_native_ksampler", "native/t2v_native_auto_l
                          "native/wan22_native_ksampler_advanced", "native/wan22_lightx2v", "native/t2v_easycache",
                          "native/fun_control_native", "native/animate_native")
 # Each server fixture named here runs every workflow: the 2024 ComfyUI with its built-in frontend, and ComfyUI
-# 0.3.75 with today's frontend (comfyui-frontend-package).
+# 0.33 with today's frontend (comfyui-frontend-package).
 SERVER_FIXTURES = ("comfyui_server", "recent_comfyui_server")
 # Every workflow loads in both frontends and runs from today's; the 2024 frontend's Queue button runs these few (one
 # per family: text, VACE with images, image-to-video), as its queue path is the same for every graph and each run

@@ -97,6 +97,17 @@ def test_the_walk_covers_every_native_wan_node(recent_comfyui_dir: Path) -> None
             assert node in path.read_text("utf-8"), f"{proof} never names {node}"
 
 
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "existing-workflow.md"
+
+
+def test_the_docs_table_is_the_walks() -> None:
+    """docs/existing-workflow.md's table of the native Wan nodes gives each node the verdict the walk holds."""
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", DOCS_PAGE.read_text("utf-8"), re.M)
+    table = {node: verdict.strip() for node, verdict in rows if node in VERDICTS or verdict.strip() in
+             (PARITY, REFUSED, NO_MODEL)}
+    assert table == {node: verdict for node, (verdict, _) in VERDICTS.items()}
+
+
 def shared_inputs(layout: dict[str, Any]) -> dict[str, Any]:
     return {
         **pool_and_prompts(layout),

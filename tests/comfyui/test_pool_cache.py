@@ -1,4 +1,4 @@
-"""A pool that a cached node output outlives is never handed to a node as usable (ComfyUI 0.3.75 with its LRU
+"""A pool that a cached node output outlives is never handed to a node as usable (ComfyUI 0.33 with its LRU
 cache, which keeps the outputs of earlier prompts: the Pool node's runner and the loaders' model handles).
 
 A Pool node that fails (backend ray at an address where nothing answers) is one clear error naming the address,

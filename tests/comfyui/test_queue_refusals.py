@@ -1,5 +1,5 @@
 """Bad widget values are refused when the prompt is queued: ``POST /prompt`` answers 400 naming the field in one
-line, as ComfyUI's own nodes do for their ranges, on the 2024 copy and on 0.3.75 (the nodes' ``VALIDATE_INPUTS``),
+line, as ComfyUI's own nodes do for their ranges, on the 2024 copy and on 0.33 (the nodes' ``VALIDATE_INPUTS``),
 and nothing runs. A good prompt still passes the same check (ComfyUI's own range checks of the other inputs too).
 A model, VAE and text encoder that do not fit together are refused when the prompt runs, by its first WanMesh
 loader, in one line naming both files, before any worker starts."""

@@ -1,4 +1,4 @@
-"""SIGINT (Ctrl-C), SIGTERM or SIGKILL to a real ComfyUI server (0.3.75) while a WanMesh prompt is sampling:
+"""SIGINT (Ctrl-C), SIGTERM or SIGKILL to a real ComfyUI server (0.33) while a WanMesh prompt is sampling:
 the server exits within seconds (its exit handler must not wait on the running sample call) with its normal exit
 code, no abort ('terminate called without an active exception', 'Fatal Python error') and no traceback in its log,
 a node error, if one is printed (ComfyUI prints its traceback), saying the pool was stopped because the server is shutting down; and within
@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXITS_WITHIN_S = 20.0
 LEFT_NOTHING_WITHIN_S = 10.0
 TEST_DEADLINE_S = 900
-# ComfyUI's own exit after each signal: SIGINT ends its loop with KeyboardInterrupt (0 on 0.3.75; 130 or -2 when
+# ComfyUI's own exit after each signal: SIGINT ends its loop with KeyboardInterrupt (0 on 0.33; 130 or -2 when
 # Python re-raises the signal), SIGTERM is its default action (-15) or a handled exit (0).
 NORMAL_EXITS = {signal.SIGINT: (0, 130, -signal.SIGINT), signal.SIGTERM: (0, 143, -signal.SIGTERM)}
 ABORT_SIGNS = ("terminate called without an active exception", "Fatal Python error", "killed by SIGKILL")

@@ -272,7 +272,7 @@ class ComfyUIServer:
 
 
 class RecentComfyUIServer(ComfyUIServer):
-    """A server on the recent ComfyUI copy (0.3.75, ``build/comfyui-recent``), which needs more settings than 2024's.
+    """A server on the recent ComfyUI copy (0.33, ``build/comfyui-recent``), which needs more settings than 2024's.
 
     * ``--disable-api-nodes``: no partner-API nodes, and the frontend is told not to reach the internet. The
       frontend, workflow templates and embedded docs are served from their pip packages (ComfyUI fetches a

@@ -1,5 +1,5 @@
 """The native VACE conditioning format: against diffusers' WanVACEPipeline preprocessing, against an independent
-re-implementation of the native format (ComfyUI's WanVaceToVideo / WAN21_Vace, as README.md's VACE section states it), and known answers; CPU, tiny VAE."""
+re-implementation of the native format (ComfyUI's WanVaceToVideo / WAN21_Vace, as docs/models.md's VACE section states it), and known answers; CPU, tiny VAE."""
 
 from __future__ import annotations
 

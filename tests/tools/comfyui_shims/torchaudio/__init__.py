@@ -1,6 +1,6 @@
 """Import-only stand-in for ``torchaudio``, for the recent ComfyUI test server (its process and the pack's workers).
 
-PyPI has no torchaudio build for the CPU torch the tests use, yet ComfyUI 0.3.75
+PyPI has no torchaudio build for the CPU torch the tests use, yet ComfyUI 0.33
 imports ``torchaudio`` at start-up (``comfy_extras/nodes_audio.py`` and
 ``nodes_audio_encoder.py`` via ``comfy/audio_encoders``; without it those node
 modules fail to import) and calls it only inside audio nodes, which the tests
