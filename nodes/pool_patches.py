@@ -260,7 +260,8 @@ def check_model_patches(patcher) -> None:
 # the native nodes that inject code into the model's forward, by the injection's key
 INJECTION_NODES = {"bypass_lora": "LoraLoaderBypass / LoraLoaderBypassModelOnly"}
 # the native nodes that set the model patches ComfyUI's Wan model calls inside its blocks, by the patch's class
-PATCH_NODES = {"MultiTalkCrossAttnPatch": "WanInfiniteTalkToVideo", "MultiTalkGetAttnMapPatch": "WanInfiniteTalkToVideo"}
+PATCH_NODES = {"MultiTalkCrossAttnPatch": "WanInfiniteTalkToVideo", "MultiTalkGetAttnMapPatch": "WanInfiniteTalkToVideo",
+               "WanUni3CCnetPatch": "WanUni3CControlnetApply"}
 
 
 def check_model_function_patches(transformer_options: dict) -> None:

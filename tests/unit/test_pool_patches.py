@@ -63,6 +63,33 @@ def test_patches_the_pool_cannot_apply_are_refused() -> None:
         pp.lora_factors(patches(), 0.5, SHAPES, "merge")
 
 
+class MultiTalkCrossAttnPatch:  # ComfyUI's class names: the patch objects WanInfiniteTalkToVideo sets
+    def __call__(self, kwargs):
+        return kwargs["x"]
+
+
+class Patcher:  # the parts of a ModelPatcher check_model_patches reads
+    def __init__(self, patches=None, injections=None):
+        self.object_patches, self.injections = {}, injections or {}
+        self.model_options = {"transformer_options": {"patches": patches or {}}}
+
+
+@pytest.mark.parametrize("patcher, words", [
+    (Patcher({"attn2_patch": [MultiTalkCrossAttnPatch()]}), ("WanInfiniteTalkToVideo", "attn2_patch")),
+    (Patcher({"double_block": [type("WanUni3CCnetPatch", (), {})()]}), ("WanUni3CControlnetApply", "double_block")),
+    (Patcher({"attn1_patch": [lambda kwargs: kwargs["x"]]}), ("<lambda>", "attn1_patch")),
+    (Patcher(injections={"bypass_lora": [object()]}), ("LoraLoaderBypass", "LoraLoaderModelOnly")),
+])
+def test_code_run_inside_the_blocks_is_refused_naming_its_node(patcher, words) -> None:
+    """Model patches called inside the blocks (InfiniteTalk, Uni3C) and forward injections (bypass LoRAs) cannot
+    run in the workers: refused in one line naming the node, never dropped."""
+    with pytest.raises(ValueError) as refused:
+        pp.check_model_patches(patcher)
+    message = str(refused.value)
+    assert all(word in message for word in words) and "\n" not in message, message
+    pp.check_model_patches(Patcher({"attn2_patch": []}))  # an emptied patch list changes nothing
+
+
 def test_identity_block_replacements_skip_blocks_and_others_are_refused() -> None:
     def skip(args, extra):
         return args
