@@ -36,6 +36,12 @@ MERGE_REFUSAL = ("model merging (ModelMerge*, model key patches) cannot read a W
                  "the worker pool); merge the files beforehand and load the result")
 
 
+POOL_BLOCK_LISTS = ("blocks", "vace_blocks")
+BLOCKS_IN_THE_POOL = ("the WanMesh MODEL's transformer blocks run in the worker pool, so a node that reaches into "
+                      "them (LoraLoaderBypass / LoraLoaderBypassModelOnly, ...) cannot run on it; load LoRAs with "
+                      "LoraLoaderModelOnly or the WanMesh LoRA Loader, or use a native model")
+
+
 class PoolTransformer(torch.nn.Module):
     """Stands in for ComfyUI's WanModel inside its BaseModel: the same call signature, run on the pool."""
 
@@ -46,6 +52,13 @@ class PoolTransformer(torch.nn.Module):
         self.dtype = torch.float32  # ComfyUI casts the model input and the text to this before calling
         # ComfyUI's Wan conditioning reads the input width from the patch embedding (for image-to-video channels)
         self.patch_embedding = SimpleNamespace(weight=SimpleNamespace(shape=(0, in_channels, 1, 2, 2)))
+
+    def __getattr__(self, name: str):
+        """nn.Module's attribute lookup, except that reaching for the blocks (ComfyUI's bypass LoRA loaders look
+        each adapted layer up by name) stops the node in one line instead of finding nothing and doing nothing."""
+        if name in POOL_BLOCK_LISTS:
+            raise ValueError(BLOCKS_IN_THE_POOL)
+        return super().__getattr__(name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """ComfyUI's Wan weight names, each with an empty tensor (their shapes are in the file's header): what its

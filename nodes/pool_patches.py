@@ -257,6 +257,9 @@ def check_model_patches(patcher) -> None:
     check_model_function_patches(transformer_options)
 
 
+# the model patch kinds ComfyUI's Wan models call (comfy/ldm/wan); others (a UNet's input and output block patches)
+# are ignored by native Wan too
+WAN_PATCH_KINDS = ("attn1_patch", "attn2_patch", "double_block")
 # the native nodes that inject code into the model's forward, by the injection's key
 INJECTION_NODES = {"bypass_lora": "LoraLoaderBypass / LoraLoaderBypassModelOnly"}
 # the native nodes that set the model patches ComfyUI's Wan model calls inside its blocks, by the patch's class
@@ -268,7 +271,7 @@ def check_model_function_patches(transformer_options: dict) -> None:
     """Refuse the functions ComfyUI's Wan model calls inside its blocks (``set_model_patch``: attention and block
     patches, InfiniteTalk's audio cross-attention): the blocks run in the worker pool, which cannot call them."""
     for kind, functions in (transformer_options.get("patches") or {}).items():
-        if functions:
+        if functions and kind in WAN_PATCH_KINDS:
             name = _node_of(functions[0])
             node = f"{PATCH_NODES[name]} ({name})" if name in PATCH_NODES else name
             raise ValueError(f"{node}: the WanMesh MODEL cannot run a {kind} model patch (its blocks run in the "

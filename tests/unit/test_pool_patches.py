@@ -88,6 +88,7 @@ def test_code_run_inside_the_blocks_is_refused_naming_its_node(patcher, words) -
     message = str(refused.value)
     assert all(word in message for word in words) and "\n" not in message, message
     pp.check_model_patches(Patcher({"attn2_patch": []}))  # an emptied patch list changes nothing
+    pp.check_model_patches(Patcher({"input_block_patch": [lambda h, options: h]}))  # a UNet's: native Wan ignores it
 
 
 def test_identity_block_replacements_skip_blocks_and_others_are_refused() -> None:
