@@ -131,6 +131,12 @@ def family_key_refusal(class_name: str, options: dict) -> str | None:
     return None
 
 
+def carries_family_keys(conditioning) -> bool:
+    """Whether a CONDITIONING's entries hold a key only some Wan models read (so its model's class matters)."""
+    return any(isinstance(entry, (list, tuple)) and len(entry) > 1 and isinstance(entry[1], dict)
+               and not FAMILY_KEY_NODES.keys().isdisjoint(entry[1]) for entry in conditioning or ())
+
+
 def check_family_keys(conditioning, class_name: str) -> None:
     """Refuse a CONDITIONING (a list of entries, or one entry's dict) carrying a key that ``class_name``'s model
     would drop (``family_key_refusal``)."""

@@ -12,7 +12,7 @@ from ..parallel.config import DEFAULT_SCHEDULER
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
 from ..parallel.cache_settings import describe_report
 from ..parallel.validation import prompt_length_warning
-from .conditioning_keys import check_conditioning_keys, check_family_keys
+from .conditioning_keys import carries_family_keys, check_conditioning_keys, check_family_keys
 from .convert import (
     animate_passes,
     check_same_vace,
@@ -140,7 +140,8 @@ class WanMeshSampler:
         for name, conditioning in (("positive", positive), ("negative", negative)):
             # ComfyUI's own samplers (below) act on the sampler keys; the workers' loop acts on none of them
             check_conditioning_keys(conditioning, name, model_inputs_only=not in_workers)
-            check_family_keys(conditioning, native_class_name(model))
+            if carries_family_keys(conditioning):  # the file's header tells the model's class
+                check_family_keys(conditioning, native_class_name(model))
         if not in_workers:
             if cache is not None:
                 raise ValueError(f"step caching runs with the workers' samplers ({', '.join(SAMPLERS)}); for "
