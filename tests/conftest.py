@@ -39,14 +39,19 @@ def tiny_models_root(tiny_models) -> Path:
 
 # The files that take longest on a 2-core machine (the "slowest test files" summary of a whole run), longest first.
 # They are queued before the others, so that the two pytest processes of a run (pytest-xdist, one file at a time
-# each) do not end with one of them still working through a long file while the other idles.
+# each) do not end with one of them still working through a long file while the other idles. tests/run.sh passes
+# --no-loadscope-reorder: by default pytest-xdist queues the files by their number of tests instead.
 LONGEST_FILES = (
-    "comfyui/test_browser_workflows.py", "comfyui/test_model_kinds.py", "distributed/test_two_hosts.py",
-    "faults/test_shutdown_driver.py", "comfyui/test_native_sampling.py", "comfyui/test_native_model_patches.py",
-    "distributed/test_context_parallel.py", "unit/test_bench_real_size.py", "distributed/test_dtype_matrix.py",
-    "comfyui/test_image_to_video.py", "faults/test_validation_cli.py",
-    "comfyui/test_phantom_and_tracks.py", "unit/test_cli.py", "distributed/test_pool.py", "unit/test_cli_vace.py",
-    "unit/test_bench_plan.py", "distributed/test_pool_ray.py", "comfyui/test_comfyui_server.py",
+    "comfyui/test_browser_workflows.py", "comfyui/test_model_kinds.py", "unit/test_bench_real_size.py",
+    "distributed/test_two_hosts.py", "comfyui/test_native_sampling.py", "distributed/test_dtype_matrix.py",
+    "distributed/test_context_parallel.py", "faults/test_validation_cli.py", "comfyui/test_native_model_patches.py",
+    "comfyui/test_image_to_video.py", "faults/test_shutdown_driver.py", "unit/test_cli.py",
+    "distributed/test_block_streaming.py", "distributed/test_pool.py", "unit/test_bench_plan.py",
+    "faults/test_shutdown_comfyui.py", "comfyui/test_fun22_control.py", "unit/test_cli_vace.py",
+    "distributed/test_pool_ray.py", "distributed/test_tensor_parallel.py", "comfyui/test_load_two_clients.py",
+    "comfyui/test_phantom_and_tracks.py", "distributed/test_image_to_video_pool.py", "unit/test_cli_progress.py",
+    "unit/test_bench_vae.py", "distributed/test_ti2v_pool.py", "comfyui/test_animate.py",
+    "unit/test_gpu_check_dry_run.py", "distributed/test_stream_sp.py", "comfyui/test_comfyui_server.py",
 )
 
 
@@ -63,7 +68,9 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """The 25 test files that took longest (setup, call and teardown summed): where the run's time goes, which the
-    per-step list (``--durations``) spreads over hundreds of lines."""
+    per-step list (``--durations``) spreads over hundreds of lines; every file's in build/test-output/file-seconds.txt."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller reports the whole run
+        return
     per_file: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
@@ -72,6 +79,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
                 path = nodeid.split("::")[0]
                 per_file[path] = per_file.get(path, 0.0) + duration
     if per_file:
+        ranked = sorted(per_file.items(), key=lambda item: -item[1])
         terminalreporter.write_sep("=", "slowest 25 test files")
-        for path, seconds in sorted(per_file.items(), key=lambda item: -item[1])[:25]:
+        for path, seconds in ranked[:25]:
             terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+        # Every file, for refreshing LONGEST_FILES from a whole run.
+        listing = Path(__file__).resolve().parents[1] / "build" / "test-output" / "file-seconds.txt"
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        listing.write_text("".join(f"{seconds:8.1f} {path}\n" for path, seconds in ranked))

@@ -64,6 +64,6 @@ fi
 # 21 min against 26 serially. The halves run one after the other so that the second's servers and browsers
 # do not share the cores with the first's compute-bound ranks.
 status=0
-pytest_run -n 2 --dist loadfile tests/unit tests/distributed || status=$?
-pytest_run -n 2 --dist loadfile tests/comfyui tests/faults || status=$?
+pytest_run -n 2 --dist loadfile --no-loadscope-reorder tests/unit tests/distributed || status=$?
+pytest_run -n 2 --dist loadfile --no-loadscope-reorder tests/comfyui tests/faults || status=$?
 exit "$status"

@@ -1,5 +1,6 @@
 """`wanmesh bench real-size`: the released Wan 2.1 1.3B in bf16 (2.64 GiB, ComfyUI's single-file layout) written on
-the fly and loaded at world 1, tp 2 and two replicas (Ulysses / ring / CFG hold whole copies), computing in bf16; the
+the fly and loaded at world 1 and tp 2 (Ulysses, ring and CFG ranks hold whole copies, loaded as at world 1: the
+``replicas2`` layout of the command, left out here for CI time), computing in bf16; the
 same model as a Q8_0 GGUF (ComfyUI-GGUF's layout, 1.41 GiB) at world 1; the released shapes of every model and file
 kind from the header alone; a small GGUF written tensor by tensor reads back as drawn. Memory is asserted in bytes of
 tensors (no timed assertions): each rank's resident model within 1.1 x its share of the file + 0.5 GiB, the bf16
@@ -76,7 +77,7 @@ def test_a_written_gguf_reads_back_as_drawn(tmp_path):
 def measured(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("real_size")
     code = main(["bench", "real-size", "--model", "wan21-1.3b", "--kind", "bf16", "--layouts",
-                 "world1,tp2,replicas2", "--device", "cpu", "--memory-budget-gb", "1.0", "--repeats", "1",
+                 "world1,tp2", "--device", "cpu", "--memory-budget-gb", "1.0", "--repeats", "1",
                  "--work", str(out), "--json", str(out / "rows.json")])
     assert code == 0
     assert not list(out.glob("*.safetensors")), "the written file is deleted after the run"
@@ -85,8 +86,7 @@ def measured(tmp_path_factory) -> dict:
 
 def test_every_layout_loads_the_real_file_and_steps(measured):
     rows = measured["rows"]
-    assert [(row["layout"], row["rank"]) for row in rows] == [("world1", 0), ("tp2", 0), ("tp2", 1),
-                                                               ("replicas2", 0), ("replicas2", 1)]
+    assert [(row["layout"], row["rank"]) for row in rows] == [("world1", 0), ("tp2", 0), ("tp2", 1)]
     for row in rows:
         assert row["file_bytes"] / GIB == pytest.approx(2.64, abs=0.01)
         assert row["step_s"] > 0 and row["load_s"] > 0
@@ -99,7 +99,6 @@ def test_each_rank_holds_its_share_of_the_file(measured):
     for rank in (0, 1):
         # tp 2 halves every sharded tensor; the replicated embeddings, norms and modulation tables stay whole
         assert 0.5 * whole < rows["tp2", rank]["share_bytes"] < 0.52 * whole
-        assert rows["replicas2", rank]["share_bytes"] == whole
     for row in rows.values():
         assert row["resident_target"], row
         assert row["resident_bytes"] <= 1.01 * row["share_bytes"], "bf16 weights stay bf16 on the rank"
