@@ -54,12 +54,18 @@ def _equals(value, expected: float) -> bool:
         return False
 
 
+def entry_options(conditioning):
+    """The options dict of each ``[tensor, options]`` entry of a CONDITIONING (anything else yields nothing)."""
+    for entry in conditioning if isinstance(conditioning, (list, tuple)) else ():
+        if isinstance(entry, (list, tuple)) and len(entry) > 1 and isinstance(entry[1], dict):
+            yield entry[1]
+
+
 def check_conditioning_keys(conditioning, name: str, model_inputs_only: bool = False) -> None:
     """Refuse, in one line naming the key and the nodes that set it, a CONDITIONING the WanMesh Sampler would
     otherwise sample without part of."""
-    for entry in conditioning if isinstance(conditioning, (list, tuple)) else ():
-        options = entry[1] if isinstance(entry, (list, tuple)) and len(entry) > 1 else None
-        key = refused_key(options, model_inputs_only) if isinstance(options, dict) else None
+    for options in entry_options(conditioning):
+        key = refused_key(options, model_inputs_only)
         if key is not None:
             _, what, nodes = UNSUPPORTED_CONDITIONING[key]
             raise ValueError(f"{name} carries {key} ({what}, set by {nodes}), which WanMesh does not take yet; "
@@ -133,16 +139,14 @@ def family_key_refusal(class_name: str, options: dict) -> str | None:
 
 def carries_family_keys(conditioning) -> bool:
     """Whether a CONDITIONING's entries hold a key only some Wan models read (so its model's class matters)."""
-    return any(isinstance(entry, (list, tuple)) and len(entry) > 1 and isinstance(entry[1], dict)
-               and not FAMILY_KEY_NODES.keys().isdisjoint(entry[1]) for entry in conditioning or ())
+    return any(not FAMILY_KEY_NODES.keys().isdisjoint(options) for options in entry_options(conditioning))
 
 
 def check_family_keys(conditioning, class_name: str) -> None:
     """Refuse a CONDITIONING (a list of entries, or one entry's dict) carrying a key that ``class_name``'s model
     would drop (``family_key_refusal``)."""
     entries = [[None, conditioning]] if isinstance(conditioning, dict) else conditioning
-    for entry in entries if isinstance(entries, (list, tuple)) else ():
-        options = entry[1] if isinstance(entry, (list, tuple)) and len(entry) > 1 else None
-        refusal = family_key_refusal(class_name, options) if isinstance(options, dict) else None
+    for options in entry_options(entries):
+        refusal = family_key_refusal(class_name, options)
         if refusal is not None:
             raise ValueError(refusal)

@@ -3,7 +3,7 @@
 ComfyUI's samplers (KSampler, KSamplerAdvanced, SamplerCustom(Advanced), the guiders, sigma and model-sampling
 nodes) drive a ``ModelPatcher`` around a ``BaseModel``. The BaseModel here is ComfyUI's own Wan model class (WAN22
 with the Wan 2.2 latent format for the 48-channel TI2V 5B, whose noise mask ComfyUI turns into per-frame
-timesteps; WAN21_Camera for a Wan 2.1 Fun Camera file, whose conditioning delivers WanCameraImageToVideo's camera
+timesteps; WAN21_Camera for a Wan 2.1 or 2.2 Fun Camera file, whose conditioning delivers WanCameraImageToVideo's camera
 embedding), so its latent format, flow model sampling (shift 8, or what ModelSamplingSD3 sets), conditioning and
 VACE context code are ComfyUI's; only its transformer is replaced by ``PoolTransformer``, whose every call is one
 ``ModelForward`` on the pool. A call that batches conditional and unconditional rows goes out as one request,
@@ -25,6 +25,7 @@ import torch
 
 from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
 from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
+from ..parallel.weights.detect import FUN22_CAMERA_IN_CHANNELS
 from .conditioning_keys import NATIVE_WAN_CLASSES, UNSUPPORTED_INPUTS, check_family_keys, model_input_refusal
 from .pool_patches import (POOL_LORAS, add_lora_patches, check_model_patches, drop_torch_compile,
                            native_weight_shapes, skipped_blocks)
@@ -211,6 +212,21 @@ def camera_inputs(extra: dict) -> dict:
     return {"camera_conditions": camera}
 
 
+class PoolMemory:
+    """Mixed into each pool BaseModel class, before ComfyUI's Wan class: no memory reserved, other models' keys
+    refused."""
+
+    def memory_required(self, *args, **kwargs):
+        # The transformer runs in the pool's processes, not here: ComfyUI needs no memory for it, and with
+        # none reserved it batches the conditional and unconditional rows into one call.
+        return 0
+
+    def extra_conds(self, **kwargs):
+        """ComfyUI's, after refusing a key of another Wan model's conditioning node (conditioning_keys.py)."""
+        check_family_keys(kwargs, native_class_of(type(self)))
+        return super().extra_conds(**kwargs)
+
+
 @functools.cache
 def camera_model_class():
     """ComfyUI's WAN21_Camera (the BaseModel that delivers camera_conditions) for the pool's Fun Camera MODEL; an
@@ -221,9 +237,7 @@ def camera_model_class():
         raise ValueError("WanMesh Native Model needs a ComfyUI with Wan Fun Camera support (2025 or newer) for a Fun "
                          "Camera model; update ComfyUI, or sample with the WanMesh Sampler")
 
-    memory = comfy_classes()[0].__mro__[1]  # PoolMemory: no memory reserved, other models' keys refused
-
-    class PoolWanCamera(memory, comfy.model_base.WAN21_Camera):
+    class PoolWanCamera(PoolMemory, comfy.model_base.WAN21_Camera):
         pass
 
     return PoolWanCamera
@@ -239,17 +253,6 @@ def comfy_classes():
     if not hasattr(comfy.model_base, "WAN21_Vace"):
         raise ValueError("WanMesh Native Model needs a ComfyUI with native Wan and VACE support (2025 or newer); "
                          "update ComfyUI, or sample with the WanMesh Sampler")
-
-    class PoolMemory:
-        def memory_required(self, *args, **kwargs):
-            # The transformer runs in the pool's processes, not here: ComfyUI needs no memory for it, and with
-            # none reserved it batches the conditional and unconditional rows into one call.
-            return 0
-
-        def extra_conds(self, **kwargs):
-            """ComfyUI's, after refusing a key of another Wan model's conditioning node (conditioning_keys.py)."""
-            check_family_keys(kwargs, native_class_of(type(self)))
-            return super().extra_conds(**kwargs)
 
     class PoolWan(PoolMemory, comfy.model_base.WAN21):
         pass
@@ -293,6 +296,11 @@ def native_class_of(model_class: type) -> str:
 def native_class_name(resident: ResidentModel) -> str:
     """The ComfyUI Wan model class ``pool_model`` makes for the resident's file (what its conditioning may hold)."""
     _, image_kind = model_image_inputs(resident.path)
+    return _native_class_for(resident, image_kind)
+
+
+def _native_class_for(resident: ResidentModel, image_kind: str | None) -> str:
+    """``native_class_name`` given the file's ``detect.image_inputs`` kind."""
     if image_kind in IMAGE_KIND_CLASSES:
         return IMAGE_KIND_CLASSES[image_kind]
     return "WAN21_Vace" if has_vace_blocks(resident.model_files()) else "WAN21"
@@ -312,7 +320,7 @@ def pool_model(resident: ResidentModel, cache: dict | None = None):
     *_, patcher = comfy_classes()
     in_channels, image_kind = model_image_inputs(resident.path)
     device = comfy.model_management.get_torch_device()
-    class_name = native_class_name(resident)
+    class_name = _native_class_for(resident, image_kind)
     if class_name in MODEL_MAKERS:
         model = MODEL_MAKERS[class_name](in_channels, device)
     else:
@@ -339,9 +347,7 @@ def animate_class():
 
     if not hasattr(comfy.model_base, "WAN22_Animate"):
         return None
-    memory = comfy_classes()[0].__mro__[1]  # PoolMemory: no memory reserved, other models' keys refused
-
-    class PoolWanAnimate(memory, comfy.model_base.WAN22_Animate):
+    class PoolWanAnimate(PoolMemory, comfy.model_base.WAN22_Animate):
         pass
 
     return PoolWanAnimate
@@ -361,12 +367,18 @@ def _animate_model(in_channels: int, device):
 
 
 def _camera_model(in_channels: int, device):
-    """Wan 2.1 Fun Camera: ComfyUI's WAN21_Camera (not image-to-video: the start image's latents fill the extra
-    channels without a mask), configured as its model detection configures the file."""
+    """Wan 2.1 and 2.2 Fun Camera: ComfyUI's WAN21_Camera (not image-to-video: Wan 2.1's start image latents fill
+    the extra channels without a mask, Wan 2.2's 36 channels take the mask before them), with the config its model
+    detection gives the file (WAN21_Camera, or WAN22_Camera for 36 input channels)."""
     import comfy.supported_models
 
-    config = comfy.supported_models.WAN21_Camera({"image_model": "wan2.1", "model_type": "camera",
-                                                   "in_dim": in_channels, "disable_unet_model_creation": True})
+    wan22 = in_channels == FUN22_CAMERA_IN_CHANNELS
+    config_class = getattr(comfy.supported_models, "WAN22_Camera" if wan22 else "WAN21_Camera", None)
+    if config_class is None:
+        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan 2.2 Fun Camera support (2025 or newer) for "
+                         "a Wan 2.2 Fun Camera model; update ComfyUI, or sample with the WanMesh Sampler")
+    config = config_class({"image_model": "wan2.1", "model_type": "camera_2.2" if wan22 else "camera",
+                           "in_dim": in_channels, "disable_unet_model_creation": True})
     return camera_model_class()(config, image_to_video=False, device=device)
 
 

@@ -3,7 +3,7 @@ and Fun Control on the command line; runs in the CLI (driver) process.
 
 The model's kind (its header) decides what is needed: Wan 2.1 I2V a start image and a CLIP vision file, FLF2V a
 start and an end image and a CLIP vision file, Wan 2.2 I2V A14B a start image only, Wan 2.2 TI2V 5B an optional
-start image (its latents kept in the first frames, as native Wan22ImageToVideoLatent), Wan 2.1 Fun Camera no image
+start image (its latents kept in the first frames, as native Wan22ImageToVideoLatent), Wan 2.1 and 2.2 Fun Camera no image
 and an optional preset camera motion (``--camera-motion``: ``camera_motion.py``, native WanCameraEmbedding's); a
 text-to-video model takes no image. Every such mistake is a one-line error before the pool starts. The conditioning is what ComfyUI's native
 WanImageToVideo / WanFirstLastFrameToVideo make (``image_to_video.py``): the video is VAE-encoded on the pool; the
@@ -32,7 +32,7 @@ from .parser import IMAGE_FLAGS, MAX_CAMERA_SPEED, add_image_arguments, wants_im
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
               "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control",
               "animate": "Wan 2.2 Animate",
-              "camera": "Wan 2.1 Fun Camera"}
+              "camera": "Wan Fun Camera"}
 FUN_CONTROL_MODELS = "Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B or Fun 5B Control"
 FUN22_5B_CONTROL_IN_CHANNELS = FUN22_5B_IN_CHANNELS[-1]  # 148: control and start latents, the mask, the noise
 
@@ -40,7 +40,7 @@ FUN22_5B_CONTROL_IN_CHANNELS = FUN22_5B_IN_CHANNELS[-1]  # 148: control and star
 def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> None:
     """What the model of ``kind`` (``detect.image_inputs``) needs against what was given; one line each."""
     if getattr(args, "camera_motion", None) is not None and kind != "camera":
-        raise ValueError("--camera-motion needs a Wan 2.1 Fun Camera model (its camera adapter); this model has none: "
+        raise ValueError("--camera-motion needs a Wan Fun Camera model (2.1 or 2.2: its camera adapter); this model has none: "
                          "leave --camera-motion out or load a Fun Camera model")
     if kind is None:
         if getattr(args, "control_video", None) is not None:

@@ -243,7 +243,7 @@ def add_image_arguments(parser) -> None:
                                                "image or a folder of frames); with Wan 2.2 Fun Control, --image is "
                                                "the reference image")
     group.add_argument("--camera-motion", choices=CAMERA_MOTION_NAMES,
-                       help="a preset camera motion (Wan 2.1 Fun Camera models), as ComfyUI's WanCameraEmbedding "
+                       help="a preset camera motion (Wan 2.1 and 2.2 Fun Camera models), as ComfyUI's WanCameraEmbedding "
                             "camera_pose")
     group.add_argument("--camera-speed", type=float, default=1.0,
                        help="how far the camera motion goes over the video (WanCameraEmbedding's speed, 0 to 10)")

@@ -36,6 +36,8 @@ TINY_FILES = {
     "fun22_5b_control": "diffusion_models/wan22_tiny_fun_5b_control.safetensors",
     "animate": "diffusion_models/wan22_tiny_animate.safetensors",  # Wan 2.2 Animate-like (the I2V layout + face/pose)
     "fun_camera": "diffusion_models/wan_tiny_fun_camera.safetensors",  # Wan 2.1 Fun Camera-like: camera adapter
+    # Wan 2.2 Fun Camera A14B-like: the I2V expert layout (36 channels in, no image tokens) and the camera adapter
+    "fun22_camera": "diffusion_models/wan22_tiny_fun_camera.safetensors",
 }
 
 # `wanmesh make-tiny DIR --preset medium`: a ~150M-parameter T2V transformer in the formats users have, with the

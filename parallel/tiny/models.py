@@ -74,6 +74,9 @@ NATIVE_FUN_CONTROL = dict(NATIVE_I2V, in_channels=48)
 NATIVE_ANIMATE = dict(NATIVE_I2V, num_layers=5)
 # Wan 2.1 Fun Camera: the noise and the start image's latents (32 channels in), image tokens, the camera adapter
 NATIVE_FUN_CAMERA = dict(NATIVE_I2V, in_channels=32, camera_in_channels=24)
+# Wan 2.2 Fun Camera A14B: the I2V expert layout (36 channels in: noise, 4 mask channels, start latents; no image
+# tokens) with the camera adapter
+NATIVE_FUN22_CAMERA = dict(NATIVE_I2V_EXPERT, camera_in_channels=24)
 # Wan 2.2 TI2V 5B, native-loadable: the 48-channel Wan 2.2 latent in and out (text- and image-to-video)
 NATIVE_TI2V = dict(NATIVE_TRANSFORMER, in_channels=48, out_channels=48)
 # Wan 2.2 Fun Control A14B: 52 channels in (control latents, 4 mask channels, start latents), no image tokens, and
@@ -446,6 +449,7 @@ IMAGE_TO_VIDEO_MODELS = {  # TINY_FILES name: (config, seed offset)
     "fun22_5b_control": (NATIVE_FUN22_5B_CONTROL, 31),
     "animate": (NATIVE_ANIMATE, 35),
     "fun_camera": (NATIVE_FUN_CAMERA, 25),
+    "fun22_camera": (NATIVE_FUN22_CAMERA, 26),
 }
 ANIMATE_MODELS = ("animate",)  # built as Wan 2.2 Animate (``animate_state``)
 

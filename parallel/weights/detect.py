@@ -250,8 +250,10 @@ TRANSFORMER_IN_CHANNELS = (WAN21_LATENT_CHANNELS, I2V_IN_CHANNELS, WAN22_TI2V_LA
                            FUN22_CONTROL_IN_CHANNELS, *FUN22_5B_IN_CHANNELS)
 # The config entry (not a diffusers one) of a model with a reference-image convolution: its input channels.
 REF_CONV_CHANNELS = "ref_conv_in_channels"
-# Wan 2.1 Fun Camera: the noise and the start image's latents (no mask), beside its camera adapter
+# Wan 2.1 Fun Camera: the noise and the start image's latents (no mask), beside its camera adapter; Wan 2.2 Fun
+# Camera A14B: the image-to-video channels (noise, mask, start latents), beside the same adapter
 FUN_CAMERA_IN_CHANNELS = 2 * WAN21_LATENT_CHANNELS
+FUN22_CAMERA_IN_CHANNELS = I2V_IN_CHANNELS
 
 
 def check_latent_channels(in_channels: int, camera: bool = False) -> None:
@@ -260,12 +262,13 @@ def check_latent_channels(in_channels: int, camera: bool = False) -> None:
     Fun Control (48: control and start-image latents) and Wan 2.2 Fun Control A14B (52: control latents, mask,
     start-image latents); so do Wan 2.2 TI2V 5B on the 48-channel Wan 2.2 latent (text- and
     image-to-video: the start image is in the latent) and Wan 2.2 Fun 5B (100 or 148: its conditioning latents and
-    mask concatenated); Wan 2.1 Fun Camera (32: the start image's latents) when the file has its camera adapter."""
+    mask concatenated); Wan 2.1 Fun Camera (32: the start image's latents) and Wan 2.2 Fun Camera A14B (36: the
+    mask and the start image's latents) when the file has its camera adapter."""
     if camera:
-        if in_channels != FUN_CAMERA_IN_CHANNELS:
-            raise ModelFileError(f"This Fun Camera transformer takes {in_channels} input channels (Wan 2.2 Fun Camera), "
-                                 f"which is not supported yet; supported: Wan 2.1 Fun Camera ({FUN_CAMERA_IN_CHANNELS} "
-                                 "input channels)")
+        if in_channels not in (FUN_CAMERA_IN_CHANNELS, FUN22_CAMERA_IN_CHANNELS):
+            raise ModelFileError(f"This Fun Camera transformer takes {in_channels} input channels, which is not "
+                                 f"supported; supported: Wan 2.1 Fun Camera ({FUN_CAMERA_IN_CHANNELS} input channels) "
+                                 f"and Wan 2.2 Fun Camera ({FUN22_CAMERA_IN_CHANNELS})")
         return
     if in_channels not in TRANSFORMER_IN_CHANNELS:
         raise ModelFileError(

@@ -1,11 +1,12 @@
-"""Wan 2.1 Fun Camera in a real ComfyUI (recent): native ``WanCameraEmbedding`` -> ``WanCameraImageToVideo``
-sampled by native KSampler on ``UNETLoader``'s model, by KSampler on the WanMesh MODEL and by the WanMesh Sampler, on
-the same tiny Fun Camera file, as API prompts.
+"""Wan 2.1 and Wan 2.2 Fun Camera in a real ComfyUI (recent): native ``WanCameraEmbedding`` ->
+``WanCameraImageToVideo`` sampled by native KSampler on ``UNETLoader``'s model, by KSampler on the WanMesh MODEL and
+by the WanMesh Sampler, on the same tiny Fun Camera files (Wan 2.1's: 32 input channels and image tokens; Wan 2.2's:
+36 input channels, the mask before the start latents, no image tokens), as API prompts.
 
-Two conditionings: a start image with its CLIP vision tokens and a panning camera, and a zooming camera alone (no
-start image: the image channels stay empty). All within 1e-4 of native; Ulysses 2 and tp 2 x CFG parallel 2 equal one
-rank; the camera embedding changes the result (native without it is far from native with it); the example workflow
-runs; a camera embedding of another length than the video is refused in one line.
+Two conditionings per model: a start image (with its CLIP vision tokens for Wan 2.1) and a panning camera, and a
+zooming camera alone (no start image: the image channels stay empty). All within 1e-4 of native; Ulysses 2 and tp 2
+x CFG parallel 2 equal one rank; the camera embedding changes the result (native without it is far from native
+with it); the example workflow runs; a camera embedding of another length than the video is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,23 +23,28 @@ from test_native_sampling import TOLERANCE, largest_difference, pool_and_prompts
 from workflow_graph import load_workflow, node_of_type
 
 WIDTH, HEIGHT, LENGTH = 48, 32, 9
-MODEL_FILE = "wan_tiny_fun_camera.safetensors"
-# kind: (camera pose or None, WanCameraImageToVideo's image inputs)
+MODEL_FILES = {"21": "wan_tiny_fun_camera.safetensors", "22": "wan22_tiny_fun_camera.safetensors"}
+# kind: (camera pose or None, WanCameraImageToVideo's image inputs, the model's MODEL_FILES key)
 KINDS = {
-    "start_pan": ("Pan Left", {"start_image": START, "clip_vision_output": CLIP_START}),
-    "zoom_only": ("Zoom In", {}),
-    "start_no_camera": (None, {"start_image": START, "clip_vision_output": CLIP_START}),  # native only
+    "start_pan": ("Pan Left", {"start_image": START, "clip_vision_output": CLIP_START}, "21"),
+    "zoom_only": ("Zoom In", {}, "21"),
+    "start_no_camera": (None, {"start_image": START, "clip_vision_output": CLIP_START}, "21"),  # native only
+    "start22_pan": ("Pan Right", {"start_image": START}, "22"),
+    "zoom22_only": ("Zoom Out", {}, "22"),
+    "start22_no_camera": (None, {"start_image": START}, "22"),  # native only
 }
+NO_CAMERA = {"start_pan": "start_no_camera", "start22_pan": "start22_no_camera"}  # the same without the camera
 SIDES = ("native", "model", "sampler")
 # Ulysses 2 last, with the example workflow's pool settings: the workflow test and the refusal reuse that pool.
 LAYOUTS = {"world1": dict(devices="cpu:1", world=1), "tp2_cfg2": dict(devices="cpu:4", world=4, tp=2, cfg_parallel=True),
            "ulysses2": dict(devices="cpu:2", world=2, ulysses=2, previews=True)}
-LAYOUT_KINDS = {"world1": ("start_pan", "zoom_only"), "ulysses2": ("start_pan",), "tp2_cfg2": ("start_pan",)}
+LAYOUT_KINDS = {"world1": ("start_pan", "zoom_only", "start22_pan", "zoom22_only"), "ulysses2": ("start_pan",),
+                "tp2_cfg2": ("start_pan", "start22_pan")}
 
 
 def camera_conditioning(kind: str, length: int = LENGTH) -> dict[str, dict[str, Any]]:
     """The kind's WanCameraEmbedding (``{kind}_cam``) and WanCameraImageToVideo (``{kind}_cond``) nodes."""
-    pose, images = KINDS[kind]
+    pose, images, _ = KINDS[kind]
     nodes: dict[str, dict[str, Any]] = {}
     inputs = {"positive": ["pos", 0], "negative": ["neg", 0], "vae": ["vae", 0], "width": WIDTH, "height": HEIGHT,
               "length": LENGTH, "batch_size": 1, **images}
@@ -59,15 +65,19 @@ def camera_prompt(layout: dict[str, Any], kinds: tuple[str, ...], native: bool =
         "clip": {"class_type": "WanMeshCLIPVisionLoader", "inputs": {"clip_name": "clip_vision_tiny.safetensors"}},
         "clip_start": {"class_type": "WanMeshCLIPVisionEncode",
                        "inputs": {"clip_vision": ["clip", 0], "image": ["start", 0], "crop": "center"}},
-        "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL_FILE, "weight_dtype": "default"}},
-        "wm": {"class_type": "WanMeshModelLoader", "inputs": {"model_name": MODEL_FILE, "dtype": "fp32",
-                                                              "pool": ["pool", 0]}},
-        "wmodel": {"class_type": "WanMeshNativeModel", "inputs": {"model": ["wm", 0]}},
     }
+    for model, file in MODEL_FILES.items():
+        prompt.update({
+            f"unet{model}": {"class_type": "UNETLoader", "inputs": {"unet_name": file, "weight_dtype": "default"}},
+            f"wm{model}": {"class_type": "WanMeshModelLoader", "inputs": {"model_name": file, "dtype": "fp32",
+                                                                         "pool": ["pool", 0]}},
+            f"wmodel{model}": {"class_type": "WanMeshNativeModel", "inputs": {"model": [f"wm{model}", 0]}}})
     for kind in kinds:
         prompt.update(camera_conditioning(kind))
-        samplers = {"native": ksampler("unet", f"{kind}_cond"), "model": ksampler("wmodel", f"{kind}_cond"),
-                    "sampler": wanmesh_sampler("wm", f"{kind}_cond")}
+        model = KINDS[kind][2]
+        samplers = {"native": ksampler(f"unet{model}", f"{kind}_cond"),
+                    "model": ksampler(f"wmodel{model}", f"{kind}_cond"),
+                    "sampler": wanmesh_sampler(f"wm{model}", f"{kind}_cond")}
         if KINDS[kind][0] is None or not native:
             samplers = {side: node for side, node in samplers.items() if (side == "native") == (KINDS[kind][0] is None)}
         for side, node in samplers.items():
@@ -86,7 +96,7 @@ def sides(kind: str, layout: str) -> tuple[str, ...]:
 def layout_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, torch.Tensor]]:
     latents = {}
     for name, layout in LAYOUTS.items():
-        kinds = LAYOUT_KINDS[name] + (("start_no_camera",) if name == "world1" else ())
+        kinds = LAYOUT_KINDS[name] + (tuple(NO_CAMERA.values()) if name == "world1" else ())
         result = run_successfully(recent_comfyui_server, camera_prompt(layout, kinds, native=name == "world1"))
         latents[name] = {f"{kind}_{side}": saved(recent_comfyui_server, result, f"{kind}_{side}")
                          for kind in kinds for side in sides(kind, name)}
@@ -110,10 +120,10 @@ def test_parallel_layout_equals_one_rank(layout_latents, layout: str) -> None:
             assert difference <= TOLERANCE, f"{layout} {kind} {side}: {difference:.3g} from world 1"
 
 
-def test_the_camera_embedding_changes_the_video(layout_latents) -> None:
+@pytest.mark.parametrize("kind", NO_CAMERA)
+def test_the_camera_embedding_changes_the_video(layout_latents, kind: str) -> None:
     world1 = layout_latents["world1"]
-    assert largest_difference(world1["start_pan_native"], world1["start_no_camera_native"]) > 100 * TOLERANCE
-    assert largest_difference(world1["start_pan_native"], world1["zoom_only_native"]) > 100 * TOLERANCE
+    assert largest_difference(world1[f"{kind}_native"], world1[f"{NO_CAMERA[kind]}_native"]) > 100 * TOLERANCE
 
 
 def test_fun_camera_workflow_runs(recent_comfyui_server: ComfyUIServer) -> None:
@@ -130,7 +140,7 @@ def test_a_camera_embedding_of_another_length_is_one_line(recent_comfyui_server:
     """Native fails deep in the model on a camera embedding of another length; the WanMesh Sampler names it."""
     prompt = camera_prompt(LAYOUTS["ulysses2"], ())
     prompt.update(camera_conditioning("start_pan", length=LENGTH + 4))
-    prompt["bad_k"] = wanmesh_sampler("wm", "start_pan_cond")
+    prompt["bad_k"] = wanmesh_sampler("wm21", "start_pan_cond")
     prompt["bad"] = save_latent("bad_k", "camera_bad")
     result = recent_comfyui_server.run(prompt, PROMPT_TIMEOUT_S)
     assert not isinstance(result, RejectedPrompt) and result.status == "error"

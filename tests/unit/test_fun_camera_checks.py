@@ -1,6 +1,6 @@
-"""Wan 2.1 Fun Camera: the file is told from its tensors (the camera adapter, as ComfyUI's model detection tells
-it), its safetensors, scaled-fp8 and GGUF kinds load with the adapter, the camera embedding reaches the tokens,
-and bad inputs are one line: a Wan 2.2 Fun Camera layout, a camera embedding of another length or size, camera
+"""Wan Fun Camera: the file is told from its tensors (the camera adapter, as ComfyUI's model detection tells
+it; Wan 2.2's layout by its 36 input channels), its safetensors, scaled-fp8 and GGUF kinds load with the adapter,
+the camera embedding reaches the tokens, and bad inputs are one line: a Fun Camera layout of another width, a camera embedding of another length or size, camera
 conditions for a model without an adapter, ``--image`` for a camera model on the command line. (Parity with
 native ComfyUI, the parallel layouts and the example workflow: tests/comfyui/test_fun_camera.py.)"""
 
@@ -21,7 +21,7 @@ from wanmesh.parallel.tiny.fp8_write import write_fp8_file
 from wanmesh.parallel.tiny.gguf_write import write_wan_gguf
 from wanmesh.parallel.validation import model_image_inputs
 from wanmesh.parallel.weights.checkpoint import ModelFileError
-from wanmesh.parallel.weights.detect import detect_kind, infer_transformer_config, read_header
+from wanmesh.parallel.weights.detect import detect_kind, image_inputs, infer_transformer_config, read_header
 from wanmesh.parallel.weights.loaders import load_transformer
 
 LATENT = (1, 16, 3, 4, 6)  # 9 frames of 48 x 32
@@ -91,14 +91,25 @@ def test_one_camera_row_serves_every_latent_row(camera_files) -> None:
     torch.testing.assert_close(one, both, rtol=0, atol=0)
 
 
-def test_wan22_fun_camera_layout_is_refused_in_one_line(camera_files) -> None:
+def _camera_shapes(camera_files, in_channels: int) -> dict:
+    """The tiny Fun Camera file's shapes without its image embedding, with ``in_channels`` input channels."""
     shapes = {key: shape for key, shape in read_header(camera_files["safetensors"]).shapes.items()
               if not key.startswith("img_emb.") and "_img" not in key}
     dim, _, *patch = shapes["patch_embedding.weight"]
-    shapes["patch_embedding.weight"] = (dim, 36, *patch)
-    with pytest.raises(ModelFileError, match=r"takes 36 input channels \(Wan 2.2 Fun Camera\).*supported: Wan 2.1 "
-                                             r"Fun Camera \(32") as error:
-        infer_transformer_config(shapes, {"num_heads": "2"})
+    shapes["patch_embedding.weight"] = (dim, in_channels, *patch)
+    return shapes
+
+
+def test_the_wan22_fun_camera_layout_is_read_as_a_camera_model(camera_files) -> None:
+    config = infer_transformer_config(_camera_shapes(camera_files, 36), {"num_heads": "2"})
+    assert (config["in_channels"], config["camera_in_channels"], config.get("image_dim")) == (36, 24, None)
+    assert image_inputs(config) == "camera"
+
+
+def test_another_fun_camera_width_is_refused_in_one_line(camera_files) -> None:
+    with pytest.raises(ModelFileError, match=r"takes 40 input channels, which is not supported; supported: Wan 2.1 "
+                                             r"Fun Camera \(32 input channels\) and Wan 2.2 Fun Camera \(36\)") as error:
+        infer_transformer_config(_camera_shapes(camera_files, 40), {"num_heads": "2"})
     assert "\n" not in str(error.value) and len(str(error.value)) <= 300
 
 
@@ -144,11 +155,13 @@ def _camera_cli(tiny_models, model: str = "fun_camera") -> list[str]:
 
 
 @pytest.mark.parametrize("model, flags, message", [
-    ("fun_camera", ["--image", "{image}"], "the model is Wan 2.1 Fun Camera; the command line runs it without a start "
+    ("fun_camera", ["--image", "{image}"], "the model is Wan Fun Camera; the command line runs it without a start "
                                            "image (--camera-motion only)"),
     ("fun_camera", ["--camera-motion", "pan-left", "--camera-speed", "11"], "--camera-speed 11.0 is outside 0..10"),
     ("fun_camera", ["--camera-motion", "pan-left", "--width", "40"], "width 40 is not a positive multiple of 16"),
-    ("i2v", ["--camera-motion", "zoom-in", "--image", "{image}"], "--camera-motion needs a Wan 2.1 Fun Camera model"),
+    ("fun22_camera", ["--image", "{image}"], "the model is Wan Fun Camera; the command line runs it without a start "
+                                             "image (--camera-motion only)"),
+    ("i2v", ["--camera-motion", "zoom-in", "--image", "{image}"], "--camera-motion needs a Wan Fun Camera model"),
 ])
 def test_bad_camera_input_on_the_command_line_is_one_line(tiny_models, tmp_path, monkeypatch, capsys, model, flags,
                                                           message) -> None:
@@ -165,20 +178,22 @@ def test_bad_camera_input_on_the_command_line_is_one_line(tiny_models, tmp_path,
     assert message in error
 
 
-def test_camera_motion_on_the_command_line_equals_the_request_in_process(tiny_models, tmp_path) -> None:
+@pytest.mark.parametrize("model", ["fun_camera", "fun22_camera"])
+def test_camera_motion_on_the_command_line_equals_the_request_in_process(tiny_models, tmp_path, model) -> None:
     """``--camera-motion`` sends WanCameraEmbedding's embedding (tests/comfyui/test_camera_motion.py checks it
-    against the node) with the request: the saved latents are the in-process run's, and the camera changes them."""
+    against the node) with the request, for the Wan 2.1 and the Wan 2.2 Fun Camera file: the saved latents are the
+    in-process run's, and the camera changes them."""
     from wanmesh.parallel.camera_motion import camera_embedding
     from wanmesh.parallel.protocol import SampleRequest
     from wanmesh.parallel.worker.executors import RankExecutor
 
     latents = tmp_path / "latents.safetensors"
-    assert main([*_camera_cli(tiny_models), "--camera-motion", "pan-left", "--camera-speed", "1.5",
+    assert main([*_camera_cli(tiny_models, model), "--camera-motion", "pan-left", "--camera-speed", "1.5",
                  "--out", str(tmp_path / "camera.mp4"), "--save-latents", str(latents)]) == 0
     saved = load_file(str(latents))["latents"]
     engine = RankExecutor("cpu")
     text = engine.load_text_encoder(str(tiny_models["text_encoder_native"]))
-    request = SampleRequest(handle=engine.load_model(str(tiny_models["fun_camera"])), latent=torch.zeros(LATENT),
+    request = SampleRequest(handle=engine.load_model(str(tiny_models[model])), latent=torch.zeros(LATENT),
                             positive=engine.encode_text(text, ["a fox turns"]), negative=engine.encode_text(text, ["blurry"]),
                             seed=3, steps=2, guidance_scale=5.0, shift=3.0, sampler="euler",
                             camera_conditions=camera_embedding("pan-left", 48, 32, 9, 1.5))

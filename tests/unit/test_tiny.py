@@ -24,7 +24,7 @@ EXPECTED_KEYS = {"t2v", "vace", "vae", "text_encoder", "vace_module", "diffusers
                  "lora_comfy", "lora_peft", "lora_kohya", "lora_diff", "t2v_low",
                  "model_native", "vace_native", "text_encoder_native", "i2v", "flf2v", "i2v_high", "i2v_low", "clip_vision",
                  "ti2v", "vae22", "fun_inp", "fun_control", "fun22_control",
-                 "fun22_5b_control", "animate", "fun_camera"}
+                 "fun22_5b_control", "animate", "fun_camera", "fun22_camera"}
 WAN_LATENTS_MEAN_FIRST = -0.7571
 WAN_LATENTS_STD_FIRST = 2.8184
 
