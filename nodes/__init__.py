@@ -1,6 +1,6 @@
 """ComfyUI nodes of WanMesh: thin wrappers that convert ComfyUI types and call the engine."""
 
-from . import errors, input_checks, memory, shutdown
+from .bridge import errors, input_checks, memory, shutdown
 from .pool import WanMeshPool
 from .cache import WanMeshCache
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader

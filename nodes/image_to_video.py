@@ -11,7 +11,7 @@ import torch
 
 from ..parallel.fields import node_input
 from ..parallel.image_to_video import first_last_video, start_image_video
-from .convert import clip_vision_tokens, image_to_frames, tensor_to_latent
+from .bridge.convert import clip_vision_tokens, image_to_frames, tensor_to_latent
 
 CATEGORY = "WanMesh/image to video"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from ..parallel import WEIGHT_MODES, check_model_file
 from ..parallel.fields import node_input
-from .files import list_models, list_vace_modules, model_path
-from .prompt_checks import HIDDEN_PROMPT, check_prompt_files
-from .runtime import ResidentModel, default_runner
+from .bridge.files import list_models, list_vace_modules, model_path
+from .bridge.prompt_checks import HIDDEN_PROMPT, check_prompt_files
+from .bridge.runtime import ResidentModel, default_runner
 
 DTYPE_CHOICES = node_input("dtype")
 WEIGHTS_CHOICES = node_input("weights")

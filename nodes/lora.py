@@ -7,7 +7,7 @@ import dataclasses
 from ..parallel import check_lora_for_model
 from ..parallel.validation import check_lora_values
 from ..parallel.fields import node_input
-from .files import model_path
+from .bridge.files import model_path
 
 CATEGORY = "WanMesh/loaders"
 

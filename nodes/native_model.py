@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .pool_model import pool_model
+from .bridge.pool_model import pool_model
 
 CATEGORY = "WanMesh/loaders"
 

@@ -8,7 +8,7 @@ from ..parallel import ParallelConfig, PoolRunner, check_ranks
 from ..parallel.config import DEFAULT_WORKER_TIMEOUT_S
 from ..parallel.auto_layout import degrees_set
 from ..parallel.fields import node_input
-from .runtime import raise_if_interrupted
+from .bridge.runtime import raise_if_interrupted
 
 REQUIRED = ("devices", "world", "tp", "ulysses", "ring", "cfg_parallel", "vae_patch", "backend", "ray_address")
 # Optional, after the required inputs: saved workflows keep their widget order, and API prompts written before

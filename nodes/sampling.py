@@ -12,8 +12,8 @@ from ..parallel.config import DEFAULT_SCHEDULER
 from ..parallel.fields import END_STEP_TO_THE_END, node_input
 from ..parallel.cache_settings import describe_report
 from ..parallel.validation import prompt_length_warning
-from .conditioning_keys import carries_family_keys, check_conditioning_keys, check_family_keys
-from .convert import (
+from .bridge.conditioning_keys import carries_family_keys, check_conditioning_keys, check_family_keys
+from .bridge.convert import (
     animate_passes,
     check_same_vace,
     embeddings_to_conditioning,
@@ -23,8 +23,8 @@ from .convert import (
     read_conditioning,
     tensor_to_latent,
 )
-from .pool_model import native_class_name
-from .runtime import arrange_for_job, interrupted, previews_enabled, progress_reporter, raise_if_interrupted
+from .bridge.pool_model import native_class_name
+from .bridge.runtime import arrange_for_job, interrupted, previews_enabled, progress_reporter, raise_if_interrupted
 
 CATEGORY = "WanMesh/sampling"
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class WanMeshSampler:
             if cache is not None:
                 raise ValueError(f"step caching runs with the workers' samplers ({', '.join(SAMPLERS)}); for "
                                  f"{sampler_name} / {scheduler}, give the cache to a WanMesh Native Model instead")
-            from .comfy_sampling import ComfySampling, sample_with_comfyui
+            from .bridge.comfy_sampling import ComfySampling, sample_with_comfyui
 
             settings = ComfySampling(seed, steps, shift, sampler_name, scheduler, denoise, start_step, end, add_noise)
             return (sample_with_comfyui(model, positive, negative, latent_image, cfg, settings, model_low_noise,

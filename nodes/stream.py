@@ -21,8 +21,8 @@ from ..parallel.cache_settings import describe_report
 from ..parallel.fields import node_input
 from ..parallel.config import check_stream_start
 from ..parallel.image_to_video import stream_start_frame
-from .convert import image_to_frames, latent_to_tensor, read_conditioning, tensor_to_latent
-from .runtime import PREVIEW_MAX_RESOLUTION, arrange_for_job, interrupted, previews_enabled, raise_if_interrupted
+from .bridge.convert import image_to_frames, latent_to_tensor, read_conditioning, tensor_to_latent
+from .bridge.runtime import PREVIEW_MAX_RESOLUTION, arrange_for_job, interrupted, previews_enabled, raise_if_interrupted
 
 CHUNK_EVENT = "wanmesh.chunk"
 log = logging.getLogger("wanmesh")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..parallel.fields import node_input
 from ..parallel.image_to_video import wan22_image_latent, wan22_start_frames
-from .convert import image_to_frames
+from .bridge.convert import image_to_frames
 
 CATEGORY = "WanMesh/image to video"
 

@@ -6,7 +6,7 @@ import torch
 
 from ..parallel import EncodeVace
 from ..parallel.fields import node_input
-from .convert import latent_to_tensor, tensor_to_latent, with_vace
+from .bridge.convert import latent_to_tensor, tensor_to_latent, with_vace
 
 CATEGORY = "WanMesh/vace"
 REFERENCE_CHOICES = ("first", "all")

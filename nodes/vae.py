@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..parallel import WorkerError, check_encode_frames
 from ..parallel.fields import node_input
 from ..parallel.validation import check_latents_for_vae
-from .convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
-from .errors import keep_latents, worker_error
+from .bridge.convert import frames_to_image, image_to_frames, latent_to_tensor, tensor_to_latent
+from .bridge.errors import keep_latents, worker_error
 
 CATEGORY = "WanMesh/video"
 TILE_OPTIONS = {name: node_input(name) for name in ("tile_px", "overlap_px")}

@@ -317,7 +317,7 @@ def check_model_partners(model: str | Path, model_flag: str, *, vae: tuple[str |
                          text_encoder: tuple[str | Path, str] | None = None) -> None:
     """The files used with a transformer, from the headers before anything loads: the VAE's latent space and the
     text encoder's width against the model's. ``vae`` and ``text_encoder``: (file, the input that named it). The
-    command line and the nodes' prompt check (``nodes/prompt_checks.py``) both call this."""
+    command line and the nodes' prompt check (``nodes/bridge/prompt_checks.py``) both call this."""
     if vae is not None:
         check_vae_for_model(inspect_model_file(vae[0], vae[1], VAE_KINDS), model, vae[1], model_flag)
     if text_encoder is not None:

@@ -6,7 +6,7 @@ Sampler runs the whole loop in the workers (one request); ComfyUI's sampler runs
 ``ModelForward`` per step (conditional and unconditional rows batched), so the ratio of their step times is what
 the native-sampler path costs. Interleaved rounds after a warm-up; median and spread per path; ``--json``.
 This is the one benchmark that needs ComfyUI: it imports ComfyUI from ``--comfyui`` and the pack's MODEL adapter
-(``nodes/pool_model.py``) by module name at run time, never at import.
+(``nodes/bridge/pool_model.py``) by module name at run time, never at import.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def import_comfyui(folder: Path):
     cli_args.args.cpu = not torch.cuda.is_available()
     sample = importlib.import_module("comfy.sample")
     pack = __package__.split(".")[0]
-    return sample, importlib.import_module(f"{pack}.nodes.pool_model"), importlib.import_module(f"{pack}.nodes.runtime")
+    bridge = f"{pack}.nodes.bridge"
+    return sample, importlib.import_module(f"{bridge}.pool_model"), importlib.import_module(f"{bridge}.runtime")
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -26,7 +26,7 @@ class PoolRunner:
         # Whether samplers arrange the pool for each job (the Pool node's layout auto; ``arrange``).
         self.auto_layout = auto_layout
         # The auto layout's choice per (model file, latent size per row), made at the first model call of
-        # ComfyUI's own samplers (nodes/pool_model.py), which keep it for that size.
+        # ComfyUI's own samplers (nodes/bridge/pool_model.py), which keep it for that size.
         self.call_layouts: dict[tuple, ParallelConfig] = {}
         self._follows_live = follows_live  # a closed pool is replaced by the live one, not by its own config's
 

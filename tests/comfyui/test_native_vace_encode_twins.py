@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from wanmesh.nodes.runtime import ResidentModel
+from wanmesh.nodes.bridge.runtime import ResidentModel
 from wanmesh.nodes.vace import WanMeshVaceEncode
 from wanmesh.parallel import ParallelConfig, PoolRunner
 from wanmesh.parallel.driver.pool import close_cached_pool

@@ -58,16 +58,16 @@ VERDICTS = {
     "WanAnimate2ToVideo": (REFUSED, "tests/comfyui/test_native_wan_nodes.py"),
     "WanAnimate2Cache": (NO_MODEL, "caches Animate-2's pose branch, which is refused"),
     "BerniniConditioning": (REFUSED, "tests/comfyui/test_native_wan_nodes.py"),
-    "WanSoundImageToVideo": (REFUSED, "nodes/conditioning_keys.py"),
-    "WanSoundImageToVideoExtend": (REFUSED, "nodes/conditioning_keys.py"),
-    "WanHuMoImageToVideo": (REFUSED, "nodes/conditioning_keys.py"),
-    "WanSCAILToVideo": (REFUSED, "nodes/conditioning_keys.py"),
+    "WanSoundImageToVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
+    "WanSoundImageToVideoExtend": (REFUSED, "nodes/bridge/conditioning_keys.py"),
+    "WanHuMoImageToVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
+    "WanSCAILToVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
     "SCAIL2ColoredMask": (NO_MODEL, "a mask image for WanSCAILToVideo"),
-    "WanDancerVideo": (REFUSED, "nodes/conditioning_keys.py"),
+    "WanDancerVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
     "WanDancerEncodeAudio": (NO_MODEL, "audio features for WanDancerVideo"),
     "WanDancerPadKeyframes": (NO_MODEL, "images for WanDancerVideo"),
     "WanDancerPadKeyframesList": (NO_MODEL, "images for WanDancerVideo"),
-    "WanInfiniteTalkToVideo": (REFUSED, "nodes/pool_patches.py (its model patch)"),
+    "WanInfiniteTalkToVideo": (REFUSED, "nodes/bridge/pool_patches.py (its model patch)"),
 }
 # the conditioning nodes WanMesh refuses, on the file each samples: (node, file, its inputs, what the refusal names)
 REFUSALS = {

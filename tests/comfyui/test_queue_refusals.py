@@ -65,7 +65,7 @@ def test_good_values_pass_the_queue_checks_and_run(server, t2v_prompt):
 
 
 # Files that do not fit together: refused by the first WanMesh loader that runs, from the headers, before the pool
-# starts (nodes/prompt_checks.py). (case id, loader, its file input, the file swapped in, what the one line says)
+# starts (nodes/bridge/prompt_checks.py). (case id, loader, its file input, the file swapped in, what the one line says)
 MISMATCHED_FILES = [
     ("wan22-vae-with-wan21-model", "WanMeshVAELoader", "vae_name", "wan22_tiny_vae.safetensors",
      "vae_name wan22_tiny_vae.safetensors is the Wan 2.2 VAE (wan2.2_vae.safetensors), but model_name "

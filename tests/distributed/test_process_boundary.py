@@ -21,12 +21,12 @@ from wanmesh.parallel.protocol import Diagnostic
 
 MODEL_LIBRARIES = ("diffusers", "transformers", "accelerate", "sentencepiece", "cv2", "av", "ray", "matplotlib")
 COMFYUI_SIDE = {
-    "nodes", "nodes.clip_vision", "nodes.convert", "nodes.errors", "nodes.files", "nodes.image_to_video",
-    "nodes.loaders", "nodes.lora", "nodes.memory", "nodes.native_model", "nodes.pool_model", "nodes.pool_patches",
-    "nodes.cache", "nodes.conditioning_keys",
-    "nodes.ti2v",
-    "nodes.pool", "nodes.runtime", "nodes.sampling", "nodes.stream", "nodes.vace", "nodes.vace_builders",
-    "nodes.vae", "nodes.video", "nodes.input_checks", "nodes.shutdown", "nodes.prompt_checks",
+    "nodes", "nodes.cache", "nodes.clip_vision", "nodes.image_to_video", "nodes.loaders", "nodes.lora",
+    "nodes.native_model", "nodes.pool", "nodes.sampling", "nodes.stream", "nodes.ti2v", "nodes.vace",
+    "nodes.vace_builders", "nodes.vae", "nodes.video",
+    "nodes.bridge", "nodes.bridge.conditioning_keys", "nodes.bridge.convert", "nodes.bridge.errors",
+    "nodes.bridge.files", "nodes.bridge.input_checks", "nodes.bridge.memory", "nodes.bridge.pool_model",
+    "nodes.bridge.pool_patches", "nodes.bridge.prompt_checks", "nodes.bridge.runtime", "nodes.bridge.shutdown",
     "parallel", "parallel.auto_layout", "parallel.cache_settings", "parallel.config", "parallel.errors", "parallel.fields",
     "parallel.image_to_video", "parallel.protocol",
     "parallel.pool_memory",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wanmesh.nodes.convert import ANIMATE_KEYS
-from wanmesh.nodes.conditioning_keys import (FAMILY_KEY_NODES, NATIVE_WAN_CLASSES, NO_EFFECT,
+from wanmesh.nodes.bridge.convert import ANIMATE_KEYS
+from wanmesh.nodes.bridge.conditioning_keys import (FAMILY_KEY_NODES, NATIVE_WAN_CLASSES, NO_EFFECT,
                                              UNSUPPORTED_CONDITIONING, UNSUPPORTED_INPUTS, check_conditioning_keys,
                                              check_family_keys, keys_read_by, model_input_refusal)
 from wanmesh.parallel.sampling.guidance import PASS_INPUTS, TIME_CONCAT, guided_prediction
@@ -140,7 +140,7 @@ def test_time_concat_of_another_size_is_one_line_before_sending() -> None:
 
 
 def test_the_wanmesh_model_refuses_time_concat_that_cannot_follow_its_input() -> None:
-    from wanmesh.nodes.pool_model import with_time_concat
+    from wanmesh.nodes.bridge.pool_model import with_time_concat
 
     x = torch.zeros(2, 36, 3, 4, 6)  # an image-to-video input: its image channels are already concatenated
     assert with_time_concat(x, None, torch.zeros(2)) is x
@@ -151,7 +151,7 @@ def test_the_wanmesh_model_refuses_time_concat_that_cannot_follow_its_input() ->
 
 
 def test_the_wanmesh_model_refuses_a_controlnet_in_one_line() -> None:
-    from wanmesh.nodes.pool_model import check_supported_inputs
+    from wanmesh.nodes.bridge.pool_model import check_supported_inputs
 
     check_supported_inputs(None, {"reference_latent": torch.zeros(1), "vace_context": None})
     with pytest.raises(ValueError) as refused:
@@ -162,7 +162,7 @@ def test_the_wanmesh_model_refuses_a_controlnet_in_one_line() -> None:
 
 def test_the_wanmesh_model_refuses_a_model_input_it_does_not_know() -> None:
     """A model input no table knows (a newer ComfyUI's, another pack's) stops the call instead of being dropped."""
-    from wanmesh.nodes.pool_model import check_supported_inputs
+    from wanmesh.nodes.bridge.pool_model import check_supported_inputs
 
     with pytest.raises(ValueError, match="model input pose_branch_tokens .*sample without that node"):
         check_supported_inputs(None, {"pose_branch_tokens": torch.zeros(1), "denoise_mask": torch.zeros(1)})

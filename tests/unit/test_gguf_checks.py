@@ -81,7 +81,7 @@ def test_gguf_files_are_detected_and_listed(tiny_models, monkeypatch):
         if p.suffix in stub.folder_names_and_paths[name][1] and str(p.parent) in stub.folder_names_and_paths[name][0])
     monkeypatch.setitem(sys.modules, "folder_paths", stub)
     monkeypatch.setitem(stub.folder_names_and_paths, "diffusers", ([], set()))
-    from wanmesh.nodes.files import list_models
+    from wanmesh.nodes.bridge.files import list_models
 
     listed = list_models("diffusion_models")
     assert {"wan_tiny_t2v_Q8_0.gguf", "wan_tiny_t2v_Q4_K.gguf", "wan_tiny_t2v.safetensors"} <= set(listed)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from wanmesh.parallel import protocol as P
-from wanmesh.nodes.runtime import ResidentModel
+from wanmesh.nodes.bridge.runtime import ResidentModel
 
 
 class RecordingRunner:

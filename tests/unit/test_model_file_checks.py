@@ -152,7 +152,7 @@ LAYOUTS = {  # how each ComfyUI names the transformer folders (the extra model p
 def test_the_model_loader_lists_and_finds_gguf_files_in_unet_and_diffusion_models(tree, tmp_path, monkeypatch, layout):
     unet = _unet_only(tree, tmp_path)
     _folder_paths(monkeypatch, LAYOUTS[layout](tree, unet))
-    from wanmesh.nodes.files import list_models, list_vace_modules, model_path
+    from wanmesh.nodes.bridge.files import list_models, list_vace_modules, model_path
 
     listed = list_models("diffusion_models")
     assert {"wan_unet_only_Q8_0.gguf", "wan_tiny_t2v_Q8_0.gguf", "kinds/wan_tiny_t2v_Q4_K.gguf",

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from wanmesh.nodes import NODE_CLASS_MAPPINGS
-from wanmesh.nodes.errors import WanMeshWorkerError
-from wanmesh.nodes.runtime import ResidentModel
+from wanmesh.nodes.bridge.errors import WanMeshWorkerError
+from wanmesh.nodes.bridge.runtime import ResidentModel
 from wanmesh.parallel import WorkerError
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "executors.py", line 1\nRuntimeError: boom'

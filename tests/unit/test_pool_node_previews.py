@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
-from wanmesh.nodes.convert import embeddings_to_conditioning
+from wanmesh.nodes.bridge.convert import embeddings_to_conditioning
 from wanmesh.nodes.pool import WanMeshPool
-from wanmesh.nodes.runtime import ResidentModel
+from wanmesh.nodes.bridge.runtime import ResidentModel
 from wanmesh.nodes.sampling import WanMeshSampler
 from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.protocol import Latents

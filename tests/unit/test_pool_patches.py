@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from wanmesh.nodes import pool_patches as pp
+from wanmesh.nodes.bridge import pool_patches as pp
 from wanmesh.parallel.sampling.forward import skipping_blocks
 
 SHAPES = {"blocks.0.self_attn.q.weight": (8, 6), "blocks.0.self_attn.q.bias": (8,), "blocks.0.norm3.weight": (6,)}

@@ -1,4 +1,4 @@
-"""The prompt check of the WanMesh loaders (``nodes/prompt_checks.py``) on the shipped API workflows, with the tiny
+"""The prompt check of the WanMesh loaders (``nodes/bridge/prompt_checks.py``) on the shipped API workflows, with the tiny
 models standing in for ComfyUI's model folders: it finds which model, VAE and text encoder each workflow uses
 together, passes every shipped workflow, and refuses a Wan 2.2 VAE with a Wan 2.1 model (and the reverse) and a
 text encoder of another width than the model's, in one line naming both files. The real server runs it in
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from wanmesh.nodes import prompt_checks
+from wanmesh.nodes.bridge import prompt_checks
 
 WORKFLOWS_DIR = Path(__file__).resolve().parents[2] / "workflows"
 
@@ -90,7 +90,7 @@ def test_the_decode_node_refuses_latents_of_another_vae(tiny_models_root, vae, c
     """Latents reaching the decode from anywhere (a native sampler too): their channels against the VAE's header."""
     import torch
 
-    from wanmesh.nodes.runtime import ResidentModel
+    from wanmesh.nodes.bridge.runtime import ResidentModel
     from wanmesh.nodes.vae import WanMeshVAEDecode
 
     loaded = ResidentModel(NoRunner(), "vae|x", path=str(tiny_models_root / "vae" / vae), kind="vae")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from diffusers import UniPCMultistepScheduler
 
-from wanmesh.nodes.pool_model import call_timesteps
+from wanmesh.nodes.bridge.pool_model import call_timesteps
 from wanmesh.parallel.config import (WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, check_latent, check_model_forward,
                                      check_model_input, check_noise_mask)
 from wanmesh.parallel.image_to_video import (frame_timesteps, latent_noise_mask, wan22_image_latent,

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from wanmesh.nodes.runtime import ResidentModel
+from wanmesh.nodes.bridge.runtime import ResidentModel
 from wanmesh.nodes.sampling import WanMeshSampler
 from wanmesh.parallel import protocol as P
 

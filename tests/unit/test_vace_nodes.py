@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wanmesh.nodes.convert import check_same_vace, read_conditioning
-from wanmesh.nodes.runtime import ResidentModel
+from wanmesh.nodes.bridge.convert import check_same_vace, read_conditioning
+from wanmesh.nodes.bridge.runtime import ResidentModel
 from wanmesh.nodes.vace import WanMeshTrimLatent, WanMeshVaceEncode
 from wanmesh.parallel import protocol as P
 

@@ -181,7 +181,7 @@ def test_the_wanmesh_sampler_gives_each_guidance_pass_its_own_animate_inputs() -
     """WanAnimateToVideo's outputs as the WanMesh Sampler reads them: the negative's face video (all -1) reaches
     the unconditional pass, the positive's the conditional one, each with the pose latents normalised as native's
     WAN22_Animate takes them."""
-    from wanmesh.nodes.convert import animate_passes, read_conditioning
+    from wanmesh.nodes.bridge.convert import animate_passes, read_conditioning
     from wanmesh.parallel.protocol import SampleRequest
     from wanmesh.parallel.sampling.guidance import guided_prediction
     from wanmesh.parallel.sampling.latents import normalize_latents

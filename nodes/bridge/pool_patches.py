@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ..parallel.config import cache_root
-from ..parallel.weights.checkpoint import COMFY_TRANSFORMER_PREFIX
-from ..parallel.weights.detect import read_header
+from ...parallel.config import cache_root
+from ...parallel.weights.checkpoint import COMFY_TRANSFORMER_PREFIX
+from ...parallel.weights.detect import read_header
 
 log = logging.getLogger("wanmesh")
 

@@ -27,7 +27,7 @@ def comfy_prompt_running() -> bool:
 
 
 def stop_running_prompt() -> None:
-    from ..parallel.driver.pool import SHUTTING_DOWN, current_pool
+    from ...parallel.driver.pool import SHUTTING_DOWN, current_pool
 
     pool = current_pool()
     if pool is None or not pool.busy:

@@ -6,10 +6,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..parallel import PoolRunner
+from ...parallel import PoolRunner
 
 if TYPE_CHECKING:
-    from ..parallel.config import ParallelConfig
+    from ...parallel.config import ParallelConfig
 
 
 def default_runner() -> PoolRunner:
@@ -65,7 +65,7 @@ def progress_reporter(total: int):
 def arrange_for_job(model: ResidentModel, latent, steps: int, cfg: float, *, streaming: bool = False) -> None:
     """With a Pool node on layout auto: the degrees the cost model picks for this job (video size from the latent),
     logged as a small table; the pool is restarted only when the choice changes."""
-    from ..parallel.auto_layout import Job
+    from ...parallel.auto_layout import Job
 
     if auto_layout_of(model):
         arrange(model, Job.of_latent(latent.shape, steps=steps, batch=latent.shape[0], guidance=cfg != 1.0),
@@ -81,8 +81,8 @@ def auto_layout_of(model: ResidentModel) -> bool:
 def arrange(model: ResidentModel, job, *, streaming: bool = False, caller: str = "") -> ParallelConfig:
     """Arrange ``model``'s pool on the layout the cost model ranks first for ``job``; the table goes to the log.
     Returns the arranged config."""
-    from ..parallel.auto_layout import explain
-    from ..parallel.calibration import choose_layout
+    from ...parallel.auto_layout import explain
+    from ...parallel.calibration import choose_layout
 
     runner = model.runner
     ranked = choose_layout(runner.config, model.path, job, streaming=streaming, runner=runner)

@@ -23,9 +23,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
-from ..parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
-from ..parallel.weights.detect import FUN22_CAMERA_IN_CHANNELS
+from ...parallel import Cancelled, ModelForward, has_vace_blocks, model_image_inputs
+from ...parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
+from ...parallel.weights.detect import FUN22_CAMERA_IN_CHANNELS
 from .conditioning_keys import NATIVE_WAN_CLASSES, UNSUPPORTED_INPUTS, check_family_keys, model_input_refusal
 from .pool_patches import (POOL_LORAS, add_lora_patches, check_model_patches, drop_torch_compile,
                            native_weight_shapes, skipped_blocks)
@@ -110,7 +110,7 @@ class PoolTransformer(torch.nn.Module):
         if key in runner.call_layouts:
             runner.arrange(runner.call_layouts[key])  # nothing to do unless another job rearranged the pool
             return
-        from ..parallel.auto_layout import Job
+        from ...parallel.auto_layout import Job
 
         passes = len(transformer_options.get("cond_or_uncond") or (0,))
         sigmas = transformer_options.get("sample_sigmas")

@@ -93,6 +93,6 @@ def _file_kind(path: str) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _kind_of_version(path: str, mtime_ns: int, size: int) -> str:
-    from ..parallel import safetensors_kind
+    from ...parallel import safetensors_kind
 
     return safetensors_kind(path)

@@ -15,7 +15,7 @@ import inspect
 import math
 import numbers
 
-from ..parallel.config import check_frame_count, check_frame_size, check_tiles
+from ...parallel.config import check_frame_count, check_frame_size, check_tiles
 
 VAE_MULTIPLE = 8  # what the WanMesh latents need (the VAE's spatial factor)
 VACE_MULTIPLE = 16  # VACE canvases: whole patches

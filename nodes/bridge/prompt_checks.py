@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..parallel.validation import check_model_partners
+from ...parallel.validation import check_model_partners
 from .files import model_path
 
 # Loader class -> (its file input, the models folder that input names a file of).

@@ -37,7 +37,7 @@ def _after(original, action, what: str):
 
 def install() -> bool:
     """Wrap ComfyUI's unload and reset once; False when ComfyUI's modules are not loaded (e.g. the CLI)."""
-    from ..parallel import stop_pool, unload_pool_models
+    from ...parallel import stop_pool, unload_pool_models
 
     management = sys.modules.get("comfy.model_management")
     execution = sys.modules.get("execution")

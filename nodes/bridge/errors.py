@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 
-from ..parallel import WorkerError
+from ...parallel import WorkerError
 
 log = logging.getLogger("wanmesh")
 
@@ -81,7 +81,7 @@ def keep_latents(latents) -> Path:
     (``wanmesh_latents/``, tensor 'latents', raw Wan latents as the LATENT holds them)."""
     import folder_paths
 
-    from ..parallel import save_tensors_atomic
+    from ...parallel import save_tensors_atomic
 
     folder = Path(folder_paths.get_output_directory()) / "wanmesh_latents"
     return save_tensors_atomic({"latents": latents.float()}, folder / f"latents_{time.strftime('%Y%m%d-%H%M%S')}_"
