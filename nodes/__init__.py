@@ -10,7 +10,7 @@ from .image_to_video import WanMeshImageToVideo
 from .ti2v import WanMeshWan22ImageToVideoLatent
 from .native_model import WanMeshNativeModel
 from .sampling import WanMeshEmptyLatent, WanMeshSampler, WanMeshTextEncode
-from .stream import WanMeshStreamSampler
+from .stream import WanMeshPromptSwitch, WanMeshStreamSampler
 from .vace import WanMeshTrimLatent, WanMeshVaceEncode
 from .vace_builders import WanMeshVaceControl, WanMeshVaceMask, WanMeshVaceReference
 from .vae import WanMeshVAEDecode, WanMeshVAEEncode
@@ -28,6 +28,7 @@ _NODES = {
     "WanMeshSampler": (WanMeshSampler, "WanMesh Sampler"),
     "WanMeshCache": (WanMeshCache, "WanMesh Cache"),
     "WanMeshStreamSampler": (WanMeshStreamSampler, "WanMesh Stream Sampler"),
+    "WanMeshPromptSwitch": (WanMeshPromptSwitch, "WanMesh Prompt Switch"),
     "WanMeshVAEDecode": (WanMeshVAEDecode, "WanMesh VAE Decode"),
     "WanMeshVAEEncode": (WanMeshVAEEncode, "WanMesh VAE Encode"),
     "WanMeshVaceEncode": (WanMeshVaceEncode, "WanMesh VACE Encode"),

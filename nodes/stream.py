@@ -1,5 +1,7 @@
 """Streaming (causal Wan) sampler node: chunk by chunk, each finished chunk shown, saved and announced at once;
-optionally from a start image (as ComfyUI's ARVideoI2V: its latent frame first, written to the KV cache).
+optionally from a start image (as ComfyUI's ARVideoI2V: its latent frame first, written to the KV cache), and
+with prompt switches (WanMesh Prompt Switch nodes, chained: the prompt changes before the chunk each names, the
+cached frames re-encoded under the new prompt).
 
 While it runs, every chunk the workers finish is decoded there by the streaming VAE, shown as the progress
 preview, written to ComfyUI's output folder as ``<prefix>_<counter>_chunk_NNN.mp4`` (atomically, by
@@ -79,6 +81,38 @@ class ChunkSaver:
         return self.file_info(filename)
 
 
+PROMPT_SWITCHES = "WANMESH_PROMPT_SWITCHES"  # ((chunk, embeddings), ...) in chunk order
+
+
+class WanMeshPromptSwitch:
+    """One prompt switch of a stream: from chunk ``chunk`` on, the stream follows ``positive``; chained after
+    ``switches`` (earlier switches) to switch several times."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "positive": ("CONDITIONING", {"tooltip": "the prompt from this chunk on"}),
+                "chunk": node_input("switch_chunk"),
+            },
+            "optional": {"switches": (PROMPT_SWITCHES, {"tooltip": "earlier switches, to switch several times"})},
+        }
+
+    RETURN_TYPES = (PROMPT_SWITCHES,)
+    RETURN_NAMES = ("switches",)
+    OUTPUT_TOOLTIPS = ("the switches so far, for the WanMesh Stream Sampler or the next WanMesh Prompt Switch",)
+    FUNCTION = "switch"
+    CATEGORY = "WanMesh/sampling"
+    DESCRIPTION = ("A prompt switch for the WanMesh Stream Sampler: the stream moves on to this prompt at the given "
+                   "chunk without a cut (the frames it keeps in its cache are re-encoded under the new prompt).")
+
+    def switch(self, positive, chunk, switches=()):
+        if any(index == chunk for index, _ in switches):
+            raise ValueError(f"two WanMesh Prompt Switch nodes name chunk {chunk}; give each switch its own chunk")
+        added = (int(chunk), read_conditioning(positive, "positive").embeddings)
+        return (tuple(sorted((*switches, added), key=lambda item: item[0])),)
+
+
 class WanMeshStreamSampler:
     @classmethod
     def INPUT_TYPES(cls):
@@ -109,6 +143,8 @@ class WanMeshStreamSampler:
                                                      "size, encoded by the vae to the first latent frame"}),
                 "cache": ("WANMESH_CACHE", {"tooltip": "step caching (WanMesh Cache) within each chunk: its steps "
                                                        "count from the chunk's first; none: every step computed"}),
+                "prompt_switches": (PROMPT_SWITCHES, {"tooltip": "WanMesh Prompt Switch nodes: the prompt changes "
+                                                                 "before the chunks they name"}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -125,7 +161,7 @@ class WanMeshStreamSampler:
                    "websocket ('wanmesh.chunk') while the rest is being made.")
 
     def sample(self, model, positive, latent, seed, steps, shift, cfg, chunk, kv_window, sink, filename_prefix, fps,
-               negative=None, vae=None, timesteps="", start_image=None, cache=None, unique_id=None):
+               negative=None, vae=None, timesteps="", start_image=None, cache=None, prompt_switches=(), unique_id=None):
         import comfy.utils
 
         samples = latent_to_tensor(latent)
@@ -135,7 +171,9 @@ class WanMeshStreamSampler:
             negative=[] if negative is None else read_conditioning(negative, "negative").embeddings, seed=seed,
             steps=steps, shift=shift, timesteps=parse_stream_timesteps(timesteps), guidance_scale=cfg, chunk=chunk,
             kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle,
-            preview=previews_enabled(model.runner), start_latent=start_latent, cache=cache)
+            preview=previews_enabled(model.runner), start_latent=start_latent, cache=cache,
+            switch_chunks=[index for index, _ in prompt_switches],
+            switch_positive=[embeddings for _, embeddings in prompt_switches])
         request.validate()  # before any file name is taken
         arrange_for_job(model, samples, steps, cfg, streaming=True)
         bar = comfy.utils.ProgressBar(1)

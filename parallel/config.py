@@ -738,6 +738,19 @@ def stream_chunks(latent_frames: int, chunk: int, start_frames: int = 0) -> list
     return first + [(start, min(chunk, latent_frames - start)) for start in range(start_frames, latent_frames, chunk)]
 
 
+def check_prompt_switches(switch_chunks, latent_frames: int, chunk: int, start_frames: int = 0) -> None:
+    """The chunks where a stream's prompt changes: whole chunk indices in increasing order, each a generated chunk
+    after the first (chunk 0 takes the stream's own prompt; from a start image chunk 0 is the image's block)."""
+    count = len(stream_chunks(latent_frames, chunk, start_frames))
+    valid = f"valid: 1 to {count - 1}, increasing" if count > 1 else "this stream has one chunk, so none"
+    previous = 0
+    for index in switch_chunks:
+        if not _is_whole(index) or not previous < index < count:
+            raise ValueError(f"a prompt switch at chunk {index!r} is not valid for a stream of {count} chunks of "
+                             f"{chunk} latent frames; {valid} (chunk 0 takes the stream's own prompt)")
+        previous = index
+
+
 def check_stream_layout(*, ring: int, cfg_parallel: bool) -> None:
     """Streaming splits a chunk's tokens over the Ulysses ranks (and heads over tp); ring attention with a KV
     cache and CFG parallel (one cache per branch lives on every rank) are refused."""

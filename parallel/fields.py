@@ -237,6 +237,9 @@ FIELDS: tuple[Field, ...] = (
     Field("chunk", "INT", 3, "latent frames per chunk (1 = frame by frame); a shorter last chunk is allowed", 1, 1024,
           valid=Valid(1), nodes=("WanMeshStreamSampler.chunk",), flags=("stream --chunk",),
           checked=("StreamSample.chunk",)),
+    Field("switch_chunk", "INT", 1, "the chunk where a stream's prompt changes (chunk 0 takes the stream's own "
+          "prompt); the cached frames are re-encoded under the new prompt", 1, 4096, valid=Valid(1),
+          nodes=("WanMeshPromptSwitch.chunk",), note="CLI: the CHUNK of --prompt-at CHUNK:PROMPT"),
     Field("kv_window", "INT", 0, "latent frames kept in the KV cache; 0 keeps the whole video", 0, MAX_CACHE_FRAMES,
           valid=Valid(1), nodes=("WanMeshStreamSampler.kv_window",), flags=("stream --kv-window",),
           checked=("StreamSample.kv_window",), flag_default=None, unset=0,

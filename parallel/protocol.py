@@ -17,7 +17,7 @@ import torch
 from .config import (DEFAULT_SAMPLER, DEFAULT_SCHEDULER, LATENT_CHANNELS, T2V_EXPERT_BOUNDARY, check_camera_conditions, check_clip_vision_tokens, check_experts, check_image_conditioning, check_latent, check_model_forward, check_model_loras,
                      check_dtype_name, check_noise_mask, check_sampling, check_seed, check_step_range, check_time_latents, check_stream_options, check_stream_start_latent, check_stream_timesteps,
                      check_vace_contexts, check_weights_mode, check_reference_latent)
-from .config import check_animate_inputs
+from .config import check_animate_inputs, check_prompt_switches
 from .errors import ProtocolError, WorkerError  # noqa: F401  (part of the protocol: errors cross the wire)
 from .cache_settings import cache_settings, check_cache, check_stream_cache
 
@@ -288,6 +288,10 @@ class StreamSample(Request):
     preview: bool = True  # rank 0 sends each finished chunk (latents and decoded frames) with its progress
     start_latent: torch.Tensor | None = None  # raw [1 or B, 16, n, h, w]: the start image's latents (first block)
     cache: dict[str, Any] | None = None  # step caching within each chunk: CacheSettings' fields; None: off
+    # prompt switches: before chunk switch_chunks[i] the positive prompt becomes switch_positive[i] (embeddings as
+    # ``positive``); the caches are rebuilt under it (sampling/stream.py)
+    switch_chunks: list[int] = field(default_factory=list)
+    switch_positive: list[list[torch.Tensor]] = field(default_factory=list)
 
     def validate(self) -> None:
         check_cache(cache_settings(self.cache))
@@ -300,6 +304,11 @@ class StreamSample(Request):
         if self.start_latent is not None:
             check_stream_start_latent(self.start_latent, tuple(self.latent.shape), self.kv_window, self.sink)
         check_stream_timesteps(self.timesteps)
+        if len(self.switch_chunks) != len(self.switch_positive) or not all(self.switch_positive):
+            raise ValueError(f"{len(self.switch_chunks)} prompt switch chunks but {len(self.switch_positive)} "
+                             "prompts; give one prompt embedding (or one per batch row) for each switch")
+        start_frames = 0 if self.start_latent is None else self.start_latent.shape[2]
+        check_prompt_switches(self.switch_chunks, self.latent.shape[2], self.chunk, start_frames)
         if not self.positive:
             raise ValueError("positive conditioning must hold at least one prompt embedding")
         if self.guidance_scale != 1.0 and not self.negative:

@@ -195,9 +195,10 @@ def _expert_fields(args) -> dict:
             "guidance_scale_low": getattr(args, "guidance_scale_low", None), "end_step": getattr(args, "end_step", None)}
 
 
-def encode_prompts(runner: PoolRunner, args, files) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """--prompt and --negative embedded by the pool's text encoder, which is unloaded afterwards."""
+def encode_prompts(runner: PoolRunner, args, files, more: list[str] = ()) -> list[list[torch.Tensor]]:
+    """--prompt, --negative and the ``more`` prompts (in order) embedded by the pool's text encoder, which is
+    unloaded afterwards."""
     text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
-    positive, negative = runner.encode_text(text, [args.prompt]), runner.encode_text(text, [args.negative])
+    embedded = [runner.encode_text(text, [prompt]) for prompt in (args.prompt, args.negative, *more)]
     runner.unload(text)
-    return positive, negative
+    return embedded

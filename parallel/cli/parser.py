@@ -172,6 +172,9 @@ def add_stream_arguments(sub) -> argparse.ArgumentParser:
     add_model_file_arguments(p, "causal Wan 2.1 transformer (Self-Forcing, CausVid, ...): file or folder", "stream")
     p.add_argument("--prompt", required=True)
     p.add_argument("--negative", default="", help="negative prompt (used only with --cfg above 1)")
+    p.add_argument("--prompt-at", action="append", default=[], metavar="CHUNK:PROMPT", dest="prompt_at",
+                   help="switch to PROMPT before chunk CHUNK (repeat for several switches; chunk 0 is --prompt's): the "
+                   "cached frames are re-encoded under the new prompt, so the scene moves on without a cut")
     for key in ("width", "height", "length", "chunk", "stream_steps", "stream_shift", "timesteps"):
         add_flag(p, key, "stream")
     add_flag(p, "stream_cfg", "stream", "--cfg", dest="guidance_scale")

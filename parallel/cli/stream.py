@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ..cache_settings import cache_fields, check_stream_cache, describe_report, parse_cache
-from ..config import (check_sampling, check_stream_layout, check_stream_options, check_stream_start, latent_shape,
-                      parse_stream_timesteps)
+from ..config import (check_prompt_switches, check_sampling, check_stream_layout, check_stream_options,
+                      check_stream_start, latent_shape, parse_stream_timesteps)
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.timings import RunTimings
@@ -47,10 +47,26 @@ def check_stream_arguments(args) -> tuple[int, ...]:
         check_stream_start(1, shape[2], args.kv_window, args.sink)  # one image: one latent frame
         args.start_image = read_image(args.image, "--image")
     args.timesteps = parse_stream_timesteps(args.timesteps) if isinstance(args.timesteps, str) else args.timesteps
+    args.prompt_switches = parse_prompt_switches(getattr(args, "prompt_at", []))
+    check_prompt_switches(list(args.prompt_switches), shape[2], args.chunk, 1 if args.start_image is not None else 0)
     check_fps(args.fps)
     pool_config(args)  # the layout (world, tp, ulysses) and the device
     check_stream_layout(ring=args.ring, cfg_parallel=args.cfg_parallel)
     return shape
+
+
+def parse_prompt_switches(values: list[str]) -> dict[int, str]:
+    """``--prompt-at CHUNK:PROMPT`` values as {chunk: prompt}, in chunk order; one line naming a bad value."""
+    switches: dict[int, str] = {}
+    for value in values:
+        index, colon, prompt = value.partition(":")
+        if not colon or not index.strip().isdigit() or not prompt.strip():
+            raise ValueError(f"--prompt-at {value!r} is not valid; valid: CHUNK:PROMPT, e.g. --prompt-at "
+                             "'4:a cat walks in the snow' (a chunk index and a non-empty prompt)")
+        if int(index) in switches:
+            raise ValueError(f"--prompt-at gives chunk {int(index)} twice; give one prompt per chunk")
+        switches[int(index)] = prompt.strip()
+    return dict(sorted(switches.items()))
 
 
 class ChunkWriter:
@@ -123,7 +139,7 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
     with workers as pool:
         runner = PoolRunner(pool)
         with progress.phase("encode text", timings, "text_encode"):
-            prompts = encode_prompts(runner, args, paths)
+            prompts = encode_prompts(runner, args, paths, list(args.prompt_switches.values()))
         with progress.phase("load model and VAE", timings, "weight_load"):
             model = runner.load_model(paths["model"], dtype=args.dtype, weights=args.weights)
             vae = runner.load_vae(paths["vae"], dtype=args.dtype)
@@ -136,6 +152,7 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
             steps=args.steps, shift=args.shift, timesteps=args.timesteps, guidance_scale=args.guidance_scale,
             chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
             vae_handle=vae, preview=True, start_latent=start_latent, cache=cache_fields(args.step_cache),
+            switch_chunks=list(args.prompt_switches), switch_positive=prompts[2:],
         )
         with progress.phase(f"stream ({shape[2]} latent frames, chunks of {args.chunk})", timings, "streaming"):
             started = time.perf_counter()  # inside the phase: every chunk's time since start is within it

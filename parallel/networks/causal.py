@@ -374,6 +374,27 @@ class CausalWan:
             self._last_mask = mask.to(device)
         return self._last_mask
 
+    def recache(self, context: torch.Tensor, earlier: list[tuple[int, torch.Tensor]], next_end: int,
+                branch: str = "positive") -> int:
+        """The branch's caches rebuilt under a new prompt (a prompt switch before the chunk ending at ``next_end``):
+        its text cross-attention K/V dropped (the new prompt's are computed at the next forward) and its
+        self-attention cache written again, chunk by chunk in order at timestep 0, from the clean ``earlier``
+        chunks ((start frame, latents) each) that the next chunk still sees (the sink and the recent window; every
+        earlier chunk without a window). So the recomputed keys and values carry the new prompt, and without a
+        window the cache is what a stream under the new prompt from the start would hold for these frames (the
+        uncached reference's recompute). Returns the chunks written (none when uncached: the reference
+        recomputes every earlier frame at every step anyway)."""
+        for key in [key for key in self.cross_cache if key[0] == branch]:
+            del self.cross_cache[key]
+        if not self.use_cache:
+            return 0
+        self.caches.pop(branch, None)
+        seen = [(start, chunk) for start, chunk in earlier
+                if any(self.window.visible(frame, next_end) for frame in range(start, start + chunk.shape[2]))]
+        for start, chunk in seen:
+            self.write(chunk, start, context, branch=branch)
+        return len(seen)
+
     def write(self, clean_chunk: torch.Tensor, start: int, context: torch.Tensor, branch: str = "positive") -> None:
         """Keep the clean chunk's K/V in every block's cache: one forward at timestep 0 (nothing when uncached)."""
         if not self.use_cache:

@@ -44,8 +44,8 @@ from typing import Callable
 import torch
 
 from ..cache_settings import check_stream_cache
-from ..config import (check_stream_layout, check_stream_options, check_stream_start_latent, check_stream_timesteps,
-                      stream_chunks)
+from ..config import (check_prompt_switches, check_stream_layout, check_stream_options, check_stream_start_latent,
+                      check_stream_timesteps, stream_chunks)
 from ..errors import Cancelled
 from ..networks.causal import CacheWindow, CausalWan, LocalAttention
 from ..networks.wan_inputs import compute_dtype
@@ -110,7 +110,7 @@ def sample_stream(
     sigmas: list[float], chunk: int, kv_window: int | None = None, sink: int = 0, use_cache: bool = True,
     guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
     progress: Callable | None = None, fused_all_to_all: bool = True, stats: dict | None = None,
-    start_latent: torch.Tensor | None = None, step_cache=None,
+    start_latent: torch.Tensor | None = None, step_cache=None, prompt_switches: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Generate the whole latent chunk by chunk; returns raw latents [B, 16, T, h, w] (float32, CPU).
 
@@ -129,12 +129,20 @@ def sample_stream(
     ``step_cache`` (``cache_settings.CacheSettings``): step caching within each chunk (``step_cache.py``'s
     ``ChunkedStepCache``: the steps restart per chunk, the KV cache writes are never skipped; with ``use_cache``
     only); ``stats`` then
-    also receives ``cache_report`` and ``cache_decisions`` (stream step -> computed)."""
+    also receives ``cache_report`` and ``cache_decisions`` (stream step -> computed).
+
+    ``prompt_switches`` ({chunk index: positive context [B, L, D]}): the prompt changes before those chunks. The
+    chunks before a switch are as without it; at the switch the positive branch's caches are rebuilt under the new
+    prompt (``CausalWan.recache``: the earlier chunks the next one still sees written again, not dropped), so the
+    scene moves on from the frames made so far; ``stats`` receives ``recached_chunks`` ({switch: chunks
+    written})."""
     latent_shape = tuple(int(s) for s in latent_shape)
     _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
     check_stream_options(latent_shape[2], chunk, kv_window, sink)
     check_stream_cache(step_cache, use_cache)
     start_frames = 0 if start_latent is None else check_stream_start_latent(start_latent, latent_shape, kv_window, sink)
+    switches = dict(prompt_switches or {})
+    check_prompt_switches(sorted(switches), latent_shape[2], chunk, start_frames)
     strategy = _attention_strategy(model, plan, fused_all_to_all)
     _check_model(model)
     device, dtype = next(model.parameters()).device, compute_dtype(model)
@@ -152,6 +160,14 @@ def sample_stream(
                                     strategy, start_frames=start_frames) as causal, \
             _chunk_cache(step_cache, causal, plan, strategy, steps) as cache:
         for index, (start, count) in enumerate(chunks):
+            if index in switches:
+                cache.outside_steps()
+                branches[0] = ("positive", switches[index].to(device=device, dtype=dtype))
+                earlier = [(first, clean[:, :, first : first + n].to(device=device, dtype=dtype))
+                           for first, n in chunks[:index]]
+                rewritten = causal.recache(branches[0][1], earlier, start + count)
+                if stats is not None:
+                    stats.setdefault("recached_chunks", {})[index] = rewritten
             cache.start_chunk(index)
             if start_frames and index == 0:
                 x = normalize_latents(start_latent.float().expand(latent_shape[0], -1, -1, -1, -1)).to(device)

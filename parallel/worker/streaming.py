@@ -56,6 +56,8 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
     batch = request.latent.shape[0]
     positive = text_context(request.positive, batch, dtype, device)
     negative = text_context(request.negative, batch, dtype, device) if request.guidance_scale != 1.0 else None
+    switches = {int(index): text_context(embeddings, batch, dtype, device)
+                for index, embeddings in zip(request.switch_chunks, request.switch_positive)}
     forwarder, stats = None, {}
     if rank == 0:
         decoder = StreamingVaeDecoder(vae, device) if vae is not None else None
@@ -66,6 +68,7 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
         kv_window=request.kv_window, sink=request.sink, use_cache=request.use_cache,
         guidance_scale=request.guidance_scale, plan=plan, on_chunk=forwarder, should_stop=should_stop,
         progress=progress, start_latent=request.start_latent, step_cache=cache_settings(request.cache), stats=stats,
+        prompt_switches=switches,
     )
     if "cache_report" in stats:
         from ..sampling.step_cache import check_same_decisions

@@ -1,7 +1,10 @@
 """The stream_t2v example workflow in a real ComfyUI server: the WanMesh Stream Sampler writes each chunk into
 the output folder while it runs and names it in a ``wanmesh.chunk`` websocket message (one per chunk, in order,
 before the node finishes), each file reopens with the frame count the Wan VAE gives that chunk, the whole video
-is saved, and ComfyUI's interrupt stops the run between steps keeping the chunks already written."""
+is saved, and ComfyUI's interrupt stops the run between steps keeping the chunks already written. Its WanMesh
+Prompt Switch (a second prompt from chunk 2 on) gives the command line's latents with ``--prompt-at 2:PROMPT`` (on
+one rank: the workflow's two Ulysses ranks equal it), and the chunks before it are those of the workflow without
+the switch."""
 
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ import torch
 from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
 from workflow_graph import MAX_SEED, load_workflow, node_of_type, with_inputs
 
+from safetensors.torch import load_file
+from test_native_sampling import largest_difference, save_latent, saved
+
 from wanmesh.parallel import read_video
+from wanmesh.parallel.cli import main
 
 PROMPT_TIMEOUT_S = 420.0
 SAMPLER = "WanMeshStreamSampler"
@@ -90,3 +97,31 @@ def test_interrupt_keeps_the_chunks_already_written(comfyui_server: ComfyUIServe
     assert 1 <= len(chunks) < len(_expected_chunk_frames(long_prompt)), chunks
     assert read_video(_file(comfyui_server, first.data)).shape[0] == first.data["frames"]
     assert [k for k, _ in result.messages if k == "execution_interrupted"], result.messages
+
+
+def test_the_prompt_switch_is_the_command_lines_and_keeps_the_chunks_before_it(
+        comfyui_server: ComfyUIServer, stream_prompt: dict[str, Any], tiny_models_dir, tmp_path) -> None:
+    sampler_id = _node_id(stream_prompt, SAMPLER)
+    switch = stream_prompt[stream_prompt[sampler_id]["inputs"]["prompt_switches"][0]]
+    later_text = stream_prompt[switch["inputs"]["positive"][0]]["inputs"]["text"]
+    first_text = stream_prompt[stream_prompt[sampler_id]["inputs"]["positive"][0]]["inputs"]["text"]
+    plain = {**stream_prompt, sampler_id: {**stream_prompt[sampler_id], "inputs": {
+        key: value for key, value in stream_prompt[sampler_id]["inputs"].items() if key != "prompt_switches"}}}
+    latents = {}
+    for name, prompt in (("switched", stream_prompt), ("plain", plain)):
+        prompt = {**prompt, "latent_out": save_latent(sampler_id, f"stream_{name}")}
+        result = comfyui_server.run(prompt, PROMPT_TIMEOUT_S)
+        assert result.status == "success", result.error_text()
+        latents[name] = saved(comfyui_server, result, "latent_out")
+    inputs, size = stream_prompt[sampler_id]["inputs"], stream_prompt[_node_id(stream_prompt, "WanMeshEmptyLatent")]
+    saved_latents = tmp_path / "latents.safetensors"
+    assert main(["stream", "--models", str(tiny_models_dir), "--prompt", first_text, "--prompt-at",
+                 f"{switch['inputs']['chunk']}:{later_text}", "--width", str(size["inputs"]["width"]),
+                 "--height", str(size["inputs"]["height"]), "--frames", str(size["inputs"]["length"]),
+                 "--chunk", str(inputs["chunk"]), "--steps", str(inputs["steps"]), "--shift", str(inputs["shift"]),
+                 "--seed", str(inputs["seed"]), "--device", "cpu", "--quiet", "--out", str(tmp_path / "v.mp4"),
+                 "--chunk-dir", str(tmp_path / "chunks"), "--save-latents", str(saved_latents)]) == 0
+    assert largest_difference(latents["switched"], load_file(str(saved_latents))["latents"]) < 1e-4
+    before = switch["inputs"]["chunk"] * inputs["chunk"]  # latent frames before the switch
+    assert largest_difference(latents["switched"][:, :, :before], latents["plain"][:, :, :before]) < 1e-4
+    assert largest_difference(latents["switched"][:, :, before:], latents["plain"][:, :, before:]) > 1e-2

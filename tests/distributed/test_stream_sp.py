@@ -6,7 +6,8 @@ per direction equals it; the unfused three-gather baseline equals it too; the un
 the same way) equals it; each rank's KV cache is 1/(tp x ulysses) of one device's; the collective calls per forward are what the design says (2 all-to-alls per block, no
 gather in attention, when fused) and their bytes match ``exchange_bytes_per_chunk``; the model keeps its
 ordinary context-parallel plan afterwards; streaming from a start image (its latent frame written to the cache
-first) equals one device's too. Chunks of 2 over 5 frames of 3 x 3 tokens: 18 and 9 tokens, neither
+first) equals one device's too, and so does a stream whose prompt switches twice (the caches rebuilt under each
+new prompt on every rank). Chunks of 2 over 5 frames of 3 x 3 tokens: 18 and 9 tokens, neither
 divisible by 4 (padding), and a shorter last chunk.
 """
 
@@ -50,6 +51,12 @@ def _context() -> torch.Tensor:
 def _stream(model, plan=None, **options) -> torch.Tensor:
     return sample_stream(model, positive=_context(), negative=None, latent_shape=SHAPE, seed=3, sigmas=SIGMAS,
                          chunk=CHUNK, plan=plan, **options)
+
+
+def _switches() -> dict[int, torch.Tensor]:
+    """Two prompt switches: before chunk 1 and before the last chunk."""
+    return {index: torch.randn(1, 512, TINY_TRANSFORMER["text_dim"], generator=torch.Generator().manual_seed(seed))
+            for index, seed in ((1, 9), (2, 13))}
 
 
 def _start_latent() -> torch.Tensor:
@@ -97,7 +104,7 @@ def _output_gather_bytes(plan: ParallelContext) -> int:
 
 
 def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, reference_cache: int,
-                  reference_start: torch.Tensor) -> None:
+                  reference_start: torch.Tensor, reference_switched: torch.Tensor) -> None:
     plan = _plan(rank, world, layout)
     model = _model()
     apply_tensor_parallel(model, plan.tp_group)
@@ -120,6 +127,7 @@ def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, 
             assert sent == expected_sent, f"{name} fused={fused}: sent {sent}, expected {expected_sent}"
     _check_close(f"{name} uncached", _stream(model, plan, use_cache=False), reference)
     _check_close(f"{name} from a start image", _stream(model, plan, start_latent=_start_latent()), reference_start)
+    _check_close(f"{name} with prompt switches", _stream(model, plan, prompt_switches=_switches()), reference_switched)
     # the ordinary sequence-parallel forward works again afterwards
     latents = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))
     own = model(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=_context(),
@@ -134,8 +142,10 @@ def _rank_main(rank: int, world: int) -> None:
         stats = {}
         reference = _stream(_model(), stats=stats)
         reference_start = _stream(_model(), start_latent=_start_latent())
+        reference_switched = _stream(_model(), prompt_switches=_switches())
+        assert (reference_switched - reference).abs().max() > 100 * TOLERANCE, "the switches change nothing"
         for layout in LAYOUTS:
-            _check_layout(rank, world, layout, reference, stats["cache_bytes"], reference_start)
+            _check_layout(rank, world, layout, reference, stats["cache_bytes"], reference_start, reference_switched)
             dist.barrier()
 
 

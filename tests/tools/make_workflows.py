@@ -28,6 +28,7 @@ from workflow_builder import TEXT_NODE_SIZE, WorkflowBuilder  # noqa: E402
 from workflow_graph import WORKFLOWS_DIR  # noqa: E402
 
 WIDTH, HEIGHT = 64, 48
+STREAM_SWITCH_PROMPT = "the fox leaps over a frozen stream"
 FPS = 16.0  # Wan 2.1's frame rate
 T2V_PROMPT = "a red fox running through snow"
 VACE_PROMPT = "a yellow square sliding across a blue and green background"
@@ -249,9 +250,11 @@ def ti2v_5b(info: dict[str, Any]) -> WorkflowBuilder:
     return w
 
 
-def stream_graph(w: WorkflowBuilder, name: str, start_image: str | None = None) -> None:
+def stream_graph(w: WorkflowBuilder, name: str, start_image: str | None = None,
+                 switch: tuple[int, str] | None = None) -> None:
     """Causal streaming on two Ulysses ranks: chunks of 2 latent frames, each decoded, saved and announced; with
-    ``start_image`` the stream starts from that image (its latent frame first)."""
+    ``start_image`` the stream starts from that image (its latent frame first); with ``switch`` (chunk, prompt)
+    the prompt changes before that chunk (a WanMesh Prompt Switch)."""
     pool_id = pool(w, ulysses=2)
     encoder = w.node("WanMeshTextEncoderLoader", [COLUMNS[1], 40],
                      {"text_encoder_name": "umt5_tiny.safetensors", "dtype": "auto"}, {"pool": (pool_id, 0)})
@@ -266,6 +269,11 @@ def stream_graph(w: WorkflowBuilder, name: str, start_image: str | None = None) 
     links = {"model": (model, 0), "positive": (positive, 0), "latent": (latent, 0), "vae": (vae, 0)}
     if start_image is not None:
         links["start_image"] = (load_image(w, start_image, 860), 0)
+    if switch is not None:
+        later = w.node("WanMeshTextEncode", [COLUMNS[2], 230], {"text": switch[1]}, {"text_encoder": (encoder, 0)},
+                       title="Prompt from the switch on", size=TEXT_NODE_SIZE)
+        switched = w.node("WanMeshPromptSwitch", [COLUMNS[2], 620], {"chunk": switch[0]}, {"positive": (later, 0)})
+        links["prompt_switches"] = (switched, 0)
     streamed = w.node("WanMeshStreamSampler", [COLUMNS[3], 40],
                       {"seed": 42, "steps": 4, "shift": 5.0, "cfg": 1.0, "chunk": 2, "kv_window": 0, "sink": 0,
                        "filename_prefix": "wanmesh_stream", "fps": FPS, "timesteps": ""}, links, size=[360, 420])
@@ -274,9 +282,9 @@ def stream_graph(w: WorkflowBuilder, name: str, start_image: str | None = None) 
 
 
 def stream_t2v(info: dict[str, Any]) -> WorkflowBuilder:
-    """Causal streaming from the prompt alone."""
+    """Causal streaming from the prompt alone, switching to a second prompt at chunk 2."""
     w = WorkflowBuilder(info)
-    stream_graph(w, "stream_t2v")
+    stream_graph(w, "stream_t2v", switch=(2, STREAM_SWITCH_PROMPT))
     return w
 
 

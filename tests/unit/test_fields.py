@@ -44,6 +44,7 @@ FLAG_ONLY = {"--models", "--model", "--vae", "--text-encoder", "--vace-module", 
              "--vace-mask", "--vace-ref", "--outpaint", "--extend-keep", "--save-vace", "--no-kv-cache",
              "--chunk-dir", "--image", "--last-image", "--clip-vision", "--control-video", "--quiet", "-q", "--help", "-h"}
 FLAG_ONLY |= {"--camera-motion", "--camera-speed"}  # Fun Camera's preset motions (native WanCameraEmbedding's)
+FLAG_ONLY |= {"--prompt-at"}  # prompt switches: prompts, which the node takes as WanMesh Prompt Switch nodes
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,33 @@ def test_stream_from_an_image_starts_with_its_latent_frame(models, tmp_path, cap
     assert read_video(out).shape == (17, 32, 32, 3)
 
 
+def test_prompt_at_switches_the_prompt_as_the_request_in_process(models, tmp_path, capsys, monkeypatch):
+    """--prompt-at 2:PROMPT: the saved latents are the in-process stream's with that switch (the prompts encoded by
+    the same text encoder), the chunks before it are the unswitched stream's."""
+    from wanmesh.parallel.protocol import StreamSample
+    from wanmesh.parallel.tiny.files import TINY_FILES
+    from wanmesh.parallel.worker.executors import RankExecutor
+
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    common = ["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
+              "--frames", "25", "--chunk", "2", "--steps", "2", "--seed", "3", "--device", "cpu"]
+    latents = {}
+    for name, extra in (("plain", []), ("switched", ["--prompt-at", "2:a red balloon rises"])):
+        out = tmp_path / name
+        assert main([*common, *extra, "--out", str(out / "v.mp4"), "--chunk-dir", str(out / "chunks"),
+                     "--save-latents", str(out / "latents.safetensors")]) == 0, capsys.readouterr().err
+        latents[name] = load_file(str(out / "latents.safetensors"))["latents"]
+    engine = RankExecutor("cpu")
+    text = engine.load_text_encoder(str(models / TINY_FILES["text_encoder"]))
+    model = engine.load_model(str(models / TINY_FILES["model"]))
+    request = StreamSample(handle=model, latent=torch.zeros(1, 16, 7, 4, 4),
+                           positive=engine.encode_text(text, ["a fox"]), negative=[], seed=3, steps=2, chunk=2,
+                           switch_chunks=[2], switch_positive=[engine.encode_text(text, ["a red balloon rises"])])
+    torch.testing.assert_close(latents["switched"], engine.stream(request)[0], rtol=0, atol=1e-5)
+    assert (latents["switched"][:, :, :4] - latents["plain"][:, :, :4]).abs().max() == 0
+    assert (latents["switched"][:, :, 4:] - latents["plain"][:, :, 4:]).abs().max() > 1e-2
+
+
 BAD = [
     (["--chunk", "0"], "chunk must be a whole number of latent frames >= 1, got 0"),
     (["--chunk", "3", "--kv-window", "2"], "kv_window=2 latent frames is smaller than a chunk of 3"),
@@ -87,6 +114,11 @@ BAD = [
     (["--cfg", "-1"], "guidance scale"),
     (["--image", "missing.png"], "--image"),
     (["--frames", "1", "--image", "missing.png"], "nothing is left to generate"),
+    (["--prompt-at", "two:a cat"], "--prompt-at 'two:a cat' is not valid; valid: CHUNK:PROMPT"),
+    (["--prompt-at", "1:"], "--prompt-at '1:' is not valid"),
+    (["--prompt-at", "1:a cat", "--prompt-at", "1:a dog"], "--prompt-at gives chunk 1 twice"),
+    (["--frames", "17", "--chunk", "3", "--prompt-at", "2:a cat"],
+     "a prompt switch at chunk 2 is not valid for a stream of 2 chunks of 3 latent frames; valid: 1 to 1"),
 ]
 
 
