@@ -69,9 +69,14 @@ class ModelCost:
         config = transformer_config(info)
         if config is None:
             raise ValueError(f"{path}: no header or config.json tells the transformer's shape; use layout manual")
+        return cls.from_config(config, estimated_load_bytes((str(path),)))
+
+    @classmethod
+    def from_config(cls, config: dict, weight_bytes: int) -> "ModelCost":
+        """The cost of a transformer of this diffusers ``config`` whose weights take ``weight_bytes``."""
         return cls(layers=int(config["num_layers"]), heads=int(config["num_attention_heads"]),
                    head_dim=int(config["attention_head_dim"]), ffn_dim=int(config["ffn_dim"]),
-                   weight_bytes=estimated_load_bytes((str(path),)), patch=tuple(config.get("patch_size", (1, 2, 2))),
+                   weight_bytes=weight_bytes, patch=tuple(config.get("patch_size", (1, 2, 2))),
                    text_tokens=TEXT_TOKENS + image_tokens(config),
                    latent_channels=int(config.get("out_channels", LATENT_CHANNELS)))
 
@@ -338,10 +343,25 @@ def activation_bytes(rows: int, local_tokens: int, dim: int, element_bytes: int)
     return rows * local_tokens * dim * element_bytes * ACTIVATION_COPIES
 
 
+def data_parallel(layout: Layout, world: int) -> int:
+    """The replicas of ``layout`` in ``world`` ranks: what tp, the sequence split and CFG parallel leave."""
+    return world // (layout.tp * layout.ulysses * layout.ring * (2 if layout.cfg_parallel else 1))
+
+
+def memory_parts(layout: Layout, world: int, model: ModelCost, job: Job, element_bytes: int) -> dict[str, int]:
+    """The bytes one rank holds, per part: its share of the weights (over tp; quantized files stay quantized) and
+    the activations of its sequence share (``activation_bytes``; attention runs blockwise, its q, k, v and output
+    among those copies)."""
+    local = math.ceil(job.video_tokens(model) / (layout.ulysses * layout.ring))
+    rows = math.ceil(job.batch / data_parallel(layout, world))
+    return {"weights": model.weight_bytes // layout.tp,
+            "activations": activation_bytes(rows, local, model.dim, element_bytes)}
+
+
 def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Machine) -> Prediction:
-    """Seconds of one denoising step on the slowest rank, and the bytes each rank holds."""
+    """Seconds of one denoising step on the slowest rank, and the bytes each rank holds (``memory_parts``)."""
     sequence_split = layout.ulysses * layout.ring
-    dp = world // (layout.tp * sequence_split * (2 if layout.cfg_parallel else 1))
+    dp = data_parallel(layout, world)
     passes = math.ceil(job.batch / dp) * (2 if job.guidance and not layout.cfg_parallel else 1)
     tokens, text, dim = job.video_tokens(model), model.text_tokens, model.dim
     local = math.ceil(tokens / sequence_split)
@@ -356,8 +376,7 @@ def predict(layout: Layout, world: int, model: ModelCost, job: Job, machine: Mac
     step_compute = passes * model.layers * (compute_block + attention_block)
     step_communication = (passes * model.layers * communication
                           + _guidance_exchange(layout, model, job, machine, active, world, crossing or ()))
-    activations = activation_bytes(math.ceil(job.batch / dp), local, dim, machine.element_bytes)
-    memory = model.weight_bytes // layout.tp + activations
+    memory = sum(memory_parts(layout, world, model, job, machine.element_bytes).values())
     return Prediction(layout, step_compute + step_communication, step_compute, step_communication, memory,
                       memory <= machine.free_bytes, crossing)
 

@@ -49,6 +49,7 @@ BUSY_CALLS = 16  # compute-and-collective rounds of the busy-latency probe
 LINK_KINDS = ("all_reduce", "all_to_all", "send_recv")
 SUSTAINED_S = {"cpu": 0.3, "cuda": 0.05}  # how long each speed is measured: many scheduler slices on CPU ranks
 SPEED_ROUNDS = 3  # interleaved rounds of the speed probes; the fastest counts
+GPU_RING_OVERLAP = 0.8  # the share of ring attention's exchanges NCCL streams hide behind the attention compute
 
 
 def cache_file(config: ParallelConfig) -> Path:
@@ -155,7 +156,7 @@ def combine(config: ParallelConfig, ranks: list[dict]) -> dict:
     return {"devices": devices, "world": config.world, "matmul_flops": slowest["matmul_flops"],
             "matmul_flops_alone": slowest["matmul_flops_alone"], "matmul_flops_by_active": by_active,
             "attention_flops": slowest["attention_flops"], "free_bytes": int(min(memory, slowest["free_bytes"])),
-            "element_bytes": 2 if cuda else 4, "overlap": 0.8 if cuda else 0.0,
+            "element_bytes": 2 if cuda else 4, "overlap": GPU_RING_OVERLAP if cuda else 0.0,
             **ranks[0]["group_links"].get(str(config.world), _no_links()), "group_links": ranks[0]["group_links"],
             "group_links_alone": ranks[0].get("group_links_alone", {}),
             "busy_latency_s": busy.get(str(config.world), 0.0), "busy_latencies": busy,

@@ -33,17 +33,21 @@ from ..driver.pool import WorkerPool
 from ..fields import BY_KEY
 from ..driver.runner import PoolRunner
 from ..protocol import SampleRequest
+from . import hardware
 from .common import Timing, check_repeats, measured_runs, model_config, model_path, time_interleaved, wall_seconds
+from .releases import RELEASES
 
+DEFAULT_WORLD = 2
 PREDICTED_BEST = 4  # with more layouts than --max-layouts: these, then an even sample of the rest
 POOL_MODES = ("auto", "together", "in-turn")
 WORKER_PROCESS_BYTES = 512 * 2**20  # a worker's own memory before any weights (Python, torch, diffusers; CUDA context)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="transformer file (default: the tiny T2V model)")
+    parser.add_argument("--model", help="transformer file (default: the tiny T2V model); with --hardware also a "
+                                        "released model's name: " + ", ".join(RELEASES))
     parser.add_argument("--models", type=Path, help="a tiny models tree (default: the cache's)")
-    parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--world", type=int, help=f"ranks (default {DEFAULT_WORLD}; not with --hardware)")
     parser.add_argument("--devices", default="auto", help="auto, cpu, cuda or a list such as cuda:0,cuda:1")
     parser.add_argument("--backend", choices=BY_KEY["backend"].choices, default=BY_KEY["backend"].default,
                         help=BY_KEY["backend"].help)
@@ -62,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reprobe", action="store_true", help="calibrate the machine again, not from the cache")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="PNG of predicted against measured step time")
+    hardware.add_arguments(parser)
 
 
 def measured_subset(ranked: list[Prediction], limit: int) -> list[Prediction]:
@@ -97,6 +102,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Every layout measured here against its prediction; with ``--hardware``, predicted on that GPU cluster only
+    (``hardware.run``)."""
+    if hardware.wanted(args):
+        return hardware.run(args)
+    args.world = args.world or DEFAULT_WORLD
     path = model_path(args)
     job = Job(args.width, args.height, args.frames, steps=args.steps, guidance=args.cfg != 1.0)
     base = ParallelConfig(world=args.world, devices=args.devices, backend=args.backend,

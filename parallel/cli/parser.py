@@ -146,7 +146,8 @@ BENCHMARKS = {
     "stream": ("stream", "causal streaming: first-chunk latency, time per chunk, frames/s, cache memory per rank"),
     "native-model": ("native", "ComfyUI's KSampler on the WanMesh MODEL against the WanMesh Sampler: step time"),
     "i2v": ("i2v", "image-to-video against text-to-video: one guided step of each model kind at the same size"),
-    "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice"),
+    "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice; "
+                     "with --hardware NAME, every layout predicted on a GPU cluster from its datasheet"),
     "cache": ("cache", "step caching (TeaCache, MagCache, first-block cache) against no cache: wall time, calls, "
                        "latents' distance, per layout"),
     "real-size": ("real_size", "released Wan models at their real sizes, written on the fly: load time, memory per "
