@@ -147,7 +147,8 @@ class GGUFFile:
         index = _full_index(index, len(self.shape(key)))
         if not self._on_blocks(key, index[-1]):
             return None
-        return StoredTensor(self._stored_rows(key, index), self.tensor_type(key), _sliced_shape(self.shape(key), index))
+        return StoredTensor(self._stored_rows(key, index), self.tensor_type(key), _sliced_shape(self.shape(key), index),
+                            owned=True)
 
     def read_dequantised(self, key: str, dtype: torch.dtype, index: TensorSlice = None) -> torch.Tensor:
         """Tensor `key` (or `index` of it, decoding only its rows) as `dtype`."""

@@ -47,6 +47,7 @@ class StoredTensor:
     qtype: object  # FP8, or a gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # the logical (dequantized) shape
     scale: torch.Tensor | None = None  # scaled fp8: the layer's float32 scale_weight
+    owned: bool = False  # data is a private copy (not a view of a mapped file): held as it is, not copied again
 
 
 def dequantize_stored(data: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype,
@@ -105,7 +106,8 @@ def keeps_quantized(name: str, prefixes: tuple[str, ...] = QUANTIZED_PREFIXES) -
 
 def hold_stored_(module: nn.Module, stored: StoredTensor, dtype: torch.dtype, device: str | torch.device) -> None:
     """Make ``module.weight`` the stored tensor on ``device``, dequantized to ``dtype`` whenever it is read."""
-    module.weight = nn.Parameter(stored.data.to(device, copy=True), requires_grad=False)
+    # A view of a mapped file is copied (the model must not keep the file's pages); a private copy is moved as is
+    module.weight = nn.Parameter(stored.data.to(device, copy=not stored.owned), requires_grad=False)
     scale = None if stored.scale is None else stored.scale.to(device=device, dtype=torch.float32, copy=True)
     parametrize.register_parametrization(module, "weight", Dequantize(stored.qtype, stored.shape, dtype, scale),
                                          unsafe=True)  # unsafe: the stored tensor's shape and dtype differ on purpose
