@@ -379,8 +379,9 @@ class CausalWan:
         """The branch's caches rebuilt under a new prompt (a prompt switch before the chunk ending at ``next_end``):
         its text cross-attention K/V dropped (the new prompt's are computed at the next forward) and its
         self-attention cache written again, chunk by chunk in order at timestep 0, from the clean ``earlier``
-        chunks ((start frame, latents) each) that the next chunk still sees (the sink and the recent window; every
-        earlier chunk without a window). So the recomputed keys and values carry the new prompt, and without a
+        chunks ((start frame, latents) each, wherever they are held) that the next chunk still sees (the sink and
+        the recent window; every earlier chunk without a window): only those are moved to the context's device
+        and dtype. So the recomputed keys and values carry the new prompt, and without a
         window the cache is what a stream under the new prompt from the start would hold for these frames (the
         uncached reference's recompute). Returns the chunks written (none when uncached: the reference
         recomputes every earlier frame at every step anyway)."""
@@ -392,7 +393,7 @@ class CausalWan:
         seen = [(start, chunk) for start, chunk in earlier
                 if any(self.window.visible(frame, next_end) for frame in range(start, start + chunk.shape[2]))]
         for start, chunk in seen:
-            self.write(chunk, start, context, branch=branch)
+            self.write(chunk.to(device=context.device, dtype=context.dtype), start, context, branch=branch)
         return len(seen)
 
     def write(self, clean_chunk: torch.Tensor, start: int, context: torch.Tensor, branch: str = "positive") -> None:

@@ -163,8 +163,7 @@ def sample_stream(
             if index in switches:
                 cache.outside_steps()
                 branches[0] = ("positive", switches[index].to(device=device, dtype=dtype))
-                earlier = [(first, clean[:, :, first : first + n].to(device=device, dtype=dtype))
-                           for first, n in chunks[:index]]
+                earlier = [(first, clean[:, :, first : first + n]) for first, n in chunks[:index]]  # views
                 rewritten = causal.recache(branches[0][1], earlier, start + count)
                 if stats is not None:
                     stats.setdefault("recached_chunks", {})[index] = rewritten
