@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> dict:
     (``hardware.run``)."""
     if hardware.wanted(args):
         return hardware.run(args)
-    args.world = args.world or DEFAULT_WORLD
+    if args.world is None:
+        args.world = DEFAULT_WORLD
     path = model_path(args)
     job = Job(args.width, args.height, args.frames, steps=args.steps, guidance=args.cfg != 1.0)
     base = ParallelConfig(world=args.world, devices=args.devices, backend=args.backend,
