@@ -193,6 +193,11 @@ def step_flops(model: ModelCost, job: Job) -> float:
     return (2 if job.guidance else 1) * job.batch * model.layers * (linear + attention)
 
 
+def floor_s(spec: Hardware, flops: float, gpus: int) -> float:
+    """The physical floor of a step of ``flops``: every one of ``gpus`` GPUs at its dense bf16 peak."""
+    return flops / (spec.bf16_tflops * 1e12 * gpus)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Every layout's prediction on the cluster, auto's choice at each GPU count, printed and (``--json``) written."""
     spec = spec_of(args)
@@ -204,12 +209,11 @@ def run(args: argparse.Namespace) -> dict:
               guidance=args.cfg != 1.0)
     name, model = model_of(args.model)
     world = gpus_per_node * nodes
-    priced = machine(spec, world, gpus_per_node)
+    priced, flops = machine(spec, world, gpus_per_node), step_flops(model, job)
     result = {"hardware": dataclasses.asdict(spec), "gpus_per_node": gpus_per_node, "nodes": nodes, "world": world,
               "model": name, "weight_bytes": model.weight_bytes, "tokens": job.video_tokens(model),
               "job": {"width": job.width, "height": job.height, "frames": job.frames, "steps": job.steps,
-                      "cfg": args.cfg}, "flops_per_step": step_flops(model, job),
-              "floor_s": step_flops(model, job) / (spec.bf16_tflops * 1e12 * world),
+                      "cfg": args.cfg}, "flops_per_step": flops, "floor_s": floor_s(spec, flops, world),
               "machine": dataclasses.asdict(priced), "note": NOTE}
     result.update(layouts_of(world, model, job, priced))
     result["by_gpus"] = by_gpu_count(spec, world, gpus_per_node, model, job)
@@ -251,11 +255,11 @@ def _row(prediction: Prediction, world: int, model: ModelCost, job: Job, chosen:
 def by_gpu_count(spec: Hardware, world: int, gpus_per_node: int, model: ModelCost, job: Job) -> list[dict]:
     """Auto's choice on every GPU count dividing ``world`` (packed into as few nodes as they fill), its speed-up
     over one GPU (the one GPU priced even where the model does not fit it) and the floor at that count."""
-    rows = []
+    rows, flops = [], step_flops(model, job)
     for gpus in (count for count in range(1, world + 1) if world % count == 0):
         best = rank_layouts(gpus, model, job, machine(spec, gpus, gpus_per_node))[0]
         rows.append({"gpus": gpus, "layout": best.layout.name(), "predicted_s": best.step_s, "fits": best.fits,
-                     "floor_s": step_flops(model, job) / (spec.bf16_tflops * 1e12 * gpus)})
+                     "floor_s": floor_s(spec, flops, gpus)})
     for row in rows:
         row["speed_up"] = rows[0]["predicted_s"] / row["predicted_s"]
     return rows
