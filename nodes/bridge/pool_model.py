@@ -375,8 +375,9 @@ def _camera_model(in_channels: int, device):
     wan22 = in_channels == FUN22_CAMERA_IN_CHANNELS
     config_class = getattr(comfy.supported_models, "WAN22_Camera" if wan22 else "WAN21_Camera", None)
     if config_class is None:
-        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan 2.2 Fun Camera support (2025 or newer) for "
-                         "a Wan 2.2 Fun Camera model; update ComfyUI, or sample with the WanMesh Sampler")
+        family = "Wan 2.2 Fun Camera" if wan22 else "Wan Fun Camera"
+        raise ValueError(f"WanMesh Native Model needs a ComfyUI with {family} support (2025 or newer) for a {family} "
+                         "model; update ComfyUI, or sample with the WanMesh Sampler")
     config = config_class({"image_model": "wan2.1", "model_type": "camera_2.2" if wan22 else "camera",
                            "in_dim": in_channels, "disable_unet_model_creation": True})
     return camera_model_class()(config, image_to_video=False, device=device)
