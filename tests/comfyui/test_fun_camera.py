@@ -5,7 +5,7 @@ by the WanMesh Sampler, on the same tiny Fun Camera files (Wan 2.1's: 32 input c
 
 Two conditionings per model: a start image (with its CLIP vision tokens for Wan 2.1) and a panning camera, and a
 zooming camera alone (no start image: the image channels stay empty). All within 1e-4 of native; Ulysses 2 and tp 2
-x CFG parallel 2 equal one rank; the camera embedding changes the result (native without it is far from native
+x CFG parallel 2 equal one rank, in fp32 and (the Wan 2.2 file) in bf16; the camera embedding changes the result (native without it is far from native
 with it); the example workflow runs; a camera embedding of another length than the video is refused in one line.
 """
 
@@ -56,8 +56,9 @@ def camera_conditioning(kind: str, length: int = LENGTH) -> dict[str, dict[str, 
     return nodes
 
 
-def camera_prompt(layout: dict[str, Any], kinds: tuple[str, ...], native: bool = True) -> dict[str, Any]:
-    """Node ``{kind}_{side}`` saves the latent each side samples for each kind."""
+def camera_prompt(layout: dict[str, Any], kinds: tuple[str, ...], native: bool = True,
+                  dtype: str = "fp32") -> dict[str, Any]:
+    """Node ``{kind}_{side}`` saves the latent each side samples for each kind (WanMesh computing in ``dtype``)."""
     prompt: dict[str, Any] = {
         **pool_and_prompts(layout),
         "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}},
@@ -69,7 +70,7 @@ def camera_prompt(layout: dict[str, Any], kinds: tuple[str, ...], native: bool =
     for model, file in MODEL_FILES.items():
         prompt.update({
             f"unet{model}": {"class_type": "UNETLoader", "inputs": {"unet_name": file, "weight_dtype": "default"}},
-            f"wm{model}": {"class_type": "WanMeshModelLoader", "inputs": {"model_name": file, "dtype": "fp32",
+            f"wm{model}": {"class_type": "WanMeshModelLoader", "inputs": {"model_name": file, "dtype": dtype,
                                                                          "pool": ["pool", 0]}},
             f"wmodel{model}": {"class_type": "WanMeshNativeModel", "inputs": {"model": [f"wm{model}", 0]}}})
     for kind in kinds:
@@ -146,3 +147,31 @@ def test_a_camera_embedding_of_another_length_is_one_line(recent_comfyui_server:
     assert not isinstance(result, RejectedPrompt) and result.status == "error"
     message = result.error_text()
     assert "camera_conditions has shape" in message and "WanCameraEmbedding" in message, message
+
+
+# bf16 (every GPU's dtype): the Wan 2.2 file at world 1 and tp 2 x cfg 2 on the WanMesh MODEL and in the WanMesh
+# Sampler; bounds (relative, whole latent) as tests/distributed/test_dtype_matrix.py's
+BF16_LAYOUTS, BF16_KIND = ("world1", "tp2_cfg2"), "start22_pan"
+BF16_FROM_FP32, BF16_LAYOUT, MIN_HALF_ERROR = 6e-2, 4e-2, 1e-4
+
+
+def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value - reference).norm() / reference.norm())
+
+
+@pytest.fixture(scope="module")
+def bf16_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, torch.Tensor]]:
+    latents = {}
+    for name in BF16_LAYOUTS:
+        result = run_successfully(recent_comfyui_server,
+                                  camera_prompt(LAYOUTS[name], (BF16_KIND,), native=False, dtype="bf16"))
+        latents[name] = {side: saved(recent_comfyui_server, result, f"{BF16_KIND}_{side}") for side in SIDES[1:]}
+    return latents
+
+
+@pytest.mark.parametrize("side", SIDES[1:])
+def test_wan22_fun_camera_in_bf16_is_close_to_fp32_and_tp2_cfg2_to_one_rank(bf16_latents, layout_latents, side):
+    fp32 = layout_latents["world1"][f"{BF16_KIND}_{side}"]
+    world1 = bf16_latents["world1"][side]
+    assert MIN_HALF_ERROR < _relative(world1, fp32) <= BF16_FROM_FP32
+    assert _relative(bf16_latents["tp2_cfg2"][side], world1) <= BF16_LAYOUT
