@@ -43,12 +43,17 @@ KIND_DESCRIPTIONS = {
 # embedding and the face encoders; its config names this model class (``networks/wan_animate.py``).
 ANIMATE_TELLTALE = "face_adapter."
 ANIMATE_CLASS = "WanAnimateTransformer"
+# HuMo: the Wan layout plus the audio projection (the key ComfyUI's model detection reads) and each block's audio
+# cross-attention (``networks/wan_humo.py``, released names kept)
+HUMO_TELLTALE = "audio_proj.audio_proj_glob_1."
+HUMO_CLASS = "WanHumoTransformer3DModel"
+HUMO_PREFIXES = ("audio_proj.",)
+HUMO_BLOCK_PART = ".audio_cross_attn_wrapper."
 
 # Wan families whose files WanMesh recognises but does not run yet: kind -> (family, the key that tells it, as
 # ComfyUI's model detection reads it). A file of one of these is refused at load, naming its family.
 UNSUPPORTED_FAMILIES = {
     "wan_s2v": ("Wan 2.2 Sound-to-video (S2V)", "casual_audio_encoder."),
-    "wan_humo": ("HuMo", "audio_proj.audio_proj_glob_1."),
     "wan_infinitetalk": ("InfiniteTalk / MultiTalk", ".audio_cross_attn."),
     "wan_dancer": ("WanDancer", "patch_embedding_global."),
     "wan_scail": ("SCAIL", "patch_embedding_pose."),
@@ -80,6 +85,8 @@ def detect_kind(keys: Iterable[str]) -> str:
     names = {key.removeprefix(COMFY_TRANSFORMER_PREFIX) for key in keys if not is_quantisation_key(key)}
     if not names:
         return "unknown"
+    if any(name.startswith(HUMO_TELLTALE) for name in names):  # before InfiniteTalk: both hold .audio_cross_attn.
+        return "wan_humo"
     if (family := unsupported_family(names)) is not None:
         return family
     if any(name.startswith(ANIMATE_TELLTALE) for name in names):
@@ -205,6 +212,8 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
         config[REF_CONV_CHANNELS] = shapes["ref_conv.weight"][1]
     if any(key.startswith(ANIMATE_TELLTALE) for key in shapes):
         config["_class_name"] = ANIMATE_CLASS
+    if any(key.startswith(HUMO_TELLTALE) for key in shapes):
+        config["_class_name"] = HUMO_CLASS
     config.update(_camera_config(shapes))
     vace_count = _block_count(shapes, "vace_blocks.")
     if vace_count:

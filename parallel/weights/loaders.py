@@ -40,9 +40,13 @@ from ..networks.reference import add_reference_conv
 from ..networks.wan_animate import ANIMATE_PREFIXES, WanAnimateTransformer, released_animate_name
 from ..networks.wan_inputs import with_native_inputs
 from ..networks.wan_camera import WanCameraTransformer3DModel
+from ..networks.wan_humo import WanHumoTransformer3DModel
 from ..networks.wan_vace import WanVaceMultiContext
 from .detect import (
     ANIMATE_CLASS,
+    HUMO_BLOCK_PART,
+    HUMO_CLASS,
+    HUMO_PREFIXES,
     REF_CONV_CHANNELS,
     UNSUPPORTED_FAMILIES,
     WAN21_LATENT_CHANNELS,
@@ -59,7 +63,8 @@ __all__ = ["build_transformer", "load_transformer", "load_vae", "transformer_wei
 # diffusers' class names (as in config.json) -> the class that is built; VACE gets several-context support, a Fun
 # Camera file (a ``camera_in_channels`` config) the camera adapter.
 TRANSFORMER_CLASSES = {"WanTransformer3DModel": WanTransformer3DModel, "WanVACETransformer3DModel": WanVaceMultiContext,
-                       "WanCameraTransformer3DModel": WanCameraTransformer3DModel, ANIMATE_CLASS: WanAnimateTransformer}
+                       "WanCameraTransformer3DModel": WanCameraTransformer3DModel, ANIMATE_CLASS: WanAnimateTransformer,
+                       HUMO_CLASS: WanHumoTransformer3DModel}
 DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model"
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 
@@ -99,7 +104,9 @@ def convert_wan_transformer_keys(checkpoint: dict) -> dict:
     animate = {released_animate_name(key): checkpoint.pop(key) for key in list(checkpoint)
                if key.startswith(ANIMATE_PREFIXES)}
     animate = {name: value for name, value in animate.items() if not name.endswith(BLUR_BUFFER_SUFFIX)}
-    return {**convert_wan_transformer_to_diffusers(checkpoint), **extra, **animate}
+    humo = {key: checkpoint.pop(key) for key in list(checkpoint)
+            if key.startswith(HUMO_PREFIXES) or HUMO_BLOCK_PART in key}
+    return {**convert_wan_transformer_to_diffusers(checkpoint), **extra, **animate, **humo}
 
 
 def _original_transformer_source(checkpoint: CheckpointFile) -> tuple[WeightSource, dict[str, tuple[int, ...]]]:
@@ -151,7 +158,7 @@ def transformer_weight_source(
             )
         if kind in UNSUPPORTED_FAMILIES:
             raise ModelFileError(unsupported_family_error(location, kind))
-        if kind not in ("wan_t2v", "wan_vace", "wan_i2v", "wan_animate"):
+        if kind not in ("wan_t2v", "wan_vace", "wan_i2v", "wan_animate", "wan_humo"):
             raise _wrong_kind(location, "a Wan transformer (keys patch_embedding, blocks.N.*)", checkpoint.keys)
         source, shapes = _original_transformer_source(checkpoint)
         config = infer_transformer_config(shapes, checkpoint.metadata)

@@ -1,7 +1,7 @@
 """HuMo's network (``parallel/networks/wan_humo.py``) against ComfyUI's own ``HumoWanModel`` (recent copy, run in
 its interpreter): the same random weights in the released key layout give the same prediction with audio features
-and without (the plain transformer), and the audio changes the prediction. Also: a run of tokens that starts mid
-frame is grouped by frame."""
+and without (the plain transformer), and the audio changes the prediction; the file in that layout loads as HuMo
+(the workers' loader) and predicts the same. Also: a run of tokens that starts mid frame is grouped by frame."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from wanmesh.parallel.networks.wan_humo import WanHumoTransformer3DModel, frame_runs
 from wanmesh.parallel.tiny.models import NATIVE_TRANSFORMER, original_state_dict, original_transformer_names, randomise_
-from wanmesh.parallel.weights.loaders import convert_wan_transformer_keys
+from wanmesh.parallel.weights.detect import detect_kind
+from wanmesh.parallel.weights.loaders import convert_wan_transformer_keys, load_transformer
 
 TOLERANCE = 1e-4
 NATIVE = r"""
@@ -55,7 +56,8 @@ def test_humo_equals_comfyuis_humo_model(recent_comfyui_dir: Path, tmp_path: Pat
     io = {"x": torch.randn(1, 16, 3, 4, 6, generator=generator),
           "context": torch.randn(1, 512, config["text_dim"], generator=generator),
           "audio": torch.randn(1, 3, 8, 5, 1280, generator=generator), "t": torch.tensor([700.0])}
-    save_file(_released_state(model, config), str(tmp_path / "humo.safetensors"))
+    save_file(_released_state(model, config), str(tmp_path / "humo.safetensors"),
+              metadata={"num_heads": str(config["num_attention_heads"])})
     save_file(io, str(tmp_path / "inputs.safetensors"))
     native_config = dict(patch_size=(1, 2, 2), in_dim=16, dim=config["num_attention_heads"] * config["attention_head_dim"],
                          ffn_dim=config["ffn_dim"], freq_dim=256, text_dim=config["text_dim"], out_dim=16,
@@ -74,6 +76,14 @@ def test_humo_equals_comfyuis_humo_model(recent_comfyui_dir: Path, tmp_path: Pat
     assert (ours - native["audio"]).abs().max().item() < TOLERANCE
     assert (plain - native["plain"]).abs().max().item() < TOLERANCE
     assert (ours - plain).abs().max().item() > 100 * TOLERANCE, "the audio changed nothing"
+    released = load_file(str(tmp_path / "humo.safetensors"))
+    assert detect_kind(released) == "wan_humo"
+    loaded = load_transformer(str(tmp_path / "humo.safetensors"))
+    assert isinstance(loaded, WanHumoTransformer3DModel)
+    with torch.no_grad():
+        again = loaded(hidden_states=io["x"], timestep=io["t"], encoder_hidden_states=io["context"],
+                       audio_embed=io["audio"], return_dict=False)[0]
+    torch.testing.assert_close(again, ours, rtol=0, atol=0)
 
 
 def test_a_run_of_tokens_is_grouped_by_frame() -> None:
