@@ -251,6 +251,7 @@ class ModelForward(Request):
     cache_steps: int = 0  # the sampler's steps; 0: unknown
     reference_latent: torch.Tensor | None = None  # [B, C, h, w]: Wan 2.2 Fun's normalised reference (ref_conv)
     camera_conditions: torch.Tensor | None = None  # [1 or B, 24, T, 8h, 8w]: the Fun Camera embedding
+    audio_embed: torch.Tensor | None = None  # [1 or B, T, 8, 5, 1280]: HuMo's audio windows, one per latent frame
 
     def validate(self) -> None:
         check_cache(cache_settings(self.cache))

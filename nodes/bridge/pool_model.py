@@ -46,9 +46,11 @@ BLOCKS_IN_THE_POOL = ("the WanMesh MODEL's transformer blocks run in the worker 
 class PoolTransformer(torch.nn.Module):
     """Stands in for ComfyUI's WanModel inside its BaseModel: the same call signature, run on the pool."""
 
-    def __init__(self, resident: ResidentModel, in_channels: int = LATENT_CHANNELS, cache: dict | None = None):
+    def __init__(self, resident: ResidentModel, in_channels: int = LATENT_CHANNELS, cache: dict | None = None,
+                 humo: bool = False):
         super().__init__()
         self.resident = resident
+        self.humo = humo  # HuMo: its reference latent is appended in time (not Wan 2.2 Fun's ref_conv input)
         self.cache = cache  # step-caching settings (WanMesh Cache), run in the workers over a sampler run's calls
         self.dtype = torch.float32  # ComfyUI casts the model input and the text to this before calling
         # ComfyUI's Wan conditioning reads the input width from the patch embedding (for image-to-video channels)
@@ -81,6 +83,9 @@ class PoolTransformer(torch.nn.Module):
         check_supported_inputs(control, extra)
         options = transformer_options or {}
         frames = x.shape[2]
+        if self.humo:  # HuMo's reference: the frames after the video's (ComfyUI's HumoWanModel appends them)
+            time_dim_concat, extra = extra.get("reference_latent"), {**extra, "reference_latent": None}
+            extra["audio_embed"] = humo_audio(extra.get("audio_embed"), time_dim_concat)
         x = with_time_concat(x, time_dim_concat, timestep)
         self._arrange_for_call(x, options)
         request = ModelForward(
@@ -91,6 +96,7 @@ class PoolTransformer(torch.nn.Module):
             **camera_inputs(extra),
             skip_blocks=skipped_blocks(options), **cache_inputs(self.cache, timestep, options),
             reference_latent=reference_input(extra.get("reference_latent")),
+            audio_embed=extra.get("audio_embed"),
         )
         try:
             prediction = self.resident.runner.forward(request, should_stop=interrupted)
@@ -145,6 +151,7 @@ def call_timesteps(timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 # those it needs no part in (WAN22's noise mask, already in the timesteps; the text of a ControlNet, refused with
 # its control). Any other input stops the call: a new node's input is never dropped without a word.
 POOL_INPUTS = frozenset({"vace_context", "vace_strength", "pose_latents", "face_pixel_values", "camera_conditions",
+                         "audio_embed",
                          "reference_latent", "denoise_mask", "crossattn_controlnet", "y"})
 
 
@@ -189,6 +196,17 @@ def with_time_concat(x: torch.Tensor, time_dim_concat: torch.Tensor | None, time
 
         concat = comfy.utils.repeat_to_batch_size(concat, x.shape[0])
     return torch.cat([x, concat], dim=2)
+
+
+def humo_audio(audio_embed: torch.Tensor | None, reference: torch.Tensor | None) -> torch.Tensor | None:
+    """HuMo's audio windows with a zero window for each of the reference's frames after them, as ComfyUI's
+    HumoWanModel pads them (a count that then differs from the model input's frames is refused on the ranks)."""
+    if audio_embed is None:
+        return None
+    audio = audio_embed.detach().float().cpu()
+    if reference is None:
+        return audio
+    return torch.cat([audio, audio.new_zeros(audio.shape[0], reference.shape[2], *audio.shape[2:])], dim=1)
 
 
 def vace_inputs(extra: dict) -> dict:
@@ -307,7 +325,8 @@ def _native_class_for(resident: ResidentModel, image_kind: str | None) -> str:
 
 
 # ``detect.image_inputs`` kinds that ComfyUI runs with a model class of their own
-IMAGE_KIND_CLASSES = {"first_frame": "WAN22", "animate": "WAN22_Animate", "camera": "WAN21_Camera"}
+IMAGE_KIND_CLASSES = {"first_frame": "WAN22", "animate": "WAN22_Animate", "camera": "WAN21_Camera",
+                      "humo": "WAN21_HuMo"}
 
 
 def pool_model(resident: ResidentModel, cache: dict | None = None):
@@ -325,7 +344,7 @@ def pool_model(resident: ResidentModel, cache: dict | None = None):
         model = MODEL_MAKERS[class_name](in_channels, device)
     else:
         model = _wan21_model(class_name == "WAN21_Vace", in_channels, image_kind, device)
-    model.diffusion_model = PoolTransformer(resident, in_channels, cache)
+    model.diffusion_model = PoolTransformer(resident, in_channels, cache, humo=class_name == "WAN21_HuMo")
     return patcher(model, load_device=device, offload_device=comfy.model_management.unet_offload_device())
 
 
@@ -397,4 +416,33 @@ def _wan22_model(in_channels: int, device):
     return wan22(config, image_to_video=True, device=device)
 
 
-MODEL_MAKERS = {"WAN22": _wan22_model, "WAN22_Animate": _animate_model, "WAN21_Camera": _camera_model}
+@functools.cache
+def humo_class():
+    """The BaseModel class for HuMo, made from the running ComfyUI's WAN21_HuMo (whose extra_conds give the audio
+    windows and the reference latent); None for a ComfyUI without it."""
+    import comfy.model_base
+
+    if not hasattr(comfy.model_base, "WAN21_HuMo"):
+        return None
+
+    class PoolWanHumo(PoolMemory, comfy.model_base.WAN21_HuMo):
+        pass
+
+    return PoolWanHumo
+
+
+def _humo_model(in_channels: int, device):
+    """HuMo: ComfyUI's WAN21_HuMo model with the WAN21_HuMo config, as its model detection sets it."""
+    import comfy.supported_models
+
+    model_class, config_class = humo_class(), getattr(comfy.supported_models, "WAN21_HuMo", None)
+    if model_class is None or config_class is None:
+        raise ValueError("WanMesh Native Model needs a ComfyUI with HuMo support (2025 or newer) for a HuMo model; "
+                         "update ComfyUI")
+    config = config_class({"image_model": "wan2.1", "model_type": "humo", "in_dim": in_channels,
+                           "disable_unet_model_creation": True})
+    return model_class(config, image_to_video=False, device=device)
+
+
+MODEL_MAKERS = {"WAN22": _wan22_model, "WAN22_Animate": _animate_model, "WAN21_Camera": _camera_model,
+                "WAN21_HuMo": _humo_model}

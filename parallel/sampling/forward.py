@@ -129,6 +129,17 @@ def camera_inputs(model, camera: torch.Tensor | None, rows: range, batch: int, d
     return {CAMERA_CONDITIONS: camera.to(device=device, dtype=dtype)}
 
 
+def audio_inputs(model, audio_embed: torch.Tensor | None, rows: range, batch: int, dtype, device) -> dict:
+    """HuMo's audio windows of the given rows (``networks/wan_humo.py``); a model without the audio parts refuses
+    them."""
+    if audio_embed is None:
+        return {}
+    if getattr(model, "audio_proj", None) is None:
+        raise ValueError("the conditioning carries audio_embed (WanHuMoImageToVideo) but this model is not HuMo; load "
+                         "a HuMo model, or sample without that conditioning")
+    return {"audio_embed": _batch_rows(audio_embed, rows, batch).to(device=device, dtype=dtype)}
+
+
 def _batch_rows(tensor: torch.Tensor, rows: range, batch: int) -> torch.Tensor:
     """The given rows of a tensor that holds one row for every batch row, or one for all of them."""
     if tensor.shape[0] == 1 and batch != 1:
@@ -156,6 +167,7 @@ def forward_rows(model, request: ModelForward, rows: range, dtype, device) -> to
     extra.update(animate_inputs(model, request.pose_latents, request.face_pixels, rows, request.latent.shape[0],
                                 dtype, device))
     extra.update(camera_inputs(model, request.camera_conditions, rows, request.latent.shape[0], dtype, device))
+    extra.update(audio_inputs(model, request.audio_embed, rows, request.latent.shape[0], dtype, device))
     with skipping_blocks(model, request.skip_blocks):
         return flow_prediction(model, latents, timestep, context, extra).float().cpu()
 

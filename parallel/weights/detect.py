@@ -300,6 +300,8 @@ def image_inputs(config: Mapping) -> str | None:
     (text-to-video and VACE)."""
     if config.get("_class_name") == ANIMATE_CLASS:
         return "animate"
+    if config.get("_class_name") == HUMO_CLASS:
+        return "humo"
     in_channels = config.get("in_channels", WAN21_LATENT_CHANNELS)
     out_channels = config.get("out_channels", WAN21_LATENT_CHANNELS)
     if out_channels == WAN22_TI2V_LATENT_CHANNELS:
