@@ -50,7 +50,7 @@ from .weights.detect import (
 log = logging.getLogger("wanmesh")
 TOKENS_PER_WORD_ESTIMATE = 1.5  # used only when the tokenizer cannot be read cheaply; umT5 averages ~1.3-1.6
 
-TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "wan_i2v", "diffusers_transformer", "wan_animate")
+TRANSFORMER_KINDS = ("wan_t2v", "wan_vace", "wan_i2v", "diffusers_transformer", "wan_animate", "wan_humo")
 # the transformer kinds in a refusal line (each kind's own description is in the log line)
 TRANSFORMERS_IN_SHORT = "a Wan transformer (T2V, full VACE, I2V or Animate; original or diffusers key layout)"
 VAE_KINDS = ("wan_vae", "diffusers_vae")

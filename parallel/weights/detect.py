@@ -36,6 +36,7 @@ KIND_DESCRIPTIONS = {
     "umt5": "a umT5 text encoder (keys shared.weight, encoder.block.N.layer.*)",
     "clip_vision": "a CLIP vision encoder (keys visual.* / vision_model.*)",
     "wan_animate": "a Wan 2.2 Animate transformer (keys face_adapter.*, motion_encoder.*, pose_patch_embedding)",
+    "wan_humo": "a HuMo transformer (keys audio_proj.*, blocks.N.audio_cross_attn_wrapper.*)",
     "unknown": "an unrecognised model",
 }
 
