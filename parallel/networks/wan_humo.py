@@ -16,11 +16,12 @@ has none) keeps the block's hidden states, and one on ``attn2`` returns the text
 attention of ``hidden states + that output`` (so the block's own residual sum is native's two sums).
 
 The frame grouping is by token position: the block's tokens are the latent's frames in order (``tokens_per_frame``
-each), and a run of tokens that starts at ``token_offset`` (a sequence-parallel rank's slice, which may start in
-the middle of a frame) attends frame by frame (``frame_runs``). On one device the offset is 0.
-
-Not here yet: the reference latent (appended after the video's frames, its audio zero-padded), the pool's
-conditioning path and the parallel plans.
+each), and a run of tokens attends frame by frame (``frame_runs``). On one device the run is the whole sequence;
+under ring / Ulysses (the model's ``context_parallel`` plan, applied from outside) it is the rank's slice, which
+may start and end in the middle of a frame, and the slice's padding after the last token gets nothing added.
+Under tensor parallelism the blocks' hidden states are whole on every rank, so the audio attention runs
+replicated (not sharded yet). A reference latent (HuMo's, appended after the video's frames) is the caller's time
+concatenation, its audio windows zero.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class WanHumoTransformer3DModel(WanTransformer3DModel):
         dim = num_attention_heads * attention_head_dim
         self.audio_proj = AudioProjection()
         self._audio: torch.Tensor | None = None
-        self._runs: list[tuple[int, int, int]] = []
+        self._tokens_per_frame = 0
         for block in self.blocks:
             block.audio_cross_attn_wrapper = AudioCrossAttentionWrapper(dim, num_attention_heads, eps)
             block.norm2.register_forward_hook(self._keep_block_input(block))
@@ -153,14 +154,26 @@ class WanHumoTransformer3DModel(WanTransformer3DModel):
         def hook(module, inputs, output):
             if self._audio is None:
                 return output
-            summed = (block._audio_input.type_as(output) + output)
-            return output + block.audio_cross_attn_wrapper(summed, self._audio.to(summed.dtype), self._runs)
+            summed = block._audio_input.type_as(output) + output
+            start, valid = self._token_run(summed.shape[1])
+            runs = frame_runs(start, valid, self._tokens_per_frame)
+            added = block.audio_cross_attn_wrapper(summed[:, :valid], self._audio.to(summed.dtype), runs)
+            if valid < summed.shape[1]:  # a sequence slice's padding
+                added = torch.cat([added, added.new_zeros(added.shape[0], summed.shape[1] - valid, added.shape[2])], 1)
+            return output + added
         return hook
 
-    def forward(self, hidden_states: torch.Tensor, *args, audio_embed: torch.Tensor | None = None,
-                token_offset: int = 0, **kwargs):
-        """The transformer's forward with HuMo's audio tokens for this call (``token_offset``: where the blocks'
-        tokens start in the whole sequence, for a sequence-parallel rank's slice)."""
+    def _token_run(self, local: int) -> tuple[int, int]:
+        """(first token, real tokens) of the blocks' sequence on this rank: the whole one, or the sequence
+        slice the context-parallel plan gives it."""
+        context = getattr(self, "context_parallel", None)
+        if context is None or context.shard is None:
+            return 0, local
+        start, stop = context.current_shard().bounds()
+        return start, stop - start
+
+    def forward(self, hidden_states: torch.Tensor, *args, audio_embed: torch.Tensor | None = None, **kwargs):
+        """The transformer's forward with HuMo's audio tokens for this call."""
         if audio_embed is None:
             return super().forward(hidden_states, *args, **kwargs)
         _, _, frames, height, width = hidden_states.shape
@@ -171,8 +184,8 @@ class WanHumoTransformer3DModel(WanTransformer3DModel):
         tokens_per_frame = (height // p_h) * (width // p_w)
         audio = self.audio_proj(audio_embed.to(self.audio_proj.audio_proj_glob_1.layer.weight.dtype))
         self._audio = audio.expand(hidden_states.shape[0], *audio.shape[1:])
-        self._runs = frame_runs(token_offset, frames * tokens_per_frame - token_offset, tokens_per_frame)
+        self._tokens_per_frame = tokens_per_frame
         try:
             return super().forward(hidden_states, *args, **kwargs)
         finally:
-            self._audio, self._runs = None, []
+            self._audio = None
