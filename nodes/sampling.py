@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -16,6 +17,7 @@ from .bridge.conditioning_keys import carries_family_keys, check_conditioning_ke
 from .bridge.convert import (
     animate_passes,
     check_same_vace,
+    humo_passes,
     embeddings_to_conditioning,
     latent_noise_mask,
     latent_to_tensor,
@@ -167,9 +169,7 @@ class WanMeshSampler:
             image_mask=conditional.image_mask, clip_fea=conditional.clip_fea,
             camera_conditions=conditional.camera_conditions,
             noise_mask=latent_noise_mask(latent_image), cache=cache,
-            image_mask_index=conditional.image_mask_index, reference_latent=conditional.reference_latent,
-            time_latents=conditional.time_latents, time_latents_negative=unconditional.time_latents,
-            **negative_image(conditional, unconditional), **animate_passes(conditional, unconditional),
+            image_mask_index=conditional.image_mask_index, **model_passes(model, conditional, unconditional),
         )
         request.validate()  # before a layout auto rearranges the pool for it
         arrange_for_job(model, model_input_size(request), steps, cfg)
@@ -187,6 +187,19 @@ class WanMeshSampler:
         if reply.cache_report:
             logger.info("WanMesh sampler: %s", describe_report(reply.cache_report))
         return (tensor_to_latent(reply.latents, latent_image.get("noise_mask")),)
+
+
+def model_passes(model, positive, negative) -> dict:
+    """The SampleRequest fields of the reference and of what each guidance pass has of its own: its image channels,
+    frames after the video's (time_dim_concat), Wan 2.2 Animate inputs, and for a HuMo model its reference (after
+    the video's frames) and audio windows."""
+    if model.path is None or native_class_name(model) != "WAN21_HuMo":
+        return {**negative_image(positive, negative), **animate_passes(positive, negative),
+                "reference_latent": positive.reference_latent, "time_latents": positive.time_latents,
+                "time_latents_negative": negative.time_latents}
+    # HuMo's passes carry different references (the negative's zeros): they ride on time_latents, not ref_conv
+    without = [dataclasses.replace(c, reference_latent=None) for c in (positive, negative)]
+    return {**negative_image(*without), **animate_passes(positive, negative), **humo_passes(positive, negative)}
 
 
 def model_input_size(request: SampleRequest) -> torch.Tensor:

@@ -198,6 +198,10 @@ class SampleRequest(Request):
     face_pixels: torch.Tensor | None = None
     pose_latents_negative: torch.Tensor | None = None
     face_pixels_negative: torch.Tensor | None = None
+    # HuMo's audio windows of each pass (WanHuMoImageToVideo's audio_embed [1 or B, T', 8, 5, 1280], the negative's
+    # zeros), with a zero window for each reference frame after the video (its reference rides on time_latents)
+    audio_embed: torch.Tensor | None = None
+    audio_embed_negative: torch.Tensor | None = None
 
     def validate(self) -> None:
         """Everything that can be checked without the model; the driver calls it before sending."""

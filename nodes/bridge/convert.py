@@ -30,6 +30,7 @@ class Conditioning:
     # Wan 2.2 Animate (WanAnimateToVideo): raw pose video latents and the face video in [-1, 1]; each pass its own
     pose_latents: torch.Tensor | None = None  # pose_video_latent
     face_pixels: torch.Tensor | None = None  # face_video_pixels (the negative's: all -1)
+    audio_embed: torch.Tensor | None = None  # HuMo (WanHuMoImageToVideo): audio windows, the negative's zeros
 
 
 def _tensor_or_none(value) -> torch.Tensor | None:
@@ -70,7 +71,22 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
         camera_conditions=_tensor_or_none(options.get("camera_conditions")),
         pose_latents=_tensor_or_none(options.get("pose_video_latent")),
         face_pixels=_tensor_or_none(options.get("face_video_pixels")),
+        audio_embed=_tensor_or_none(options.get("audio_embed")),
     )
+
+
+def humo_passes(positive: Conditioning, negative: Conditioning) -> dict:
+    """The SampleRequest fields of HuMo's conditioning (WanHuMoImageToVideo's), as ComfyUI's HumoWanModel takes
+    them: each pass's reference latent after the video's frames (time_latents), its audio windows with a zero
+    window for each reference frame."""
+    def padded(audio: torch.Tensor | None, reference: torch.Tensor | None) -> torch.Tensor | None:
+        if audio is None or reference is None:
+            return audio
+        return torch.cat([audio, audio.new_zeros(audio.shape[0], reference.shape[2], *audio.shape[2:])], dim=1)
+
+    return {"time_latents": positive.reference_latent, "time_latents_negative": negative.reference_latent,
+            "reference_latent": None, "audio_embed": padded(positive.audio_embed, positive.reference_latent),
+            "audio_embed_negative": padded(negative.audio_embed, negative.reference_latent)}
 
 
 ANIMATE_KEYS = ("pose_video_latent", "face_video_pixels")  # what WanAnimateToVideo adds to the conditioning

@@ -28,7 +28,7 @@ from ..protocol import SampleRequest
 from .experts import Experts
 from .guidance import PASS_INPUTS, TIME_CONCAT, guided_prediction
 from ..vace.context import default_vace_context, vace_model_context
-from .forward import (animate_inputs, camera_inputs, check_latent_for_model, image_concat_input, image_inputs,
+from .forward import (animate_inputs, audio_inputs, camera_inputs, check_latent_for_model, image_concat_input, image_inputs,
                       latent_channels, vace_call_inputs, vace_layers_of)
 from .preview import denoised_estimate, preview_image
 from .schedules import TIMESTEP_SCALE, run_sigmas
@@ -302,6 +302,8 @@ def conditioning_inputs(model, request: SampleRequest, rows: range, dtype, devic
         passes[1].update(image_concat_input(model, negative, rows, shape, dtype, device))
     for one_pass, animate in zip(passes, animate_pass_inputs(model, request, rows, dtype, device)):
         one_pass.update(animate)
+    for one_pass, audio in zip(passes, (request.audio_embed, request.audio_embed_negative)):
+        one_pass.update(audio_inputs(model, audio, rows, shape[0], dtype, device))
     if any(passes):
         inputs[PASS_INPUTS] = tuple(passes)
     return inputs

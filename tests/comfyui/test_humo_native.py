@@ -1,7 +1,8 @@
 """HuMo on the WanMesh MODEL against native ComfyUI 0.33 (work in progress): ComfyUI's ``WanHuMoImageToVideo``
 (audio windows from a synthetic whisper output, the zero reference it adds without an image) sampled by ComfyUI's
-KSampler path (euler, 4 steps, cfg 5) on ``load_diffusion_model``'s model and on the pool's MODEL (one rank), in
-ComfyUI's interpreter; the final latents agree to 1e-5 of their scale."""
+KSampler path (euler, 4 steps, cfg 5) on ``load_diffusion_model``'s model, on the pool's MODEL (one rank) and by
+the WanMesh Sampler with the same conditioning, in ComfyUI's interpreter; the final latents agree to 1e-5 of their
+scale."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from wanmesh.parallel.config import ParallelConfig
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.nodes.bridge.runtime import ResidentModel
 from wanmesh.nodes.bridge.pool_model import pool_model
+from wanmesh.nodes.sampling import WanMeshSampler
 
 generator = torch.Generator().manual_seed(3)
 text = torch.randn(1, 512, 4096, generator=generator)
@@ -44,8 +46,10 @@ def sample(model):
 
 runner = PoolRunner.for_config(ParallelConfig(world=1, devices="cpu"), previews=False)
 resident = ResidentModel(runner, runner.load_model(humo_file, dtype="fp32"), path=humo_file)
+(sampled,) = WanMeshSampler().sample(resident, positive, negative, latent, 7, 4, 5.0, 8.0, "euler", 1.0,
+                                     scheduler="simple")
 save_file({"native": sample(comfy.sd.load_diffusion_model(humo_file)).contiguous(),
-           "pool": sample(pool_model(resident)).contiguous()}, out_file)
+           "pool": sample(pool_model(resident)).contiguous(), "sampler": sampled["samples"].contiguous()}, out_file)
 """
 
 
@@ -62,4 +66,5 @@ def test_humo_on_the_wanmesh_model_equals_native(recent_comfyui_dir: Path, tmp_p
     scale = out["native"].abs().max().item()
     assert scale > 1.0
     assert (out["pool"] - out["native"]).abs().max().item() <= 1e-5 * scale
+    assert (out["sampler"] - out["native"]).abs().max().item() <= 1e-5 * scale
     assert torch.isfinite(out["pool"]).all()
