@@ -31,7 +31,7 @@ from .parser import IMAGE_FLAGS, MAX_CAMERA_SPEED, add_image_arguments, wants_im
 
 KIND_NAMES = {"clip_vision": "Wan 2.1 I2V", "first_last": "Wan 2.1 FLF2V", "latents": "Wan 2.2 I2V A14B",
               "first_frame": "Wan 2.2 TI2V 5B", "fun_control": "Wan Fun Control",
-              "animate": "Wan 2.2 Animate",
+              "animate": "Wan 2.2 Animate", "humo": "HuMo",
               "camera": "Wan Fun Camera"}
 FUN_CONTROL_MODELS = "Wan 2.1 Fun Control, Wan 2.2 Fun Control A14B or Fun 5B Control"
 FUN22_5B_CONTROL_IN_CHANNELS = FUN22_5B_IN_CHANNELS[-1]  # 148: control and start latents, the mask, the noise
@@ -66,6 +66,10 @@ def check_image_arguments(kind: str | None, args, clip_vision: str | None) -> No
         raise ValueError(f"the model is {name}, which takes a character image, a pose video and a face video; the "
                          "command line has no inputs for them: run it in ComfyUI with WanAnimateToVideo and KSampler on "
                          "the WanMesh MODEL (workflow native/animate_native)")
+    if kind == "humo":
+        raise ValueError(f"the model is {name}, which takes audio features (whisper's) and a reference image; the "
+                         "command line has no inputs for them: run it in ComfyUI with AudioEncoderEncode, "
+                         "WanHuMoImageToVideo and KSampler on the WanMesh MODEL or the WanMesh Sampler")
     if kind == "first_frame":  # text-to-video, or image-to-video from the start image's latents
         check_video_size(args.width, args.height, args.frames, WAN22_VAE_SPATIAL_FACTOR)
     elif args.image is None and not (kind == "first_last" and args.last_image is not None):

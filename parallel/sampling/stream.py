@@ -245,6 +245,9 @@ def _check_model(model) -> None:
     if getattr(getattr(model, "config", None), "vace_layers", None) is not None:
         raise ValueError("streaming runs Wan text-to-video models; this is a VACE model (VACE-conditioned streaming "
                          "is not supported): load the T2V model without a VACE module")
+    if getattr(model, "audio_proj", None) is not None:
+        raise ValueError("streaming runs Wan text-to-video models; this is a HuMo model, whose audio streaming does "
+                         "not take: sample it in ComfyUI with WanHuMoImageToVideo")
 
 
 class _ChunkTimer:

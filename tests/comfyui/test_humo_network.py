@@ -89,3 +89,18 @@ def test_humo_equals_comfyuis_humo_model(recent_comfyui_dir: Path, tmp_path: Pat
 def test_a_run_of_tokens_is_grouped_by_frame() -> None:
     assert frame_runs(0, 12, 6) == [(0, 0, 6), (1, 6, 12)]
     assert frame_runs(4, 9, 6) == [(0, 0, 2), (1, 2, 8), (2, 8, 9)]  # a slice that starts and ends mid frame
+
+
+def test_the_command_line_refuses_a_humo_model_in_one_line(tmp_path: Path, capsys) -> None:
+    """The command line has no audio inputs: a HuMo file is refused before any worker starts, never sampled
+    without its audio."""
+    from wanmesh.parallel.cli import main
+
+    config = dict(NATIVE_TRANSFORMER)
+    model = WanHumoTransformer3DModel(**config)
+    file = tmp_path / "humo.safetensors"
+    save_file(_released_state(model, config), str(file), metadata={"num_heads": str(config["num_attention_heads"])})
+    code = main(["generate", "--model", str(file), "--prompt", "x", "--device", "cpu", "--width", "48", "--height",
+                 "32", "--frames", "9", "--out", str(tmp_path / "x.mp4")])
+    error = capsys.readouterr().err
+    assert code == 2 and error.count("\n") == 1 and "the model is HuMo" in error and "ComfyUI" in error, error
