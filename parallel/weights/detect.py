@@ -214,6 +214,9 @@ def infer_transformer_config(shapes: Shapes, metadata: Mapping[str, str] | None)
     if any(key.startswith(ANIMATE_TELLTALE) for key in shapes):
         config["_class_name"] = ANIMATE_CLASS
     if any(key.startswith(HUMO_TELLTALE) for key in shapes):
+        if in_channels != WAN21_LATENT_CHANNELS:  # 17B: ComfyUI's fixed zero-VAE image channels, not here yet
+            raise ModelFileError(f"This HuMo transformer takes {in_channels} input channels (HuMo 17B), which is not "
+                                 f"supported yet; supported: HuMo 1.7B ({WAN21_LATENT_CHANNELS} input channels)")
         config["_class_name"] = HUMO_CLASS
     config.update(_camera_config(shapes))
     vace_count = _block_count(shapes, "vace_blocks.")

@@ -60,7 +60,7 @@ VERDICTS = {
     "BerniniConditioning": (REFUSED, "tests/comfyui/test_native_wan_nodes.py"),
     "WanSoundImageToVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
     "WanSoundImageToVideoExtend": (REFUSED, "nodes/bridge/conditioning_keys.py"),
-    "WanHuMoImageToVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
+    "WanHuMoImageToVideo": (PARITY, "tests/comfyui/test_humo_workflow.py"),
     "WanSCAILToVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
     "SCAIL2ColoredMask": (NO_MODEL, "a mask image for WanSCAILToVideo"),
     "WanDancerVideo": (REFUSED, "nodes/bridge/conditioning_keys.py"),
