@@ -19,7 +19,7 @@ TEXT_TOKENS, TEXT_DIM = 9, 64  # the tiny T2V's text embedding width
 
 
 def _requests(handle: str) -> dict:
-    from ..protocol import ModelForward, SampleRequest
+    from ...protocol import ModelForward, SampleRequest
 
     generator = torch.Generator().manual_seed(3)
     positive, negative = (torch.randn(TEXT_TOKENS, TEXT_DIM, generator=generator) for _ in range(2))
@@ -41,8 +41,8 @@ def _results(engine, path: str, dtype: str) -> dict[str, torch.Tensor]:
 
 
 def check_half_precision_sampling(run) -> dict:
-    from ..worker.executors import RankExecutor
-    from .gpu_check import _no_tf32, _row, _verdict, _write_transformer, relative_error
+    from ...worker.executors import RankExecutor
+    from .harness import _no_tf32, _row, _verdict, _write_transformer, relative_error
 
     path = str(_write_transformer(run, "tiny")["model"])
     engine = RankExecutor(run.device)
