@@ -1,4 +1,5 @@
-"""Test utilities shared by unit and distributed tests: fp8 variants of a weight file, state comparison."""
+"""Test utilities shared by unit, distributed and ComfyUI tests: fp8 variants of a weight file, state comparison, and
+the relative error with its half-precision bounds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
+# Half-precision bounds (relative, whole latent): against the fp32 result of the same inputs on one device (bf16 has 8
+# bits of mantissa, fp16 11); a layout against world 1 in the same dtype (they differ only by the order of reductions);
+# and the least error a half run shows against fp32, so a run that silently computed in fp32 fails.
+DTYPE_TOLERANCE = {"bf16": 6e-2, "fp16": 1e-2}
+LAYOUT_TOLERANCE = {"bf16": 4e-2, "fp16": 6e-3}
+MIN_HALF_ERROR = 1e-4
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """||value - reference|| / ||reference||, in fp32."""
+    return float((value.float() - reference.float()).norm() / reference.float().norm())
 
 
 def write_fp8_variant(source, target, scaled: bool) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from checks import relative_error  # noqa: F401  (re-exported for the kind tests)
 from wanmesh.parallel.weights.checkpoint import COMFY_TRANSFORMER_PREFIX, SCALED_FP8_MARKER
 from wanmesh.parallel.weights.detect import UNSUPPORTED_FAMILIES
 from wanmesh.parallel.weights.gguf_file import block_size
@@ -130,10 +131,6 @@ KINDS: dict[str, ModelKind] = {kind.name: kind for kind in [
     ModelKind("gguf_Q4_K_M", _file("Q4_K_M", ".gguf"), Q4, True, _gguf(Q.Q4_K, _q4_k_m)),
 ]}
 FLOAT_KIND = "fp32"  # the reference every kind is compared with
-
-
-def relative_error(latents: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((latents.float() - reference.float()).norm() / reference.float().norm())
 
 
 @dataclass(frozen=True)

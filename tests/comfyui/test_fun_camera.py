@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from checks import DTYPE_TOLERANCE, LAYOUT_TOLERANCE, MIN_HALF_ERROR, relative_error
 from comfyui_server import ComfyUIServer
 from comfyui_server import RejectedPrompt
 from test_comfyui_server import PROMPT_TIMEOUT_S, assert_video, run_successfully, saved_video
@@ -150,13 +151,8 @@ def test_a_camera_embedding_of_another_length_is_one_line(recent_comfyui_server:
 
 
 # bf16 (every GPU's dtype): the Wan 2.2 file at world 1 and tp 2 x cfg 2 on the WanMesh MODEL and in the WanMesh
-# Sampler; bounds (relative, whole latent) as tests/distributed/test_dtype_matrix.py's
+# Sampler; bounds (relative, whole latent) are the dtype matrix's (tests/checks.py)
 BF16_LAYOUTS, BF16_KIND = ("world1", "tp2_cfg2"), "start22_pan"
-BF16_FROM_FP32, BF16_LAYOUT, MIN_HALF_ERROR = 6e-2, 4e-2, 1e-4
-
-
-def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((value - reference).norm() / reference.norm())
 
 
 @pytest.fixture(scope="module")
@@ -173,5 +169,5 @@ def bf16_latents(recent_comfyui_server: ComfyUIServer) -> dict[str, dict[str, to
 def test_wan22_fun_camera_in_bf16_is_close_to_fp32_and_tp2_cfg2_to_one_rank(bf16_latents, layout_latents, side):
     fp32 = layout_latents["world1"][f"{BF16_KIND}_{side}"]
     world1 = bf16_latents["world1"][side]
-    assert MIN_HALF_ERROR < _relative(world1, fp32) <= BF16_FROM_FP32
-    assert _relative(bf16_latents["tp2_cfg2"][side], world1) <= BF16_LAYOUT
+    assert MIN_HALF_ERROR < relative_error(world1, fp32) <= DTYPE_TOLERANCE["bf16"]
+    assert relative_error(bf16_latents["tp2_cfg2"][side], world1) <= LAYOUT_TOLERANCE["bf16"]

@@ -1,4 +1,4 @@
-"""HuMo on the WanMesh MODEL against native ComfyUI 0.33 (work in progress): ComfyUI's ``WanHuMoImageToVideo``
+"""HuMo on the WanMesh MODEL against native ComfyUI 0.33: ComfyUI's ``WanHuMoImageToVideo``
 (audio windows from a synthetic whisper output, the zero reference it adds without an image) sampled by ComfyUI's
 KSampler path (euler, 4 steps, cfg 5) on ``load_diffusion_model``'s model, on the pool's MODEL (one rank) and by
 the WanMesh Sampler with the same conditioning, in ComfyUI's interpreter; the final latents agree to 1e-5 of their

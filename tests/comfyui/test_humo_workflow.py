@@ -1,8 +1,11 @@
-"""HuMo in a real ComfyUI 0.33 server, as API prompts (work in progress): native ``WanHuMoImageToVideo`` (its audio
-from a test-only node standing in for ``AudioEncoderLoader`` + ``AudioEncoderEncode``, whose whisper-large model
-is too big for CI: it returns the AUDIO_ENCODER_OUTPUT whisper gives, 33 hidden states of width 1280 at 50 per
-second) into native KSampler on ``UNETLoader``'s model, KSampler on the WanMesh MODEL and the WanMesh Sampler, on a
-tiny HuMo file: all within 1e-5 of the latents' scale of native; Ulysses 2 and tp 2 give the one-rank latents."""
+"""HuMo in a real ComfyUI 0.33 server, as API prompts.
+
+Native ``WanHuMoImageToVideo`` gets its audio from a test-only node standing in for ``AudioEncoderLoader`` +
+``AudioEncoderEncode`` (whose whisper-large model is too big for CI): it returns the AUDIO_ENCODER_OUTPUT whisper
+gives, 33 hidden states of width 1280 at 50 per second. Into native KSampler on ``UNETLoader``'s model, KSampler on
+the WanMesh MODEL and the WanMesh Sampler, on a tiny HuMo file: all within 1e-5 of the latents' scale of native;
+Ulysses 2 and tp 2 give the one-rank latents. In bf16, world 1 is within the dtype matrix's bound of fp32 and
+Ulysses 2 within its layout bound of world 1."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from checks import DTYPE_TOLERANCE, LAYOUT_TOLERANCE, MIN_HALF_ERROR, relative_error
 from comfyui_server import ComfyUIServer, RecentComfyUIServer
 from conftest import _serve
 from safetensors.torch import save_file
@@ -68,8 +72,9 @@ def humo_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
         node_file.unlink(missing_ok=True)
 
 
-def humo_prompt(layout: dict[str, Any], native: bool) -> dict[str, Any]:
-    """Nodes ``native`` (when asked), ``model`` and ``sampler`` save each side's latents."""
+def humo_prompt(layout: dict[str, Any], native: bool, dtype: str = "fp32") -> dict[str, Any]:
+    """Nodes ``native`` (when asked), ``model`` and ``sampler`` save each side's latents (WanMesh computing in
+    ``dtype``)."""
     prompt = {**pool_and_prompts(layout),
               "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_tiny_vae.safetensors"}},
               "audio": {"class_type": AUDIO_NODE, "inputs": {"seconds": 1.0, "seed": 3}},
@@ -78,7 +83,7 @@ def humo_prompt(layout: dict[str, Any], native: bool) -> dict[str, Any]:
                   "length": 9, "batch_size": 1, "audio_encoder_output": ["audio", 0]}},
               "unet": {"class_type": "UNETLoader", "inputs": {"unet_name": MODEL_FILE, "weight_dtype": "default"}},
               "wm": {"class_type": "WanMeshModelLoader",
-                     "inputs": {"model_name": MODEL_FILE, "dtype": "fp32", "pool": ["pool", 0]}},
+                     "inputs": {"model_name": MODEL_FILE, "dtype": dtype, "pool": ["pool", 0]}},
               "wmodel": {"class_type": "WanMeshNativeModel", "inputs": {"model": ["wm", 0]}}}
     common = {"positive": ["humo", 0], "negative": ["humo", 1], "latent_image": ["humo", 2], "seed": 7, "steps": 4,
               "cfg": 5.0, "sampler_name": "euler", "denoise": 1.0, "scheduler": "simple"}
@@ -115,3 +120,24 @@ def test_parallel_layout_equals_one_rank(latents, layout: str) -> None:
     for side in ("model", "sampler"):
         reference = latents["world1"][side]
         assert largest_difference(latents[layout][side], reference) <= SCALE_TOLERANCE * reference.abs().max().item()
+
+
+# bf16 (every GPU's dtype) at world 1 and Ulysses 2 (HuMo's audio attention groups a rank's sequence slice by frame),
+# on the WanMesh MODEL and in the WanMesh Sampler; bounds are the dtype matrix's (tests/checks.py).
+BF16_LAYOUTS = ("world1", "ulysses2")
+
+
+@pytest.fixture(scope="module")
+def bf16_latents(humo_server: ComfyUIServer) -> dict[str, dict[str, torch.Tensor]]:
+    found = {}
+    for name in BF16_LAYOUTS:
+        result = run_successfully(humo_server, humo_prompt(LAYOUTS[name], native=False, dtype="bf16"))
+        found[name] = {side: saved(humo_server, result, side) for side in ("model", "sampler")}
+    return found
+
+
+@pytest.mark.parametrize("side", ["model", "sampler"])
+def test_humo_in_bf16_is_close_to_fp32_and_ulysses2_to_one_rank(bf16_latents, latents, side: str) -> None:
+    world1 = bf16_latents["world1"][side]
+    assert MIN_HALF_ERROR < relative_error(world1, latents["world1"][side]) <= DTYPE_TOLERANCE["bf16"]
+    assert relative_error(bf16_latents["ulysses2"][side], world1) <= LAYOUT_TOLERANCE["bf16"]

@@ -26,6 +26,7 @@ import dataclasses
 import pytest
 import torch
 
+from checks import DTYPE_TOLERANCE, LAYOUT_TOLERANCE, MIN_HALF_ERROR, relative_error
 from pool_helpers import cpu_pool, random_prompt_request, tiny_models_within
 from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import latent_shape
@@ -35,9 +36,6 @@ from wanmesh.parallel.worker.executors import RankExecutor
 
 DEADLINE_S = 1500
 DTYPES = ("bf16", "fp16")
-DTYPE_TOLERANCE = {"bf16": 6e-2, "fp16": 1e-2}
-LAYOUT_TOLERANCE = {"bf16": 4e-2, "fp16": 6e-3}
-MIN_HALF_ERROR = 1e-4
 LAYOUTS = {"world1": dict(world=1), "tp2": dict(world=2, tp=2), "ulysses2": dict(world=2, ulysses=2),
            "ring2": dict(world=2, ring=2), "cfg2": dict(world=2, cfg_parallel=True)}
 STREAM_LAYOUTS = ("world1", "tp2", "ulysses2")
@@ -54,10 +52,6 @@ MODEL_FILES = {"t2v": "t2v", "t2v_wan_unipc": "t2v", "vace": "vace", "i2v": "i2v
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     yield from tiny_models_within(tmp_path_factory, DEADLINE_S)
-
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((value.float() - reference.float()).norm() / reference.float().norm())
 
 
 def _latent(channels: int = 16) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""HuMo's audio attention under the parallel plans (work in progress): tp 2, Ulysses 2 and ring 2 on spawned gloo
+"""HuMo's audio attention under the parallel plans: tp 2, Ulysses 2 and ring 2 on spawned gloo
 ranks give the one-device prediction of the tiny HuMo network with audio. 3 latent frames of 3 x 3 tokens: 27
 tokens, so a rank's slice of 14 starts and ends in the middle of a frame, and the second slice holds a padding
 token."""
