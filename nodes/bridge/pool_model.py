@@ -246,19 +246,13 @@ class PoolMemory:
 
 
 @functools.cache
-def camera_model_class():
-    """ComfyUI's WAN21_Camera (the BaseModel that delivers camera_conditions) for the pool's Fun Camera MODEL; an
-    older ComfyUI without it gets a one-line refusal."""
+def pool_class(base_name: str):
+    """ComfyUI's ``comfy.model_base.<base_name>`` with the pool's memory answers and key checks mixed in
+    (``PoolMemory``); None for a ComfyUI without that class."""
     import comfy.model_base
 
-    if not hasattr(comfy.model_base, "WAN21_Camera"):
-        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan Fun Camera support (2025 or newer) for a Fun "
-                         "Camera model; update ComfyUI, or sample with the WanMesh Sampler")
-
-    class PoolWanCamera(PoolMemory, comfy.model_base.WAN21_Camera):
-        pass
-
-    return PoolWanCamera
+    base = getattr(comfy.model_base, base_name, None)
+    return None if base is None else type(f"Pool{base_name}", (PoolMemory, base), {})
 
 
 @functools.cache
@@ -271,17 +265,6 @@ def comfy_classes():
     if not hasattr(comfy.model_base, "WAN21_Vace"):
         raise ValueError("WanMesh Native Model needs a ComfyUI with native Wan and VACE support (2025 or newer); "
                          "update ComfyUI, or sample with the WanMesh Sampler")
-
-    class PoolWan(PoolMemory, comfy.model_base.WAN21):
-        pass
-
-    class PoolWanVace(PoolMemory, comfy.model_base.WAN21_Vace):
-        pass
-
-    PoolWan22 = None
-    if hasattr(comfy.model_base, "WAN22"):
-        class PoolWan22(PoolMemory, comfy.model_base.WAN22):
-            pass
 
     class PoolModelPatcher(comfy.model_patcher.ModelPatcher):
         """ComfyUI's weight patches go to the pool as LoRAs; patches it cannot run are refused (pool_patches.py)."""
@@ -302,7 +285,7 @@ def comfy_classes():
             check_model_patches(self)
             super().pre_run()
 
-    return PoolWan, PoolWanVace, PoolWan22, PoolModelPatcher
+    return pool_class("WAN21"), pool_class("WAN21_Vace"), pool_class("WAN22"), PoolModelPatcher
 
 
 def native_class_of(model_class: type) -> str:
@@ -358,90 +341,47 @@ def _wan21_model(vace: bool, in_channels: int, image_kind: str | None, device):
     return wan_vace(config, device=device) if vace else wan(config, image_to_video=takes_tokens, device=device)
 
 
-@functools.cache
-def animate_class():
-    """The BaseModel class for Wan 2.2 Animate, made from the running ComfyUI's WAN22_Animate (whose extra_conds
-    give the pose latents and the face video); None for a ComfyUI without it."""
-    import comfy.model_base
+def _family_model(family: str, since: str, base_name: str, config_name: str, model_type: str, in_channels: int,
+                  device, extra_config: dict | None = None, **model_arguments):
+    """ComfyUI's ``base_name`` model over the pool with the ``config_name`` config, as its model detection sets them
+    for a ``family`` file; an older ComfyUI without them gets a one-line refusal naming the family."""
+    import comfy.supported_models
 
-    if not hasattr(comfy.model_base, "WAN22_Animate"):
-        return None
-    class PoolWanAnimate(PoolMemory, comfy.model_base.WAN22_Animate):
-        pass
-
-    return PoolWanAnimate
+    model_class, config_class = pool_class(base_name), getattr(comfy.supported_models, config_name, None)
+    if model_class is None or config_class is None:
+        raise ValueError(f"WanMesh Native Model needs a ComfyUI with {family} support ({since} or newer) for a "
+                         f"{family} model; update ComfyUI, or sample with the WanMesh Sampler")
+    config = config_class({"image_model": "wan2.1", "model_type": model_type, "in_dim": in_channels,
+                           "disable_unet_model_creation": True, **(extra_config or {})})
+    return model_class(config, device=device, **model_arguments)
 
 
 def _animate_model(in_channels: int, device):
-    """Wan 2.2 Animate: ComfyUI's WAN22_Animate model with the WAN22_Animate config, as its model detection sets it."""
-    import comfy.supported_models
-
-    model_class, config_class = animate_class(), getattr(comfy.supported_models, "WAN22_Animate", None)
-    if model_class is None or config_class is None:
-        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan 2.2 Animate support (September 2025 or "
-                         "newer) for a Wan 2.2 Animate model; update ComfyUI")
-    config = config_class({"image_model": "wan2.1", "model_type": "animate", "in_dim": in_channels,
-                           "disable_unet_model_creation": True})
-    return model_class(config, device=device)
+    """Wan 2.2 Animate: ComfyUI's WAN22_Animate model with the WAN22_Animate config."""
+    return _family_model("Wan 2.2 Animate", "September 2025", "WAN22_Animate", "WAN22_Animate", "animate",
+                         in_channels, device)
 
 
 def _camera_model(in_channels: int, device):
     """Wan 2.1 and 2.2 Fun Camera: ComfyUI's WAN21_Camera (not image-to-video: Wan 2.1's start image latents fill
     the extra channels without a mask, Wan 2.2's 36 channels take the mask before them), with the config its model
     detection gives the file (WAN21_Camera, or WAN22_Camera for 36 input channels)."""
-    import comfy.supported_models
-
     wan22 = in_channels == FUN22_CAMERA_IN_CHANNELS
-    config_class = getattr(comfy.supported_models, "WAN22_Camera" if wan22 else "WAN21_Camera", None)
-    if config_class is None:
-        family = "Wan 2.2 Fun Camera" if wan22 else "Wan Fun Camera"
-        raise ValueError(f"WanMesh Native Model needs a ComfyUI with {family} support (2025 or newer) for a {family} "
-                         "model; update ComfyUI, or sample with the WanMesh Sampler")
-    config = config_class({"image_model": "wan2.1", "model_type": "camera_2.2" if wan22 else "camera",
-                           "in_dim": in_channels, "disable_unet_model_creation": True})
-    return camera_model_class()(config, image_to_video=False, device=device)
+    return _family_model("Wan 2.2 Fun Camera" if wan22 else "Wan Fun Camera", "2025", "WAN21_Camera",
+                         "WAN22_Camera" if wan22 else "WAN21_Camera", "camera_2.2" if wan22 else "camera",
+                         in_channels, device, image_to_video=False)
 
 
 def _wan22_model(in_channels: int, device):
     """Wan 2.2 TI2V 5B: ComfyUI's WAN22 model (image_to_video, as WAN22_T2V makes it) on the Wan22 latent format."""
-    import comfy.supported_models
-
-    _, _, wan22, _ = comfy_classes()
-    config_class = getattr(comfy.supported_models, "WAN22_T2V", None)
-    if wan22 is None or config_class is None:
-        raise ValueError("WanMesh Native Model needs a ComfyUI with Wan 2.2 support (July 2025 or newer) for Wan "
-                         "2.2 TI2V 5B; update ComfyUI, or sample with the WanMesh Sampler")
-    config = config_class({"image_model": "wan2.1", "model_type": "t2v", "in_dim": in_channels,
-                           "out_dim": WAN22_LATENT_CHANNELS, "disable_unet_model_creation": True})
-    return wan22(config, image_to_video=True, device=device)
-
-
-@functools.cache
-def humo_class():
-    """The BaseModel class for HuMo, made from the running ComfyUI's WAN21_HuMo (whose extra_conds give the audio
-    windows and the reference latent); None for a ComfyUI without it."""
-    import comfy.model_base
-
-    if not hasattr(comfy.model_base, "WAN21_HuMo"):
-        return None
-
-    class PoolWanHumo(PoolMemory, comfy.model_base.WAN21_HuMo):
-        pass
-
-    return PoolWanHumo
+    return _family_model("Wan 2.2", "July 2025", "WAN22", "WAN22_T2V", "t2v", in_channels, device,
+                         {"out_dim": WAN22_LATENT_CHANNELS}, image_to_video=True)
 
 
 def _humo_model(in_channels: int, device):
     """HuMo: ComfyUI's WAN21_HuMo model with the WAN21_HuMo config, as its model detection sets it."""
-    import comfy.supported_models
-
-    model_class, config_class = humo_class(), getattr(comfy.supported_models, "WAN21_HuMo", None)
-    if model_class is None or config_class is None:
-        raise ValueError("WanMesh Native Model needs a ComfyUI with HuMo support (2025 or newer) for a HuMo model; "
-                         "update ComfyUI")
-    config = config_class({"image_model": "wan2.1", "model_type": "humo", "in_dim": in_channels,
-                           "disable_unet_model_creation": True})
-    return model_class(config, image_to_video=False, device=device)
+    return _family_model("HuMo", "2025", "WAN21_HuMo", "WAN21_HuMo", "humo", in_channels, device,
+                         image_to_video=False)
 
 
 MODEL_MAKERS = {"WAN22": _wan22_model, "WAN22_Animate": _animate_model, "WAN21_Camera": _camera_model,
