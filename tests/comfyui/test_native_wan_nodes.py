@@ -135,12 +135,18 @@ def size() -> dict[str, Any]:
             "length": LENGTH, "batch_size": 1}
 
 
+# Native WanMoveTrackToVideo shuffles the tracks with torch's unseeded global generator, so where two tracks meet in
+# one latent cell, which one's feature lands there changes from run to run (natively too). Spread 12 px apart (more
+# than an 8 px cell's diagonal), the tracks never share a cell, and separate runs (one per layout) are comparable.
+TRACK_SPREAD = 0.3
+
+
 def wanmove_prompt(layout: dict[str, Any], native: bool) -> dict[str, Any]:
     """Nodes ``model`` / ``sampler`` (and ``native``) save each side's latent of the WanMove graph."""
     prompt = {**shared_inputs(layout), **models(I2V_FILE, native),
               "tracks": {"class_type": "GenerateTracks", "inputs": {
                   "width": WIDTH, "height": HEIGHT, "start_x": 0.2, "start_y": 0.3, "end_x": 0.8, "end_y": 0.6,
-                  "num_frames": LENGTH, "num_tracks": 3, "track_spread": 0.05, "bezier": True, "mid_x": 0.5,
+                  "num_frames": LENGTH, "num_tracks": 3, "track_spread": TRACK_SPREAD, "bezier": True, "mid_x": 0.5,
                   "mid_y": 0.1, "interpolation": "ease_in_out"}},
               "cond": {"class_type": "WanMoveTrackToVideo", "inputs": {
                   **size(), "tracks": ["tracks", 0], "strength": 1.0, "start_image": ["start", 0],
