@@ -63,7 +63,7 @@ from .harness import (
     PARALLEL_TOLERANCE,
     REPO_ROOT,
     Run,
-    _dry_run_sizes,
+    dry_run_sizes,
     run_section,
 )
 from .measurements import (
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                                                     "parallel_fp32": PARALLEL_TOLERANCE},
         "checks": [], "measurements": [], "skipped_for_deadline": [], "targets": []}
     with tempfile.TemporaryDirectory(prefix="wanmesh-gpu-check-") as work:
-        state = Run(device, args.dry_run, _dry_run_sizes() if args.dry_run else GPU_SIZES, start + args.deadline,
+        state = Run(device, args.dry_run, dry_run_sizes() if args.dry_run else GPU_SIZES, start + args.deadline,
                     Path(work), report)
         for kind, table in (("checks", CHECKS), ("measurements", MEASUREMENTS)):
             for name, budget, function in table:

@@ -19,13 +19,13 @@ from .harness import (
     LSE_TOLERANCE,
     REPO_ROOT,
     Run,
-    _check_inputs,
-    _forward,
-    _no_tf32,
-    _row,
-    _verdict,
-    _write_transformer,
+    forward_on,
+    model_inputs,
+    no_tf32,
     relative_error,
+    result_row,
+    verdict,
+    write_transformer,
 )
 
 
@@ -59,30 +59,30 @@ def check_world1_vs_cpu(run: Run) -> dict:
 
     rows = []
     for preset in run.sizes.presets:
-        paths = _write_transformer(run, preset)
+        paths = write_transformer(run, preset)
         reference_model = load_transformer(str(paths["model"]), dtype=torch.float32, device="cpu")
-        inputs = _check_inputs(reference_model.config, run.sizes.check_latent)
-        reference = _forward(reference_model, inputs, "cpu", torch.float32)
+        inputs = model_inputs(reference_model.config, run.sizes.check_latent)
+        reference = forward_on(reference_model, inputs, "cpu", torch.float32)
         del reference_model
         for dtype, tolerance in ((torch.float32, FP32_TOLERANCE), (torch.bfloat16, BF16_TOLERANCE)):
             model = load_transformer(str(paths["model"]), dtype=dtype, device=run.device)
-            with _no_tf32():
-                output = _forward(model, inputs, run.device, dtype)
-            rows.append(_row(f"{preset} {str(dtype).removeprefix('torch.')}", relative_error(output, reference),
+            with no_tf32():
+                output = forward_on(model, inputs, run.device, dtype)
+            rows.append(result_row(f"{preset} {str(dtype).removeprefix('torch.')}", relative_error(output, reference),
                              tolerance))
             del model
         for name in ("fp8_scaled", "Q8_0", "Q4_K"):
             if name not in paths:
                 continue
             cpu = load_transformer(str(paths[name]), dtype=torch.float32, device="cpu", weights="dequantize")
-            expected = _forward(cpu, inputs, "cpu", torch.float32)
+            expected = forward_on(cpu, inputs, "cpu", torch.float32)
             del cpu
             kept = load_transformer(str(paths[name]), dtype=torch.bfloat16, device=run.device, weights="keep")
-            rows.append(_row(f"{preset} {name} kept, bf16", relative_error(_forward(kept, inputs, run.device,
+            rows.append(result_row(f"{preset} {name} kept, bf16", relative_error(forward_on(kept, inputs, run.device,
                                                                                     torch.bfloat16), expected),
                              BF16_TOLERANCE))
             del kept
-    return _verdict(rows)
+    return verdict(rows)
 
 
 def attention_backends(device: torch.device) -> list[str]:
@@ -96,7 +96,7 @@ def attention_backends(device: torch.device) -> list[str]:
                                                                            "sdpa_efficient", "math"]
 
 
-@_no_tf32()  # math's einsum in float32 must not run in TF32 on the GPU
+@no_tf32()  # math's einsum in float32 must not run in TF32 on the GPU
 def check_attention_backends(run: Run) -> dict:
     from ...distributed.attention import attention, select_backend
 
@@ -120,12 +120,12 @@ def check_attention_backends(run: Run) -> dict:
                     unavailable[f"{backend} {dtype}"] = str(error).strip().splitlines()[0][:200]
                     continue
                 lse_error = float((lse.double().cpu() - ref_lse).abs().max())
-                rows.append(_row(f"{backend} {str(dtype).removeprefix('torch.')} key padding {padding}",
+                rows.append(result_row(f"{backend} {str(dtype).removeprefix('torch.')} key padding {padding}",
                                  relative_error(out, ref_out), ATTENTION_TOLERANCE[dtype], lse_error=lse_error,
                                  lse_tolerance=LSE_TOLERANCE[dtype]))
                 rows[-1]["ok"] = rows[-1]["ok"] and lse_error <= LSE_TOLERANCE[dtype]
     selected_ran = all(any(row["what"].startswith(f"{name} {dt}") for row in rows) for dt, name in selected.items())
-    result = _verdict(rows)
+    result = verdict(rows)
     if not selected_ran:
         result["status"] = "fail"
     return {**result, "selected": selected, "unavailable": unavailable, "shape": list(run.sizes.attention_shape)}
@@ -166,14 +166,14 @@ def check_quantized_layers(run: Run) -> dict:
             cpu_weight = dequantize_stored(stored.data, stored.qtype, stored.shape, dtype, stored.scale)
             layer = torch.nn.Linear(512, 256, bias=False)
             hold_stored_(layer, stored, dtype, run.device)
-            with torch.no_grad(), _no_tf32():
+            with torch.no_grad(), no_tf32():
                 device_weight = layer.weight  # dequantised on the device
                 output = layer(x.to(run.device, dtype))
             same_bits = bool(torch.equal(device_weight.cpu(), cpu_weight))
-            rows.append(_row(f"{name} {str(dtype).removeprefix('torch.')}", relative_error(output, expected), tolerance,
+            rows.append(result_row(f"{name} {str(dtype).removeprefix('torch.')}", relative_error(output, expected), tolerance,
                              weight_bit_exact=same_bits))
             rows[-1]["ok"] = rows[-1]["ok"] and same_bits
-    return _verdict(rows)
+    return verdict(rows)
 
 
 def _write_vaes(run: Run) -> dict[str, Path]:
@@ -215,8 +215,8 @@ def check_vae_decode(run: Run) -> dict:
             reference = reference_vae.decode(latent, return_dict=False)[0]
         for dtype, tolerance in _vae_dtypes(run.device):
             vae = load_vae(str(path), dtype=dtype, device=run.device)
-            with torch.no_grad(), _no_tf32():
+            with torch.no_grad(), no_tf32():
                 output = vae.decode(latent.to(run.device, dtype), return_dict=False)[0]
-            rows.append(_row(f"VAE {version} {str(dtype).removeprefix('torch.')}", relative_error(output, reference),
+            rows.append(result_row(f"VAE {version} {str(dtype).removeprefix('torch.')}", relative_error(output, reference),
                              tolerance, frames=int(output.shape[2])))
-    return _verdict(rows)
+    return verdict(rows)

@@ -72,7 +72,7 @@ GPU_SIZES = Sizes(
 )
 
 
-def _dry_run_sizes() -> Sizes:
+def dry_run_sizes() -> Sizes:
     from ...tiny.models import TINY_TRANSFORMER
 
     small = dict(TINY_TRANSFORMER, num_layers=2)
@@ -150,17 +150,17 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(value - reference) / torch.linalg.vector_norm(reference).clamp_min(1e-30))
 
 
-def _verdict(rows: list[dict]) -> dict:
+def verdict(rows: list[dict]) -> dict:
     """A check passes when every row is within its tolerance."""
     return {"status": "pass" if rows and all(row["ok"] for row in rows) else "fail", "rows": rows}
 
 
-def _row(what: str, error: float, tolerance: float, **extra) -> dict:
+def result_row(what: str, error: float, tolerance: float, **extra) -> dict:
     return {"what": what, "error": error, "tolerance": tolerance, "ok": bool(error <= tolerance), **extra}
 
 
 @contextlib.contextmanager
-def _no_tf32():
+def no_tf32():
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -179,7 +179,7 @@ def _transformer_state(model: torch.nn.Module, config: dict) -> dict[str, torch.
     return original_state_dict(model, original_transformer_names(config), convert_wan_transformer_keys)
 
 
-def _write_transformer(run: Run, preset: str) -> dict[str, Path]:
+def write_transformer(run: Run, preset: str) -> dict[str, Path]:
     """The preset's T2V transformer as files (tiny: fp32; medium: bf16, scaled fp8, Q8_0 and Q4_K GGUF, as
     ``make-tiny --preset medium`` writes them); written once per run."""
     from gguf import GGMLQuantizationType as Q
@@ -220,7 +220,7 @@ def _write_transformer(run: Run, preset: str) -> dict[str, Path]:
     return {name: Path(path) for name, path in paths.items()}
 
 
-def _check_inputs(model_config, latent_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def model_inputs(model_config, latent_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     from ...config import TEXT_TOKENS
 
     generator = torch.Generator().manual_seed(3)
@@ -229,7 +229,7 @@ def _check_inputs(model_config, latent_shape: tuple[int, ...]) -> dict[str, torc
             "timestep": torch.tensor([500.0])}
 
 
-def _forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor], device, dtype) -> torch.Tensor:
+def forward_on(model: torch.nn.Module, inputs: dict[str, torch.Tensor], device, dtype) -> torch.Tensor:
     moved = {key: value.to(device, dtype if value.is_floating_point() and key != "timestep" else value.dtype)
              for key, value in inputs.items()}
     with torch.no_grad():

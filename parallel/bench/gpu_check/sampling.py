@@ -42,16 +42,16 @@ def _results(engine, path: str, dtype: str) -> dict[str, torch.Tensor]:
 
 def check_half_precision_sampling(run) -> dict:
     from ...worker.executors import RankExecutor
-    from .harness import _no_tf32, _row, _verdict, _write_transformer, relative_error
+    from .harness import no_tf32, relative_error, result_row, verdict, write_transformer
 
-    path = str(_write_transformer(run, "tiny")["model"])
+    path = str(write_transformer(run, "tiny")["model"])
     engine = RankExecutor(run.device)
-    with _no_tf32():
+    with no_tf32():
         reference = _results(engine, path, "fp32")
         rows = []
         for dtype, tolerance in HALF_TOLERANCE.items():
             for what, value in _results(engine, path, dtype).items():
-                rows.append(_row(f"{what} {dtype}", relative_error(value, reference[what]), tolerance,
+                rows.append(result_row(f"{what} {dtype}", relative_error(value, reference[what]), tolerance,
                                  finite=bool(torch.isfinite(value).all())))
                 rows[-1]["ok"] = rows[-1]["ok"] and rows[-1]["finite"]
-    return _verdict(rows)
+    return verdict(rows)

@@ -13,13 +13,13 @@ import torch
 from .harness import (
     PARALLEL_TOLERANCE,
     Run,
-    _check_inputs,
-    _forward,
-    _no_tf32,
-    _row,
-    _verdict,
-    _write_transformer,
+    forward_on,
+    model_inputs,
+    no_tf32,
     relative_error,
+    result_row,
+    verdict,
+    write_transformer,
 )
 
 
@@ -63,8 +63,8 @@ def _two_rank_main(rank: int, device: torch.device, model_path: str, inputs_path
                    load_transformer(model_path, dtype=torch.float32, device=device), ulysses_group=dist.group.WORLD)}
     for name, load in loaders.items():
         try:
-            with _no_tf32():
-                outputs[name] = _forward(load(), inputs, device, torch.float32)
+            with no_tf32():
+                outputs[name] = forward_on(load(), inputs, device, torch.float32)
         except Exception as error:  # noqa: BLE001 - reported; the other layout still runs
             errors[name] = f"{type(error).__name__}: {str(error).strip()[:300]}"
     if rank == 0:
@@ -78,11 +78,11 @@ def check_two_ranks(run: Run) -> dict:
     from ...tensor_files import save_tensors_atomic
     from ...weights.loaders import load_transformer
 
-    path = str(_write_transformer(run, "tiny")["model"])
+    path = str(write_transformer(run, "tiny")["model"])
     world1 = load_transformer(path, dtype=torch.float32, device=run.device)
-    inputs = _check_inputs(world1.config, run.sizes.check_latent)
-    with _no_tf32():
-        reference = _forward(world1, inputs, run.device, torch.float32)
+    inputs = model_inputs(world1.config, run.sizes.check_latent)
+    with no_tf32():
+        reference = forward_on(world1, inputs, run.device, torch.float32)
     del world1
     backend, nccl_error = "gloo", None
     if run.device.type == "cuda":
@@ -98,9 +98,9 @@ def check_two_ranks(run: Run) -> dict:
                    deadline_s=max(run.remaining() - 5, 10))
         outputs = load_file(Path(folder, "outputs.safetensors"))
         errors = json.loads(Path(folder, "errors.json").read_text())
-    rows = [_row(f"{name} ({backend}) vs world 1", relative_error(outputs[name], reference), PARALLEL_TOLERANCE)
+    rows = [result_row(f"{name} ({backend}) vs world 1", relative_error(outputs[name], reference), PARALLEL_TOLERANCE)
             for name in ("tp 2", "ulysses 2") if name in outputs]
-    result = _verdict(rows)
+    result = verdict(rows)
     if errors:
         result["status"] = "fail"
     return {**result, "backend": backend, "nccl_on_one_device": backend == "nccl", "nccl_error": nccl_error,
