@@ -1,6 +1,6 @@
-"""The GPU check's correctness sections, in the check's process: the CUDA-only tests, world 1 on the device against
-the CPU, every attention backend, quantized linears kept as stored, and the VAE decodes; each row an error against
-its tolerance."""
+"""The GPU check's correctness sections, in the CLI process (`wanmesh bench gpu`): the CUDA-only tests, world 1
+on the device against the CPU, every attention backend, quantized linears kept as stored, and the VAE decodes; each
+row an error against its tolerance."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def check_world1_vs_cpu(run: Run) -> dict:
             model = load_transformer(str(paths["model"]), dtype=dtype, device=run.device)
             with no_tf32():
                 output = forward_on(model, inputs, run.device, dtype)
-            rows.append(result_row(f"{preset} {str(dtype).removeprefix('torch.')}", relative_error(output, reference),
-                             tolerance))
+            rows.append(result_row(f"{preset} {str(dtype).removeprefix('torch.')}",
+                                   relative_error(output, reference), tolerance))
             del model
         for name in ("fp8_scaled", "Q8_0", "Q4_K"):
             if name not in paths:
@@ -78,9 +78,9 @@ def check_world1_vs_cpu(run: Run) -> dict:
             expected = forward_on(cpu, inputs, "cpu", torch.float32)
             del cpu
             kept = load_transformer(str(paths[name]), dtype=torch.bfloat16, device=run.device, weights="keep")
-            rows.append(result_row(f"{preset} {name} kept, bf16", relative_error(forward_on(kept, inputs, run.device,
-                                                                                    torch.bfloat16), expected),
-                             BF16_TOLERANCE))
+            kept_output = forward_on(kept, inputs, run.device, torch.bfloat16)
+            rows.append(result_row(f"{preset} {name} kept, bf16", relative_error(kept_output, expected),
+                                   BF16_TOLERANCE))
             del kept
     return verdict(rows)
 
@@ -170,8 +170,8 @@ def check_quantized_layers(run: Run) -> dict:
                 device_weight = layer.weight  # dequantised on the device
                 output = layer(x.to(run.device, dtype))
             same_bits = bool(torch.equal(device_weight.cpu(), cpu_weight))
-            rows.append(result_row(f"{name} {str(dtype).removeprefix('torch.')}", relative_error(output, expected), tolerance,
-                             weight_bit_exact=same_bits))
+            rows.append(result_row(f"{name} {str(dtype).removeprefix('torch.')}", relative_error(output, expected),
+                                   tolerance, weight_bit_exact=same_bits))
             rows[-1]["ok"] = rows[-1]["ok"] and same_bits
     return verdict(rows)
 
@@ -217,6 +217,6 @@ def check_vae_decode(run: Run) -> dict:
             vae = load_vae(str(path), dtype=dtype, device=run.device)
             with torch.no_grad(), no_tf32():
                 output = vae.decode(latent.to(run.device, dtype), return_dict=False)[0]
-            rows.append(result_row(f"VAE {version} {str(dtype).removeprefix('torch.')}", relative_error(output, reference),
-                             tolerance, frames=int(output.shape[2])))
+            rows.append(result_row(f"VAE {version} {str(dtype).removeprefix('torch.')}",
+                                   relative_error(output, reference), tolerance, frames=int(output.shape[2])))
     return verdict(rows)

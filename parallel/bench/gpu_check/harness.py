@@ -1,6 +1,6 @@
-"""The GPU check's harness, in the check's process: the sizes a run checks and measures at (the GPU's, or the
-dry run's smallest), the tolerances, one section's run under its own time budget and the global deadline, and the
-model files and inputs the sections share."""
+"""The GPU check's harness, in the CLI process (`wanmesh bench gpu`): the sizes a run checks and measures at (the
+GPU's, or the dry run's smallest), the tolerances, one section's run under its own time budget and the global
+deadline, and the model files and inputs the sections share."""
 
 from __future__ import annotations
 

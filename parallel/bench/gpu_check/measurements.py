@@ -1,6 +1,6 @@
-"""The GPU check's measurements, in the check's process: transformer step time, peak memory against the cost
-model, achieved TFLOP/s against the device's bf16 peak, kept fp8 / Q4_K against bf16, load time, torch.compile
-and VAE decode time; one warm-up call each and interleaved rounds (median, fastest, slowest)."""
+"""The GPU check's measurements, in the CLI process (`wanmesh bench gpu`): transformer step time, peak memory
+against the cost model, achieved TFLOP/s against the device's bf16 peak, kept fp8 / Q4_K against bf16, load time,
+torch.compile and VAE decode time; one warm-up call each and interleaved rounds (median, fastest, slowest)."""
 
 from __future__ import annotations
 

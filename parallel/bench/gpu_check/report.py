@@ -1,4 +1,4 @@
-"""The GPU check's targets (pass or miss, never failing the run) and its Markdown report."""
+"""The GPU check's targets (pass or miss, never failing the run) and its Markdown report; in the CLI process."""
 
 from __future__ import annotations
 

@@ -52,6 +52,6 @@ def check_half_precision_sampling(run) -> dict:
         for dtype, tolerance in HALF_TOLERANCE.items():
             for what, value in _results(engine, path, dtype).items():
                 rows.append(result_row(f"{what} {dtype}", relative_error(value, reference[what]), tolerance,
-                                 finite=bool(torch.isfinite(value).all())))
+                                       finite=bool(torch.isfinite(value).all())))
                 rows[-1]["ok"] = rows[-1]["ok"] and rows[-1]["finite"]
     return verdict(rows)
