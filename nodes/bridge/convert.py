@@ -75,18 +75,22 @@ def read_conditioning(conditioning, name: str = "CONDITIONING") -> Conditioning:
     )
 
 
+def with_reference_audio(audio: torch.Tensor | None, reference: torch.Tensor | None) -> torch.Tensor | None:
+    """HuMo's audio windows [B, F, ...] with a zero window for each frame of the reference latent after the video's,
+    as ComfyUI's HumoWanModel pads them (unchanged without audio or reference)."""
+    if audio is None or reference is None:
+        return audio
+    return torch.cat([audio, audio.new_zeros(audio.shape[0], reference.shape[2], *audio.shape[2:])], dim=1)
+
+
 def humo_passes(positive: Conditioning, negative: Conditioning) -> dict:
     """The SampleRequest fields of HuMo's conditioning (WanHuMoImageToVideo's), as ComfyUI's HumoWanModel takes
     them: each pass's reference latent after the video's frames (time_latents), its audio windows with a zero
     window for each reference frame."""
-    def padded(audio: torch.Tensor | None, reference: torch.Tensor | None) -> torch.Tensor | None:
-        if audio is None or reference is None:
-            return audio
-        return torch.cat([audio, audio.new_zeros(audio.shape[0], reference.shape[2], *audio.shape[2:])], dim=1)
-
     return {"time_latents": positive.reference_latent, "time_latents_negative": negative.reference_latent,
-            "reference_latent": None, "audio_embed": padded(positive.audio_embed, positive.reference_latent),
-            "audio_embed_negative": padded(negative.audio_embed, negative.reference_latent)}
+            "reference_latent": None,
+            "audio_embed": with_reference_audio(positive.audio_embed, positive.reference_latent),
+            "audio_embed_negative": with_reference_audio(negative.audio_embed, negative.reference_latent)}
 
 
 ANIMATE_KEYS = ("pose_video_latent", "face_video_pixels")  # what WanAnimateToVideo adds to the conditioning

@@ -27,6 +27,7 @@ from ...parallel import Cancelled, ModelForward, has_vace_blocks, model_image_in
 from ...parallel.config import LATENT_CHANNELS, WAN22_LATENT_CHANNELS
 from ...parallel.weights.detect import FUN22_CAMERA_IN_CHANNELS
 from .conditioning_keys import NATIVE_WAN_CLASSES, UNSUPPORTED_INPUTS, check_family_keys, model_input_refusal
+from .convert import with_reference_audio
 from .pool_patches import (POOL_LORAS, add_lora_patches, check_model_patches, drop_torch_compile,
                            native_weight_shapes, skipped_blocks)
 from .runtime import ResidentModel, arrange, auto_layout_of, interrupted, raise_if_interrupted
@@ -203,10 +204,7 @@ def humo_audio(audio_embed: torch.Tensor | None, reference: torch.Tensor | None)
     HumoWanModel pads them (a count that then differs from the model input's frames is refused on the ranks)."""
     if audio_embed is None:
         return None
-    audio = audio_embed.detach().float().cpu()
-    if reference is None:
-        return audio
-    return torch.cat([audio, audio.new_zeros(audio.shape[0], reference.shape[2], *audio.shape[2:])], dim=1)
+    return with_reference_audio(audio_embed.detach().float().cpu(), reference)
 
 
 def vace_inputs(extra: dict) -> dict:
