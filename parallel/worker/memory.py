@@ -65,3 +65,15 @@ def estimated_load_bytes(paths: tuple[str | None, ...], shards: int = 1) -> int:
         elif path.is_dir():
             total += sum(f.stat().st_size for f in path.rglob("*.safetensors"))
     return total // max(1, shards)
+
+
+def return_freed_heap() -> None:
+    """Hand the heap that freed tensors (unloaded weights, a finished request's work) leave behind back to the
+    system: glibc keeps freed memory in its arenas (the process's resident size would stay near its highest) until
+    ``malloc_trim`` releases it. No-op where the C library has no ``malloc_trim`` (musl, macOS)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass

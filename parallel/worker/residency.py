@@ -27,7 +27,7 @@ from ..config import DTYPE_NAMES, check_weights_mode
 from ..weights import loaders as wan
 from ..weights import umt5_files
 from .block_streaming import BlockSizes, plan_streaming, stream_blocks
-from .memory import estimated_load_bytes, memory_budget_bytes, resident_bytes
+from .memory import estimated_load_bytes, memory_budget_bytes, resident_bytes, return_freed_heap
 
 log = logging.getLogger(__name__)
 
@@ -203,18 +203,6 @@ class ResidentModels:
         model = self._get(handle, "model")
         path, vace_module = self._model_files[handle]
         apply_loras(model, loras, path=path, vace_module=vace_module)
-
-
-def return_freed_heap() -> None:
-    """Hand the heap that freed weights leave behind back to the system: glibc keeps freed memory in its arenas
-    (the process's resident size would stay near the loaded size) until ``malloc_trim`` releases it. No-op
-    where the C library has no ``malloc_trim`` (musl, macOS)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass
 
 
 def transformer_heads(path: str, vace_module: str | None = None) -> int:

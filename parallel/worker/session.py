@@ -18,6 +18,7 @@ import torch
 from .. import protocol as P
 from ..config import ParallelConfig, heartbeat_interval
 from ..distributed.mesh import init_distributed
+from .memory import return_freed_heap
 from .runtime import THREADS_ENV, StepReporter, WorkerRuntime, beat_forever
 
 Send = Callable[[dict[str, Any]], None]
@@ -64,4 +65,7 @@ class WorkerSession:
         progress = StepReporter(send_progress if self.rank == 0 else None, self.runtime.status)
         outcome = self.runtime.execute_wire(body, request_id, unpack, pack_reply, progress)
         outcome["id"] = request_id
+        # The request's intermediates are freed by now; glibc would keep their pages in its arenas, and a pool that
+        # served many prompts would hold (for the system) the peak of its largest one.
+        return_freed_heap()
         return outcome

@@ -4,9 +4,9 @@ T2V, LoRA, VACE (two references), streaming and two-expert prompts, each with it
 threads at once: a first round of 10 on one pool, a ``/free`` with ``unload_models`` (the workers exit) and a Pool
 setting change (Ulysses 2 -> tensor parallel 2), then three rounds of 10 on the new pool. Every prompt must succeed
 and every file it lists must be complete (images readable, each MP4 decodable); the new workers' summed resident
-memory after the last round exceeds its highest level after the rounds before by at most 10% (the same processes
-and the same workflows each round: a leak adds its share every round, while memory the allocator keeps and reuses
-rises and falls by up to 6% from round to round; counted without the
+memory after the last round exceeds its highest level after the rounds before by at most 5% (the same processes
+and the same workflows each round: a leak adds its share every round; the workers return the heap a request
+freed after each one, so rounds of the same prompts measured 705, 706, 706 MiB; counted without the
 memory-mapped model files' pages, which the page cache holds and drops at will);
 after ``/free`` with ``free_memory`` no worker process and no new pool temp folder is left. Steps are cut to 2 so
 the 40 prompts stay within a few minutes on two CPU cores.
@@ -33,7 +33,7 @@ PROMPTS_PER_CLIENT_AND_ROUND = 5  # two clients, four rounds: 40 prompts
 FIRST_POOL = dict(devices="cpu:2", world=2, tp=1, ulysses=2, ring=1, cfg_parallel=False, vae_patch=1)
 SECOND_POOL = dict(FIRST_POOL, tp=2, ulysses=1)  # the setting changed in the middle: new workers
 PROMPT_TIMEOUT_S = 600.0
-MEMORY_GROWTH = 0.10  # rounds of the same prompts have varied by up to 6% on the 2-core CI machine
+MEMORY_GROWTH = 0.05  # rounds of the same prompts: 705, 706, 706 MiB (before the workers trimmed: up to 14% apart)
 EXIT_DEADLINE_S = 60.0
 SAMPLER_TYPES = ("WanMeshSampler", "WanMeshStreamSampler")
 
