@@ -1,6 +1,6 @@
 """ComfyUI nodes of WanMesh: thin wrappers that convert ComfyUI types and call the engine."""
 
-from .bridge import errors, input_checks, memory, shutdown
+from .bridge import errors, input_checks, live_streams, memory, shutdown
 from .pool import WanMeshPool
 from .cache import WanMeshCache
 from .loaders import WanMeshModelLoader, WanMeshTextEncoderLoader, WanMeshVAELoader
@@ -49,4 +49,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {node_id: name for node_id, (_, name) in _NODES.ite
 errors.install(NODE_CLASS_MAPPINGS)  # worker failures show as one line with a short exception name
 input_checks.install(NODE_CLASS_MAPPINGS)  # bad widget values: /prompt answers 400 naming the field
 memory.install()  # ComfyUI's "unload models" / "free memory" reach the worker pool
+live_streams.install()  # POST /wanmesh/stream/<prompt id>/prompt: a new prompt for a running stream
 shutdown.install()  # Ctrl-C during a prompt: the pool call stops first, then the interpreter ends

@@ -23,6 +23,7 @@ from ..parallel.cache_settings import describe_report
 from ..parallel.fields import node_input
 from ..parallel.config import check_stream_start
 from ..parallel.image_to_video import stream_start_frame
+from .bridge import live_streams
 from .bridge.convert import image_to_frames, latent_to_tensor, read_conditioning, tensor_to_latent
 from .bridge.runtime import PREVIEW_MAX_RESOLUTION, arrange_for_job, interrupted, previews_enabled, raise_if_interrupted
 
@@ -79,6 +80,22 @@ class ChunkSaver:
         write_video(frames, os.path.join(self.folder, filename), self.fps)
         self.chunk_files.finish(os.path.join(self.folder, filename))  # the chunks the folder lost: written, or an error
         return self.file_info(filename)
+
+
+def _comfyui_prompt_id() -> str:
+    from server import PromptServer  # ComfyUI's server module
+
+    return str(getattr(PromptServer.instance, "last_prompt_id", None))
+
+
+def _live_text_encoder(text_encoder, model) -> str | None:
+    """The handle that encodes posted prompts (None without a text_encoder); it must live in the model's pool."""
+    if text_encoder is None:
+        return None
+    if text_encoder.runner.pool is not model.runner.pool:
+        raise ValueError("text_encoder and model are loaded in different worker pools; connect both loaders to the "
+                         "same WanMesh Pool")
+    return text_encoder.handle
 
 
 PROMPT_SWITCHES = "WANMESH_PROMPT_SWITCHES"  # ((chunk, embeddings), ...) in chunk order
@@ -145,6 +162,9 @@ class WanMeshStreamSampler:
                                                        "count from the chunk's first; none: every step computed"}),
                 "prompt_switches": (PROMPT_SWITCHES, {"tooltip": "WanMesh Prompt Switch nodes: the prompt changes "
                                                                  "before the chunks they name"}),
+                "text_encoder": ("WANMESH_TEXT_ENCODER", {"tooltip": "takes prompts posted while the stream runs "
+                                                                     "(POST /wanmesh/stream/<prompt id>/prompt), "
+                                                                     "encoded by this text encoder on the pool"}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -161,7 +181,8 @@ class WanMeshStreamSampler:
                    "websocket ('wanmesh.chunk') while the rest is being made.")
 
     def sample(self, model, positive, latent, seed, steps, shift, cfg, chunk, kv_window, sink, filename_prefix, fps,
-               negative=None, vae=None, timesteps="", start_image=None, cache=None, prompt_switches=(), unique_id=None):
+               negative=None, vae=None, timesteps="", start_image=None, cache=None, prompt_switches=(), text_encoder=None,
+               unique_id=None):
         import comfy.utils
 
         samples = latent_to_tensor(latent)
@@ -173,16 +194,24 @@ class WanMeshStreamSampler:
             kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle,
             preview=previews_enabled(model.runner), start_latent=start_latent, cache=cache,
             switch_chunks=[index for index, _ in prompt_switches],
-            switch_positive=[embeddings for _, embeddings in prompt_switches])
+            switch_positive=[embeddings for _, embeddings in prompt_switches],
+            live_text_encoder=_live_text_encoder(text_encoder, model))
         request.validate()  # before any file name is taken
         arrange_for_job(model, samples, steps, cfg, streaming=True)
         bar = comfy.utils.ProgressBar(1)
         saver = ChunkSaver(filename_prefix, samples.shape[-1] * 8, samples.shape[-2] * 8, fps, bar, unique_id)
+        stream_id = _comfyui_prompt_id()
+        live = live_streams.open_stream(stream_id, takes_prompts=text_encoder is not None)
+        ended = f"the stream of prompt {stream_id} failed or was stopped before a later chunk"
         try:
-            result = model.runner.stream(request, on_chunk=saver, progress=bar.update_absolute, should_stop=interrupted)
+            result = model.runner.stream(request, on_chunk=saver, progress=bar.update_absolute, should_stop=interrupted,
+                                         live=live)
+            ended = f"the stream of prompt {stream_id} ended before a later chunk"
         except Cancelled:
             raise_if_interrupted()
             raise
+        finally:
+            live_streams.close_stream(stream_id, ended)
         if result.cache_report:
             log.info("WanMesh Stream Sampler: %s", describe_report(result.cache_report))
         return self._outputs(result, saver, samples)

@@ -297,6 +297,9 @@ class StreamSample(Request):
     # ``positive``); the caches are rebuilt under it (sampling/stream.py)
     switch_chunks: list[int] = field(default_factory=list)
     switch_positive: list[list[torch.Tensor]] = field(default_factory=list)
+    # prompts posted while the stream runs (``live`` messages to rank 0) are encoded by this loaded text encoder on
+    # every rank and switched to at the next chunk boundary; None: the stream takes no posted prompts
+    live_text_encoder: str | None = None
 
     def validate(self) -> None:
         check_cache(cache_settings(self.cache))

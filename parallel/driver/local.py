@@ -226,6 +226,13 @@ class LocalWorkers:
             except OSError:
                 pass  # a dead rank is reported by poll()
 
+    def send_live(self, request_id: int, fields: dict[str, Any]) -> None:
+        """Input for the running request, to rank 0 (which shares it with the others at a step boundary)."""
+        try:
+            self.conns[0].send({"kind": "live", "id": request_id, "fields": fields})
+        except OSError:
+            pass  # a dead rank is reported by poll()
+
     def poll(self, timeout_s: float, only: set[int] | None = None, starting: bool = False) -> list[tuple[int, dict]]:
         """Messages that arrived within ``timeout_s``; raises RankDied for a worker that is gone."""
         ranks = sorted(only) if only is not None else range(len(self.conns))

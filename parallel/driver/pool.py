@@ -254,8 +254,11 @@ class WorkerPool:
         progress: Progress | None = None,
         should_cancel: Callable[[], bool] | None = None,
         timeout_s: float | None = None,
+        live_inputs: Callable[[], list[dict]] | None = None,
     ) -> P.Reply:
-        """Run ``request`` on every rank; rank 0's typed reply. Raises WorkerError or Cancelled."""
+        """Run ``request`` on every rank; rank 0's typed reply. Raises WorkerError or Cancelled. ``live_inputs``,
+        polled while the request runs, gives fields sent to rank 0 as ``live`` messages (a stream's posted
+        prompts, ``live_prompts.py``)."""
         if not isinstance(request, P.Request) or type(request).kind not in P.REQUESTS:
             raise TypeError(f"call() takes a protocol request ({', '.join(P.REQUESTS)}), got {type(request).__name__}")
         if isinstance(request, P.Shutdown):
@@ -272,7 +275,7 @@ class WorkerPool:
             if self._backend is None:
                 self._start(should_cancel)
             self._reload_if_needed(request, should_cancel)
-            reply = self._call_started(request, progress, should_cancel, timeout_s or self.timeout_s)
+            reply = self._call_started(request, progress, should_cancel, timeout_s or self.timeout_s, live_inputs)
             self._note_residency(request, reply)
             return reply
 
@@ -319,14 +322,14 @@ class WorkerPool:
                 self._loads.pop(handle, None)
                 self._resident.discard(handle)
 
-    def _call_started(self, request, progress, should_cancel, timeout_s) -> P.Reply:
+    def _call_started(self, request, progress, should_cancel, timeout_s, live_inputs=None) -> P.Reply:
         backend = self._backend
         body = backend.prepare(request)  # a request that cannot be sent fails here and leaves the pool as it is
         txn = _Transaction(self.config.world, next(self._ids))
         try:
             backend.send_request(txn.request_id, body)
             while txn.pending:
-                self._step(backend, txn, request, progress, should_cancel, timeout_s)
+                self._step(backend, txn, request, progress, should_cancel, timeout_s, live_inputs)
         except RankDied as died:
             self._discard_workers()
             if self._stop_reason is not None:
@@ -338,11 +341,14 @@ class WorkerPool:
             raise
         return self._conclude(backend, txn, request)
 
-    def _step(self, backend, txn: _Transaction, request, progress, should_cancel, timeout_s) -> None:
+    def _step(self, backend, txn: _Transaction, request, progress, should_cancel, timeout_s, live_inputs=None) -> None:
         if self._stop_reason is not None:  # _call_started stops the workers in this thread
             self._closed = True
             raise self._stopped_error()
         self._maybe_cancel(backend, txn, should_cancel)
+        if live_inputs is not None and not txn.cancel_sent:
+            for fields in live_inputs():
+                backend.send_live(txn.request_id, fields)
         for rank, message in backend.poll(POLL_S):
             if message.get("chunk") is not None:  # taken over at once, also a late one, so no segment is left
                 message["chunk"] = backend.take_chunk(message["chunk"])
@@ -417,6 +423,8 @@ class WorkerPool:
         try:
             if message.get("chunk") is not None:  # a finished streaming chunk (only stream requests send them)
                 progress(message["step"], message["total"], chunk=message["chunk"])
+            elif message.get("event") is not None:  # a stream's event (a posted prompt applied)
+                progress(message["step"], message["total"], event=message["event"])
             elif message.get("preview") is None:
                 progress(message["step"], message["total"])
             else:  # a preview comes only when the request asked for one, so the callback takes it

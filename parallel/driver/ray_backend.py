@@ -266,6 +266,10 @@ def _actor_class(ray):
             if self.session is not None:
                 self.session.cancel(request_id)
 
+        def live_input(self, request_id: int, fields: dict) -> None:
+            if self.session is not None:
+                self.session.live_input(request_id, fields)
+
         def pid(self) -> int:
             return os.getpid()
 
@@ -408,6 +412,9 @@ class RayWorkers:
     def send_cancel(self, request_id: int) -> None:
         for actor in self.actors:
             actor.cancel.remote(request_id)
+
+    def send_live(self, request_id: int, fields: dict) -> None:
+        self.actors[0].live_input.remote(request_id, fields)
 
     def poll(self, timeout_s: float) -> list[tuple[int, dict]]:
         queued = self.queue.get_nowait_batch(self.queue.qsize()) if self.queue.qsize() else []

@@ -113,15 +113,25 @@ class PoolRunner:
         request.validate()
         return self.pool.call(request, should_cancel=should_stop).latents
 
-    def stream(self, request: P.StreamSample, on_chunk=None, progress=None, should_stop=None) -> P.Streamed:
+    def stream(self, request: P.StreamSample, on_chunk=None, progress=None, should_stop=None, live=None) -> P.Streamed:
         """A streaming run: the whole latent (and frames with a VAE); ``on_chunk(StreamChunk)`` gets each finished
         chunk as soon as rank 0 sends it, ``progress(step, total)`` every step. Raises ``Cancelled`` on cancel
-        (chunks already delivered stay delivered)."""
+        (chunks already delivered stay delivered). ``live`` (``live_prompts.LivePrompts``, with the request's
+        ``live_text_encoder``): prompts posted while it runs, each applied at the next chunk boundary."""
+        from .live_prompts import LIVE_PROMPT_EVENT
         from .stream_chunks import chunk_progress
 
         request.validate()
         check_stream_layout(ring=self.config.ring, cfg_parallel=self.config.cfg_parallel)
-        return self.pool.call(request, progress=chunk_progress(on_chunk, progress), should_cancel=should_stop)
+        if live is not None and request.live_text_encoder is None:
+            raise ValueError("live prompts need the stream's live_text_encoder (the loaded text encoder's handle)")
+
+        def on_event(event: dict) -> None:
+            if live is not None and LIVE_PROMPT_EVENT in event:
+                live.applied(event[LIVE_PROMPT_EVENT])
+
+        return self.pool.call(request, progress=chunk_progress(on_chunk, progress, on_event),
+                              should_cancel=should_stop, live_inputs=None if live is None else live.take_new)
 
     def decode(self, handle: str, latents: torch.Tensor, tile_px: int | None = None, overlap_px: int | None = None):
         check_tiles(tile_px, overlap_px, decode=True)

@@ -37,13 +37,18 @@ def chunk_from_message(chunk: dict) -> StreamChunk:
                        None if frames is None else torch.as_tensor(frames))
 
 
-def chunk_progress(on_chunk: Callable[[StreamChunk], None] | None, progress: Callable | None) -> Callable:
-    """The pool's progress callback for a stream: chunks go to ``on_chunk``, steps to ``progress``."""
+def chunk_progress(on_chunk: Callable[[StreamChunk], None] | None, progress: Callable | None,
+                   on_event: Callable[[dict], None] | None = None) -> Callable:
+    """The pool's progress callback for a stream: chunks go to ``on_chunk``, events (``{"prompt_switched":
+    {...}}``) to ``on_event``, steps to ``progress``."""
 
-    def report(step: int, total: int, preview=None, chunk: dict | None = None) -> None:
+    def report(step: int, total: int, preview=None, chunk: dict | None = None, event: dict | None = None) -> None:
         if chunk is not None:
             if on_chunk is not None:
                 on_chunk(chunk_from_message(chunk))
+        elif event is not None:
+            if on_event is not None:
+                on_event(event)
         elif progress is not None:
             progress(step, total)
 

@@ -111,6 +111,7 @@ def sample_stream(
     guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
     progress: Callable | None = None, fused_all_to_all: bool = True, stats: dict | None = None,
     start_latent: torch.Tensor | None = None, step_cache=None, prompt_switches: dict[int, torch.Tensor] | None = None,
+    live_switch: Callable[[int], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Generate the whole latent chunk by chunk; returns raw latents [B, 16, T, h, w] (float32, CPU).
 
@@ -135,7 +136,8 @@ def sample_stream(
     chunks before a switch are as without it; at the switch the positive branch's caches are rebuilt under the new
     prompt (``CausalWan.recache``: the earlier chunks the next one still sees written again, not dropped), so the
     scene moves on from the frames made so far; ``stats`` receives ``recached_chunks`` ({switch: chunks
-    written})."""
+    written}). ``live_switch(index)`` is asked before every later chunk that has no switch of its own (on every
+    rank, in step): a positive context it returns (a prompt posted while the stream runs) is a switch there."""
     latent_shape = tuple(int(s) for s in latent_shape)
     _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
     check_stream_options(latent_shape[2], chunk, kv_window, sink)
@@ -160,6 +162,10 @@ def sample_stream(
                                     strategy, start_frames=start_frames) as causal, \
             _chunk_cache(step_cache, causal, plan, strategy, steps) as cache:
         for index, (start, count) in enumerate(chunks):
+            if live_switch is not None and index > 0 and index not in switches:
+                posted = live_switch(index)
+                if posted is not None:
+                    switches[index] = posted
             if index in switches:
                 cache.outside_steps()
                 branches[0] = ("positive", switches[index].to(device=device, dtype=dtype))

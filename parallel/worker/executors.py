@@ -200,9 +200,11 @@ class RankExecutor(ResidentModels):
                        cache_report=self.last_cache_report)
 
     @torch.no_grad()
-    def stream(self, request, progress=None, should_stop=None):
+    def stream(self, request, progress=None, should_stop=None, live_prompt=None):
         """A streaming request (``protocol.StreamSample``): (raw latents, decoded frames or None); rank 0 sends each
-        finished chunk with its progress (``streaming.py``); a step cache's report is kept in ``last_cache_report``."""
+        finished chunk with its progress (``streaming.py``); a step cache's report is kept in ``last_cache_report``.
+        ``live_prompt()`` gives a prompt posted while it runs (the same on every rank), encoded here by the request's
+        ``live_text_encoder``."""
         from .streaming import run_stream
 
         model = self._get(request.handle, "model")
@@ -210,9 +212,17 @@ class RankExecutor(ResidentModels):
         vae = self._get(request.vae_handle, "vae") if request.vae_handle else None
         rank = self.parallel.rank if self.parallel is not None else 0
         self.last_cache_report = {}
+        live = None
+        if request.live_text_encoder is not None and live_prompt is not None:
+            self._get(request.live_text_encoder, "text")  # a missing encoder fails before the first chunk
+
+            def live() -> tuple[str, list[torch.Tensor]] | None:
+                text = live_prompt()
+                return None if text is None else (text, self.encode_text(request.live_text_encoder, [text]))
+
         latents, frames, self.last_cache_report = run_stream(
             model, vae, request, device=self.device, rank=rank, plan=self._stream_plan(), progress=progress,
-            should_stop=should_stop)
+            should_stop=should_stop, live_prompt=live)
         return latents, frames
 
     def _stream_plan(self):

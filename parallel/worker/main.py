@@ -154,6 +154,8 @@ class LocalWorker:
                 self.exit_now()
             if message.get("kind") == "cancel":
                 self.session.cancel(message["id"])
+            elif message.get("kind") == "live":
+                self.session.live_input(message["id"], message["fields"])
             else:
                 self.inbox.put(message)
 

@@ -40,6 +40,7 @@ class RequestContext:
     runtime: "WorkerRuntime"
     progress: Callable[[int, int], None]
     should_stop: Callable[[], bool]
+    live_prompt: Callable[[], str | None] = lambda: None
 
     @property
     def rank(self) -> int:
@@ -81,7 +82,8 @@ EXECUTOR_DISPATCH: dict[type[P.Request], Handler] = {
     P.Encode: lambda ctx, r: P.Latents(ctx.executor.encode(r.handle, r.frames, r.tile_px, r.overlap_px)),
     P.Unload: _unload,
     P.ModelForward: lambda ctx, r: P.Latents(ctx.executor.forward(r, should_stop=ctx.should_stop)),
-    P.StreamSample: lambda ctx, r: P.Streamed(*ctx.executor.stream(r, progress=ctx.progress, should_stop=ctx.should_stop),
+    P.StreamSample: lambda ctx, r: P.Streamed(*ctx.executor.stream(r, progress=ctx.progress, should_stop=ctx.should_stop,
+                                                                   live_prompt=ctx.live_prompt),
                                               cache_report=ctx.executor.last_cache_report),
     P.Calibrate: lambda ctx, r: _calibrate(ctx),
 }
@@ -147,6 +149,12 @@ class StepReporter:
         once with the last step's numbers; the pool hands it to the caller's progress callback as ``chunk``."""
         if self._send is not None:
             self._send({"step": self._last[0], "total": self._last[1], "chunk": chunk})
+
+    def send_event(self, event: dict[str, Any]) -> None:
+        """A stream's event (a posted prompt applied), sent at once with the last step's numbers; the pool hands it
+        to the caller's progress callback as ``event``."""
+        if self._send is not None:
+            self._send({"step": self._last[0], "total": self._last[1], "event": event})
 
     def __call__(self, step: int, total: int) -> None:
         self._last = (int(step), int(total))
@@ -217,6 +225,44 @@ class StopFlags:
             self._ids.discard(request_id)
 
 
+class LiveInputs:
+    """Input the driver sent for a running request (``live`` messages, to rank 0), set from the receiver thread."""
+
+    def __init__(self):
+        self._fields: dict[int, list[dict]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, request_id: int, fields: dict) -> None:
+        with self._lock:
+            self._fields.setdefault(request_id, []).append(fields)
+
+    def take_first(self, request_id: int) -> dict | None:
+        with self._lock:
+            waiting = self._fields.get(request_id)
+            return waiting.pop(0) if waiting else None
+
+    def forget(self, request_id: int) -> None:
+        with self._lock:
+            self._fields.pop(request_id, None)
+
+
+class LivePromptCheck:
+    """The ``live_prompt`` of one request: the oldest prompt posted to rank 0 and not yet taken, or None. Every rank
+    calls it at the same chunk boundaries and rank 0's answer is broadcast, so all switch at the same chunk."""
+
+    def __init__(self, runtime: "WorkerRuntime", request_id: int):
+        self.runtime = runtime
+        self.request_id = request_id
+
+    def __call__(self) -> str | None:
+        fields = self.runtime.live.take_first(self.request_id) if self.runtime.rank == 0 else None
+        taken = [None if fields is None else str(fields["prompt"])]
+        parallel = self.runtime.parallel
+        if parallel.is_distributed and parallel.world > 1:
+            torch.distributed.broadcast_object_list(taken, src=0)
+        return taken[0]
+
+
 class StopCheck:
     """The ``should_stop`` of one request. Every rank calls it at the same step boundaries, and an all-reduce
     makes them agree: one rank leaving the loop while another enters a collective would hang the pool."""
@@ -243,6 +289,7 @@ class WorkerRuntime:
         self.rank = parallel.rank
         self.device = parallel.device
         self.stops = StopFlags()
+        self.live = LiveInputs()
         self.status = WorkStatus()
         self._executor = None
         self._diagnostics = load_diagnostics(diagnostics)
@@ -279,7 +326,7 @@ class WorkerRuntime:
     def execute(self, request: P.Request, request_id: int, progress: Callable[[int, int], None]) -> dict[str, Any]:
         """Run one request; the outcome as plain data: reply (rank 0's carries the result), cancelled or error."""
         should_stop = StopCheck(self, request_id)
-        ctx = RequestContext(self, progress, should_stop)
+        ctx = RequestContext(self, progress, should_stop, LivePromptCheck(self, request_id))
         self.status.begin(request_id, request.kind)
         try:
             reply = self._dispatch(ctx, request)
@@ -290,6 +337,7 @@ class WorkerRuntime:
             return error.to_wire()
         finally:
             self.stops.forget(request_id)
+            self.live.forget(request_id)
             self.status.end()
         return {"kind": "reply", "rank": self.rank, "body": reply}
 

@@ -59,6 +59,9 @@ class WorkerSession:
     def cancel(self, request_id: int) -> None:
         self.runtime.stops.cancel(request_id)
 
+    def live_input(self, request_id: int, fields: dict[str, Any]) -> None:
+        self.runtime.live.put(request_id, fields)
+
     def run(self, body: dict[str, Any], request_id: int, unpack: Callable[[Any], torch.Tensor],
             pack_reply: Callable[[P.Reply], dict[str, Any]], send_progress: Send) -> dict[str, Any]:
         """One wire request run to its wire outcome (tagged with ``request_id``); only rank 0 reports progress."""

@@ -46,9 +46,12 @@ class ChunkForwarder:
 
 
 def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=None, progress=None,
-               should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+               should_stop: Callable[[], bool] | None = None, live_prompt: Callable | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """(raw latents [B, 16, T, h, w], frames or None, the step cache's report or {}) for a validated request;
-    every rank calls it together (and, with a step cache, checks that all took the same decisions)."""
+    every rank calls it together (and, with a step cache, checks that all took the same decisions).
+    ``live_prompt()``: (text, its embeddings) of a prompt posted while the stream runs, or None; the same on every
+    rank. Rank 0 reports the chunk where each applies as a ``prompt_switched`` event."""
     from ..cache_settings import cache_settings
     from ..sampling.stream import sample_stream, stream_sigmas  # the causal model code loads with the request
 
@@ -62,13 +65,23 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
     if rank == 0:
         decoder = StreamingVaeDecoder(vae, device) if vae is not None else None
         forwarder = ChunkForwarder(decoder, progress, request.preview)
+    def live_switch(index: int) -> torch.Tensor | None:
+        posted = live_prompt()
+        if posted is None:
+            return None
+        text, embeddings = posted
+        send = getattr(progress, "send_event", None)
+        if rank == 0 and send is not None:
+            send({"prompt_switched": {"chunk": int(index), "prompt": text}})
+        return text_context(embeddings, batch, dtype, device)
+
     latents = sample_stream(
         model, positive=positive, negative=negative, latent_shape=tuple(request.latent.shape), seed=request.seed,
         sigmas=stream_sigmas(request.steps, request.shift, request.timesteps), chunk=request.chunk,
         kv_window=request.kv_window, sink=request.sink, use_cache=request.use_cache,
         guidance_scale=request.guidance_scale, plan=plan, on_chunk=forwarder, should_stop=should_stop,
         progress=progress, start_latent=request.start_latent, step_cache=cache_settings(request.cache), stats=stats,
-        prompt_switches=switches,
+        prompt_switches=switches, live_switch=None if live_prompt is None else live_switch,
     )
     if "cache_report" in stats:
         from ..sampling.step_cache import check_same_decisions

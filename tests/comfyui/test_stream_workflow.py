@@ -4,7 +4,10 @@ before the node finishes), each file reopens with the frame count the Wan VAE gi
 is saved, and ComfyUI's interrupt stops the run between steps keeping the chunks already written. Its WanMesh
 Prompt Switch (a second prompt from chunk 2 on) gives the command line's latents with ``--prompt-at 2:PROMPT`` (on
 one rank: the workflow's two Ulysses ranks equal it), and the chunks before it are those of the workflow without
-the switch."""
+the switch. On ComfyUI 0.33, prompts posted to ``/wanmesh/stream/<prompt id>/prompt`` (one while the prompt is
+queued, one once the first is answered, while the stream runs) switch the stream at the chunks the answers name,
+as WanMesh Prompt Switch nodes at those chunks do; a stream without a text encoder, an unknown id and a body
+without a prompt are answered 409, 404 and 400 in one line."""
 
 from __future__ import annotations
 
@@ -125,3 +128,70 @@ def test_the_prompt_switch_is_the_command_lines_and_keeps_the_chunks_before_it(
     before = switch["inputs"]["chunk"] * inputs["chunk"]  # latent frames before the switch
     assert largest_difference(latents["switched"][:, :, :before], latents["plain"][:, :, :before]) < 1e-4
     assert largest_difference(latents["switched"][:, :, before:], latents["plain"][:, :, before:]) > 1e-2
+
+
+LIVE_TEXTS = ("the fox leaps over a frozen stream", "the fox curls up asleep in a den")
+LIVE_LENGTH = 33  # 9 latent frames: chunks of 2 give 5 chunks, so the second post has chunks left to land on
+
+
+def _without_switches(prompt: dict[str, Any], **sampler_inputs: Any) -> dict[str, Any]:
+    """The stream workflow with its WanMesh Prompt Switch (and its text) left out, LIVE_LENGTH frames long."""
+    sampler_id = _node_id(prompt, SAMPLER)
+    switch_id = prompt[sampler_id]["inputs"]["prompt_switches"][0]
+    dropped = {switch_id, prompt[switch_id]["inputs"]["positive"][0]}
+    inputs = {key: value for key, value in prompt[sampler_id]["inputs"].items() if key != "prompt_switches"}
+    prompt = {node_id: node for node_id, node in prompt.items() if node_id not in dropped}
+    prompt[sampler_id] = {**prompt[sampler_id], "inputs": {**inputs, **sampler_inputs}}
+    latent_id = _node_id(prompt, "WanMeshEmptyLatent")
+    prompt[latent_id] = {**prompt[latent_id], "inputs": {**prompt[latent_id]["inputs"], "length": LIVE_LENGTH}}
+    return {**prompt, "latent_out": save_latent(sampler_id, "stream_live")}
+
+
+def _with_scheduled_switches(prompt: dict[str, Any], switches: dict[str, int]) -> dict[str, Any]:
+    """``prompt`` with chained WanMesh Prompt Switch nodes: each text (WanMesh Text Encode) from its chunk on."""
+    prompt, encoder_id = dict(prompt), _node_id(prompt, "WanMeshTextEncoderLoader")
+    previous = None
+    for number, (text, chunk) in enumerate(switches.items()):
+        prompt[f"text_{number}"] = {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": [encoder_id, 0],
+                                                                                   "text": text}}
+        inputs = {"positive": [f"text_{number}", 0], "chunk": chunk}
+        if previous is not None:
+            inputs["switches"] = [previous, 0]
+        prompt[f"switch_{number}"] = {"class_type": "WanMeshPromptSwitch", "inputs": inputs}
+        previous = f"switch_{number}"
+    sampler_id = _node_id(prompt, SAMPLER)
+    prompt[sampler_id] = {**prompt[sampler_id], "inputs": {**prompt[sampler_id]["inputs"],
+                                                          "prompt_switches": [previous, 0]}}
+    return prompt
+
+
+def _post_prompt(server: ComfyUIServer, stream_id: str, body: Any) -> tuple[int, Any]:
+    return server.post_json(f"/wanmesh/stream/{stream_id}/prompt", body, timeout_s=PROMPT_TIMEOUT_S)
+
+
+def test_prompts_posted_to_a_running_stream_switch_it_as_prompt_switch_nodes_do(
+        recent_comfyui_server: ComfyUIServer, stream_prompt: dict[str, Any]) -> None:
+    server = recent_comfyui_server
+    encoder_id = _node_id(stream_prompt, "WanMeshTextEncoderLoader")
+    live = _without_switches(stream_prompt, text_encoder=[encoder_id, 0])
+    prompt_id = server.submit(live)
+    assert not isinstance(prompt_id, RejectedPrompt), prompt_id.error_text()
+    answers = [_post_prompt(server, prompt_id, {"prompt": text}) for text in LIVE_TEXTS]  # the 2nd once the 1st applied
+    result = server.wait_for(prompt_id, PROMPT_TIMEOUT_S)
+    assert result.status == "success", f"{result.error_text()}\n--- server log ---\n{server.log()}"
+    assert [status for status, _ in answers] == [200, 200], answers
+    chunks = {answer["prompt"]: answer["chunk"] for _, answer in answers}
+    assert chunks[LIVE_TEXTS[0]] == 1 and chunks[LIVE_TEXTS[1]] > 1, answers  # the queued post: the first chunk it can
+
+    scheduled = _with_scheduled_switches(_without_switches(stream_prompt), chunks)
+    scheduled_id = server.submit(scheduled)
+    assert not isinstance(scheduled_id, RejectedPrompt), scheduled_id.error_text()
+    status, refused = _post_prompt(server, scheduled_id, {"prompt": LIVE_TEXTS[0]})  # this one has no text encoder
+    scheduled_result = server.wait_for(scheduled_id, PROMPT_TIMEOUT_S)
+    assert scheduled_result.status == "success", scheduled_result.error_text()
+    assert largest_difference(saved(server, result, "latent_out"), saved(server, scheduled_result, "latent_out")) < 1e-4
+    assert status == 409 and "text_encoder" in refused["error"], refused
+
+    assert _post_prompt(server, "no-such-prompt", {"prompt": "a cat"})[0] == 404
+    status, bad = _post_prompt(server, prompt_id, {"text": "a cat"})
+    assert status == 400 and '"prompt"' in bad["error"], bad

@@ -1,6 +1,8 @@
 """Streaming through a real 2-rank pool (Ulysses 2): chunks reach the driver in order while the run goes on,
 each chunk is the matching slice of the final result, the joined chunk frames equal one whole VAE decode, the
-pool's result equals one device's, and a cancel between steps keeps the chunks already delivered."""
+pool's result equals one device's, a cancel between steps keeps the chunks already delivered, and prompts posted
+while the stream runs (one before it starts, one when chunk 0 arrives) switch it at the chunks they report, as
+scheduled switches at those chunks do on one device."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from pool_helpers import cpu_pool, embed_prompts, tiny_models_within
 from wanmesh.parallel.config import latent_shape, stream_chunks
+from wanmesh.parallel.driver.live_prompts import LivePrompts, StreamEnded
 from wanmesh.parallel.driver import local as local_backend
 from wanmesh.parallel.driver.runner import PoolRunner
 from wanmesh.parallel.errors import Cancelled
@@ -129,3 +132,35 @@ def test_bad_requests_fail_in_the_driver(runner, reference):
     with pytest.raises(ValueError, match="timesteps must be a non-empty, strictly descending list"):
         runner.stream(StreamSample(handle=model, latent=torch.zeros(SHAPE), positive=reference["positive"],
                                    negative=[], seed=0, timesteps=[250.0, 500.0]))
+
+
+def test_prompts_posted_while_streaming_switch_like_scheduled_switches(runner, reference, tiny):
+    runner, model, _ = runner
+    text_encoder = runner.load_text_encoder(tiny["text_encoder"])
+    live = LivePrompts()
+    posted = {"a dog on a beach": live.post("a dog on a beach")}  # before the stream starts: chunk 1
+
+    def on_chunk(chunk):
+        if chunk.index == 0:  # while the ranks work on chunk 1: the next free chunk, 2
+            posted["a bird in the sky"] = live.post("a bird in the sky")
+
+    request = replace(_request(model, None, reference["positive"], seed=13), steps=CANCELLED_STEPS,
+                      live_text_encoder=text_encoder)
+    result = runner.stream(request, on_chunk=on_chunk, live=live)
+    chunks = {text: future.result(timeout=0) for text, future in posted.items()}
+    assert chunks == {"a dog on a beach": 1, "a bird in the sky": 2}
+    live.close("the stream ended")
+    with pytest.raises(StreamEnded, match="the stream ended"):
+        live.post("too late")
+
+    engine = RankExecutor("cpu")
+    embeddings = embed_prompts(engine, tiny["text_encoder"], *chunks)
+    local = engine.load_model(tiny["t2v"])
+    scheduled = replace(request, handle=local, live_text_encoder=None, switch_chunks=list(chunks.values()),
+                        switch_positive=embeddings)
+    expected, _ = engine.stream(scheduled)
+    torch.testing.assert_close(result.latents, expected, **CLOSE)
+    plain, _ = engine.stream(replace(scheduled, switch_chunks=[], switch_positive=[]))
+    before = CHUNK  # latent frames of chunk 0, made before any switch
+    torch.testing.assert_close(result.latents[:, :, :before], plain[:, :, :before], **CLOSE)
+    assert (result.latents[:, :, before:] - plain[:, :, before:]).abs().max() > 1e-2, "the posted prompts changed nothing"

@@ -183,6 +183,16 @@ class ComfyUIServer:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout_s) as response:
             return json.loads(response.read())
 
+    def post_json(self, path: str, body: Any, timeout_s: float = 30.0) -> tuple[int, Any]:
+        """``POST`` ``body`` as JSON to ``path``: (HTTP status, the JSON answer), also for an error status."""
+        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
     def submit(self, prompt: dict[str, Any], client_id: str | None = None) -> str | RejectedPrompt:
         """``POST /prompt``; return the prompt id, or the validation errors when the server refuses it.
 
