@@ -176,6 +176,9 @@ def add_stream_arguments(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompt-at", action="append", default=[], metavar="CHUNK:PROMPT", dest="prompt_at",
                    help="switch to PROMPT before chunk CHUNK (repeat for several switches; chunk 0 is --prompt's): the "
                    "cached frames are re-encoded under the new prompt, so the scene moves on without a cut")
+    p.add_argument("--live-prompts", action="store_true", dest="live_prompts",
+                   help="read prompts from standard input while streaming, one per line: each switches the stream at "
+                   "the next chunk (as --prompt-at there), and the chunk is printed")
     for key in ("width", "height", "length", "chunk", "stream_steps", "stream_shift", "timesteps"):
         add_flag(p, key, "stream")
     add_flag(p, "stream_cfg", "stream", "--cfg", dest="guidance_scale")

@@ -9,6 +9,7 @@ whole video goes to ``--out``. Every option is checked before the pool starts.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from ..cache_settings import cache_fields, check_stream_cache, describe_report, parse_cache
 from ..config import (check_prompt_switches, check_sampling, check_stream_layout, check_stream_options,
                       check_stream_start, latent_shape, parse_stream_timesteps)
+from ..driver.live_prompts import LivePrompts, StreamEnded
 from ..driver.pool import WorkerPool
 from ..driver.runner import PoolRunner
 from ..driver.timings import RunTimings
@@ -53,6 +55,32 @@ def check_stream_arguments(args) -> tuple[int, ...]:
     pool_config(args)  # the layout (world, tp, ulysses) and the device
     check_stream_layout(ring=args.ring, cfg_parallel=args.cfg_parallel)
     return shape
+
+
+def read_live_prompts(lines, progress: Progress) -> LivePrompts:
+    """``--live-prompts``: each non-empty line of ``lines`` (standard input) is posted to the stream as it is read;
+    where it applied (or why it did not) is printed. The reader is a daemon thread: it ends with the command."""
+    live = LivePrompts()
+
+    def report(text: str, future) -> None:
+        try:
+            progress.say(f"  prompt switched at chunk {future.result()}: {text}")
+        except StreamEnded as ended:
+            progress.say(f"  prompt not applied ({ended}): {text}")
+
+    def read() -> None:
+        for line in lines:
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                future = live.post(text)
+            except StreamEnded:
+                return
+            future.add_done_callback(lambda done, text=text: report(text, done))
+
+    threading.Thread(target=read, name="wanmesh-live-prompts", daemon=True).start()
+    return live
 
 
 def parse_prompt_switches(values: list[str]) -> dict[int, str]:
@@ -140,6 +168,7 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
         runner = PoolRunner(pool)
         with progress.phase("encode text", timings, "text_encode"):
             prompts = encode_prompts(runner, args, paths, list(args.prompt_switches.values()))
+        live_encoder = runner.load_text_encoder(paths["text_encoder"], dtype=args.dtype) if args.live_prompts else None
         with progress.phase("load model and VAE", timings, "weight_load"):
             model = runner.load_model(paths["model"], dtype=args.dtype, weights=args.weights)
             vae = runner.load_vae(paths["vae"], dtype=args.dtype)
@@ -152,12 +181,17 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
             steps=args.steps, shift=args.shift, timesteps=args.timesteps, guidance_scale=args.guidance_scale,
             chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
             vae_handle=vae, preview=True, start_latent=start_latent, cache=cache_fields(args.step_cache),
-            switch_chunks=list(args.prompt_switches), switch_positive=prompts[2:],
+            switch_chunks=list(args.prompt_switches), switch_positive=prompts[2:], live_text_encoder=live_encoder,
         )
+        live = read_live_prompts(sys.stdin, progress) if args.live_prompts else None
         with progress.phase(f"stream ({shape[2]} latent frames, chunks of {args.chunk})", timings, "streaming"):
             started = time.perf_counter()  # inside the phase: every chunk's time since start is within it
             writer = ChunkWriter(args.chunk_dir, args.fps, started, progress, timings)
-            result = runner.stream(request, on_chunk=writer, progress=progress.steps("chunk"))
+            try:
+                result = runner.stream(request, on_chunk=writer, progress=progress.steps("chunk"), live=live)
+            finally:
+                if live is not None:
+                    live.close("the stream ended before a later chunk")
         if result.cache_report:
             progress.say(f"  {describe_report(result.cache_report)}")
     with progress.phase(f"write {args.out}", timings, "write"):

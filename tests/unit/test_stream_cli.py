@@ -103,6 +103,34 @@ def test_prompt_at_switches_the_prompt_as_the_request_in_process(models, tmp_pat
     assert (latents["switched"][:, :, 4:] - latents["plain"][:, :, 4:]).abs().max() > 1e-2
 
 
+def test_live_prompts_from_standard_input_switch_where_the_command_says(models, tmp_path, capsys, monkeypatch):
+    """--live-prompts with a line on standard input: the command prints the chunk where it applied, and the saved
+    latents are the in-process stream's with a switch to that line at that chunk."""
+    import io
+    import re
+
+    from wanmesh.parallel.protocol import StreamSample
+    from wanmesh.parallel.tiny.files import TINY_FILES
+    from wanmesh.parallel.worker.executors import RankExecutor
+
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    monkeypatch.setattr("sys.stdin", io.StringIO("\na red balloon rises\n"))
+    saved = tmp_path / "latents.safetensors"
+    assert main(["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
+                 "--frames", "25", "--chunk", "2", "--steps", "2", "--seed", "3", "--device", "cpu", "--live-prompts",
+                 "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "chunks"),
+                 "--save-latents", str(saved)]) == 0, capsys.readouterr().err
+    said = re.findall(r"prompt switched at chunk (\d+): a red balloon rises", capsys.readouterr().err)
+    assert len(said) == 1, "the command did not say where the prompt applied"
+    engine = RankExecutor("cpu")
+    text = engine.load_text_encoder(str(models / TINY_FILES["text_encoder"]))
+    model = engine.load_model(str(models / TINY_FILES["model"]))
+    request = StreamSample(handle=model, latent=torch.zeros(1, 16, 7, 4, 4),
+                           positive=engine.encode_text(text, ["a fox"]), negative=[], seed=3, steps=2, chunk=2,
+                           switch_chunks=[int(said[0])], switch_positive=[engine.encode_text(text, ["a red balloon rises"])])
+    torch.testing.assert_close(load_file(str(saved))["latents"], engine.stream(request)[0], rtol=0, atol=1e-5)
+
+
 BAD = [
     (["--chunk", "0"], "chunk must be a whole number of latent frames >= 1, got 0"),
     (["--chunk", "3", "--kv-window", "2"], "kv_window=2 latent frames is smaller than a chunk of 3"),
