@@ -6,7 +6,8 @@ nodes, ComfyUI glue or driver code (``tests/unit/test_process_boundary.py`` chec
 """
 
 NODE_EXPORTS = ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS")
-__all__ = list(NODE_EXPORTS)
+WEB_DIRECTORY = "./nodes/web"  # the frontend extension (the Stream Sampler's live prompt), served by ComfyUI
+__all__ = [*NODE_EXPORTS, "WEB_DIRECTORY"]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ import pytest
 from browser import BrowserUnavailable, ComfyPage, LoadReport, launch_browser
 from comfyui_server import ComfyUIServer
 from PIL import Image
-from workflow_graph import UPLOAD_WIDGET_NAME, WORKFLOWS_DIR, is_link, load_workflow
+from workflow_graph import MAX_SEED, UPLOAD_WIDGET_NAME, WORKFLOWS_DIR, is_link, load_workflow
 from test_comfyui_server import VIDEO_NODE
 
 from wanmesh.parallel import read_video
@@ -401,3 +402,63 @@ def test_workflow_queued_from_the_browser_runs_and_saves_its_outputs(chromium: A
         finally:  # the finished run, or the error the page shows
             comfy.screenshot(server_under_test.screenshot_path(name, "done"))
         assert not comfy.errors, f"the page reported errors: {comfy.errors}"
+
+
+LIVE_PROMPT = "the fox turns into a flock of birds"
+_SET_STREAM_SEED_JS = """(seed) => {
+    const node = app.graph._nodes.find((n) => n.comfyClass === "WanMeshStreamSampler");
+    node.widgets.find((w) => w.name === "seed").value = seed;
+}"""
+_SEND_LIVE_PROMPT_JS = """(text) => {
+    const node = app.graph._nodes.find((n) => n.comfyClass === "WanMeshStreamSampler");
+    node.widgets.find((w) => w.name === "live_prompt").value = text;
+    node.widgets.find((w) => w.name === "send live prompt").callback();
+}"""
+_LIVE_STATUS_JS = """() => app.graph._nodes.find((n) => n.comfyClass === "WanMeshStreamSampler")
+    .widgets.find((w) => w.name === "live_status").value"""
+
+
+def saved_video(server: ComfyUIServer, outputs: dict[str, Any], prompt: dict[str, Any]) -> Path:
+    (save_id,) = [node_id for node_id, node in prompt.items() if node["class_type"] == "WanMeshSaveVideo"]
+    (item,) = files_listed_in_history({save_id: outputs[save_id]})[save_id]
+    return server.output_dir / item["subfolder"] / item["filename"]
+
+
+def test_a_live_prompt_sent_from_the_stream_sampler_switches_the_stream(chromium: Any,
+                                                                        recent_comfyui_server: ComfyUIServer) -> None:
+    """stream_t2v in today's frontend: a prompt typed into the WanMesh Stream Sampler's live_prompt and sent with its
+    button right after Queue applies at chunk 1 (the node says so), and the video equals the API run of the same
+    workflow with a WanMesh Prompt Switch to that text at chunk 1 chained before its own switch."""
+    server = recent_comfyui_server
+    comfy, report = load_in_browser(chromium, server, "stream_t2v")
+    with comfy:
+        assert_loaded_cleanly(report, load_workflow("stream_t2v.json"))
+        # a seed of its own: ComfyUI would answer the workflow's own seed from its cache without streaming
+        comfy.page.evaluate(_SET_STREAM_SEED_JS, random.randint(0, MAX_SEED))
+        queued = comfy.queue_from_ui()
+        assert queued.http_status == 200, f"POST /prompt answered {queued.http_status}: {queued.answer}"
+        comfy.page.evaluate(_SEND_LIVE_PROMPT_JS, LIVE_PROMPT)
+        comfy.page.wait_for_function(f"() => !({_LIVE_STATUS_JS})().startsWith('waiting') && ({_LIVE_STATUS_JS})()",
+                                     timeout=PROMPT_TIMEOUT_S * 1000)
+        status = comfy.page.evaluate(_LIVE_STATUS_JS)
+        result = server.wait_for(queued.prompt_id, PROMPT_TIMEOUT_S)
+        assert result.status == "success", f"{result.error_text()}\n--- server log ---\n{server.log()}"
+        assert status == "switched at chunk 1", status
+        assert not comfy.errors, f"the page reported errors: {comfy.errors}"
+
+    scheduled = copy.deepcopy(queued.prompt)
+    (sampler_id,) = [node_id for node_id, node in scheduled.items() if node["class_type"] == "WanMeshStreamSampler"]
+    sampler_inputs = scheduled[sampler_id]["inputs"]
+    encoder = sampler_inputs["text_encoder"]
+    scheduled["live_text"] = {"class_type": "WanMeshTextEncode", "inputs": {"text_encoder": encoder,
+                                                                            "text": LIVE_PROMPT}}
+    scheduled["live_switch"] = {"class_type": "WanMeshPromptSwitch", "inputs": {"positive": ["live_text", 0],
+                                                                                "chunk": 1}}
+    own_switch = sampler_inputs["prompt_switches"][0]
+    scheduled[own_switch]["inputs"]["switches"] = ["live_switch", 0]
+    scheduled_result = server.run(scheduled, PROMPT_TIMEOUT_S)
+    assert scheduled_result.status == "success", scheduled_result.error_text()
+    live_frames = read_video(saved_video(server, result.outputs, queued.prompt)).float()
+    scheduled_frames = read_video(saved_video(server, scheduled_result.outputs, scheduled)).float()
+    assert live_frames.shape == scheduled_frames.shape
+    assert (live_frames - scheduled_frames).abs().max() <= 2, "the live switch is not the scheduled one at chunk 1"

@@ -134,12 +134,15 @@ LIVE_TEXTS = ("the fox leaps over a frozen stream", "the fox curls up asleep in 
 LIVE_LENGTH = 33  # 9 latent frames: chunks of 2 give 5 chunks, so the second post has chunks left to land on
 
 
-def _without_switches(prompt: dict[str, Any], **sampler_inputs: Any) -> dict[str, Any]:
-    """The stream workflow with its WanMesh Prompt Switch (and its text) left out, LIVE_LENGTH frames long."""
+def _without_switches(prompt: dict[str, Any], live: bool) -> dict[str, Any]:
+    """The stream workflow with its WanMesh Prompt Switch (and its text) left out, LIVE_LENGTH frames long; its
+    text encoder connected to the sampler's ``text_encoder`` when ``live`` (else not: no posted prompts)."""
     sampler_id = _node_id(prompt, SAMPLER)
     switch_id = prompt[sampler_id]["inputs"]["prompt_switches"][0]
     dropped = {switch_id, prompt[switch_id]["inputs"]["positive"][0]}
-    inputs = {key: value for key, value in prompt[sampler_id]["inputs"].items() if key != "prompt_switches"}
+    inputs = {key: value for key, value in prompt[sampler_id]["inputs"].items()
+              if key not in ("prompt_switches", "text_encoder")}
+    sampler_inputs = {"text_encoder": [_node_id(prompt, "WanMeshTextEncoderLoader"), 0]} if live else {}
     prompt = {node_id: node for node_id, node in prompt.items() if node_id not in dropped}
     prompt[sampler_id] = {**prompt[sampler_id], "inputs": {**inputs, **sampler_inputs}}
     latent_id = _node_id(prompt, "WanMeshEmptyLatent")
@@ -172,8 +175,7 @@ def _post_prompt(server: ComfyUIServer, stream_id: str, body: Any) -> tuple[int,
 def test_prompts_posted_to_a_running_stream_switch_it_as_prompt_switch_nodes_do(
         recent_comfyui_server: ComfyUIServer, stream_prompt: dict[str, Any]) -> None:
     server = recent_comfyui_server
-    encoder_id = _node_id(stream_prompt, "WanMeshTextEncoderLoader")
-    live = _without_switches(stream_prompt, text_encoder=[encoder_id, 0])
+    live = _without_switches(stream_prompt, live=True)
     prompt_id = server.submit(live)
     assert not isinstance(prompt_id, RejectedPrompt), prompt_id.error_text()
     answers = [_post_prompt(server, prompt_id, {"prompt": text}) for text in LIVE_TEXTS]  # the 2nd once the 1st applied
@@ -183,7 +185,7 @@ def test_prompts_posted_to_a_running_stream_switch_it_as_prompt_switch_nodes_do(
     chunks = {answer["prompt"]: answer["chunk"] for _, answer in answers}
     assert chunks[LIVE_TEXTS[0]] == 1 and chunks[LIVE_TEXTS[1]] > 1, answers  # the queued post: the first chunk it can
 
-    scheduled = _with_scheduled_switches(_without_switches(stream_prompt), chunks)
+    scheduled = _with_scheduled_switches(_without_switches(stream_prompt, live=False), chunks)
     scheduled_id = server.submit(scheduled)
     assert not isinstance(scheduled_id, RejectedPrompt), scheduled_id.error_text()
     status, refused = _post_prompt(server, scheduled_id, {"prompt": LIVE_TEXTS[0]})  # this one has no text encoder

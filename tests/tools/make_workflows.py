@@ -254,7 +254,8 @@ def stream_graph(w: WorkflowBuilder, name: str, start_image: str | None = None,
                  switch: tuple[int, str] | None = None) -> None:
     """Causal streaming on two Ulysses ranks: chunks of 2 latent frames, each decoded, saved and announced; with
     ``start_image`` the stream starts from that image (its latent frame first); with ``switch`` (chunk, prompt)
-    the prompt changes before that chunk (a WanMesh Prompt Switch)."""
+    the prompt changes before that chunk (a WanMesh Prompt Switch). The text encoder is connected to the sampler's
+    ``text_encoder`` too, so prompts typed into its live prompt while the stream runs switch it."""
     pool_id = pool(w, ulysses=2)
     encoder = w.node("WanMeshTextEncoderLoader", [COLUMNS[1], 40],
                      {"text_encoder_name": "umt5_tiny.safetensors", "dtype": "auto"}, {"pool": (pool_id, 0)})
@@ -266,7 +267,8 @@ def stream_graph(w: WorkflowBuilder, name: str, start_image: str | None = None,
     vae = wanmesh_vae(w, pool_id)
     latent = w.node("WanMeshEmptyLatent", [COLUMNS[2], 460], {"width": 64, "height": 64, "length": 17,
                                                                "batch_size": 1})
-    links = {"model": (model, 0), "positive": (positive, 0), "latent": (latent, 0), "vae": (vae, 0)}
+    links = {"model": (model, 0), "positive": (positive, 0), "latent": (latent, 0), "vae": (vae, 0),
+             "text_encoder": (encoder, 0)}
     if start_image is not None:
         links["start_image"] = (load_image(w, start_image, 860), 0)
     if switch is not None:

@@ -45,6 +45,7 @@ FLAG_ONLY = {"--models", "--model", "--vae", "--text-encoder", "--vace-module", 
              "--chunk-dir", "--image", "--last-image", "--clip-vision", "--control-video", "--quiet", "-q", "--help", "-h"}
 FLAG_ONLY |= {"--camera-motion", "--camera-speed"}  # Fun Camera's preset motions (native WanCameraEmbedding's)
 FLAG_ONLY |= {"--prompt-at"}  # prompt switches: prompts, which the node takes as WanMesh Prompt Switch nodes
+FLAG_ONLY |= {"--live-prompts"}  # prompts while streaming: the node takes them from its live prompt, not an input
 
 
 @pytest.fixture(scope="module")
