@@ -8,11 +8,16 @@ fused and the gather variants run in turn (interleaved, so drifting machine load
 warm-up run each. The table gives the median over ``--repeats`` runs with the fastest and slowest run; times
 are the slowest rank's. On CPU (gloo) collectives are slow and all-to-all is emulated, so the exchanged bytes
 and collective calls per chunk are shown beside the times; judge speed on GPUs.
+
+Each world also streams the video with a prompt switch before its middle chunk, interleaved with the fused runs:
+the switch's cost is how much longer that chunk took than in the run without it (median over the paired runs),
+given in seconds and in chunks' time, with the number of earlier chunks the switch re-encoded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row (median, min and max are shown)")
     parser.add_argument("--plot", type=Path, default=Path("wanmesh_bench_stream.png"), help="PNG to write")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     return parser
 
 
@@ -72,16 +78,25 @@ def _plan(world: int, rank: int, device: torch.device):
     return ParallelContext(config=config, rank=rank, device=device, mesh=mesh, coords=rank_coordinates(config, rank))
 
 
-def _one_run(model, inputs: dict, plan, fused: bool) -> dict:
-    """One streamed video: seconds from the start to each finished chunk, and this rank's largest KV cache."""
+def _one_run(model, inputs: dict, plan, fused: bool, switches: dict | None = None) -> dict:
+    """One streamed video: seconds from the start to each finished chunk, this rank's largest KV cache, and the
+    chunks each prompt switch re-encoded."""
     from ..sampling.stream import sample_stream
 
     stats: dict = {}
     if dist.is_initialized():
         dist.barrier()
     began = time.perf_counter()
-    sample_stream(model, plan=plan, fused_all_to_all=fused, stats=stats, **inputs)
-    return {"arrivals": stats["chunk_seconds"], "total": time.perf_counter() - began, "cache_bytes": stats["cache_bytes"]}
+    sample_stream(model, plan=plan, fused_all_to_all=fused, stats=stats, prompt_switches=switches, **inputs)
+    return {"arrivals": stats["chunk_seconds"], "total": time.perf_counter() - began, "cache_bytes": stats["cache_bytes"],
+            "recached": stats.get("recached_chunks", {})}
+
+
+def switch_chunk(settings: dict) -> int:
+    """The chunk before which the switched runs change the prompt: the middle one (at least chunk 1)."""
+    count = len(stream_chunks(latent_shape(settings["width"], settings["height"], settings["frames"])[2],
+                              settings["chunk"]))
+    return max(1, count // 2)
 
 
 def _slowest(values: list[float], device: torch.device) -> list[float]:
@@ -104,18 +119,36 @@ def rank_main(rank: int, world: int, settings: dict, folder: str) -> None:
     inputs = dict(positive=text.to(device=device, dtype=next(model.parameters()).dtype), negative=None,
                   latent_shape=shape, seed=0, sigmas=stream_module.stream_sigmas(settings["steps"], 5.0),
                   chunk=settings["chunk"])
-    variants = [fused for name, size, fused in ROWS if (size == 1) == (world == 1)]
-    samples: dict[bool, list[list[float]]] = {fused: [] for fused in variants}
-    peaks: dict[bool, int] = {}
+    other = torch.randn(text.shape, generator=torch.Generator().manual_seed(2))
+    switches = {switch_chunk(settings): other.to(device=inputs["positive"].device, dtype=inputs["positive"].dtype)}
+    variants = [str(fused) for name, size, fused in ROWS if (size == 1) == (world == 1)] + ["switch"]
+    samples: dict[str, list[list[float]]] = {variant: [] for variant in variants}
+    peaks: dict[str, int] = {}
+    recached: dict = {}
     for repeat in range(settings["repeats"] + 1):  # the first round is the warm-up
-        for fused in variants:
-            run = _one_run(model, inputs, plan, fused)
-            peaks[fused] = run["cache_bytes"]
+        for variant in variants:
+            switched = variant == "switch"
+            run = _one_run(model, inputs, plan, variant != "False", switches if switched else None)
+            peaks[variant] = run["cache_bytes"]
+            recached = run["recached"] if switched else recached
             if repeat:
-                samples[fused].append(_slowest(run["arrivals"] + [run["total"]], device))
+                samples[variant].append(_slowest(run["arrivals"] + [run["total"]], device))
     if rank == 0:
-        write_rank_result(folder, rank, {str(fused): {"runs": runs, "cache_bytes": peaks[fused]}
-                                         for fused, runs in samples.items()})
+        result = {variant: {"runs": runs, "cache_bytes": peaks[variant]} for variant, runs in samples.items()}
+        result["switch"]["recached"] = {str(chunk): count for chunk, count in recached.items()}
+        write_rank_result(folder, rank, result)
+
+
+def switch_cost(result: dict, settings: dict) -> dict:
+    """The prompt switch's extra time: its chunk's time in each switched run less that in the paired fused run
+    without it; median, min and max in seconds, and the median in chunks' time."""
+    chunk = switch_chunk(settings)
+    extra = [(switched[chunk] - switched[chunk - 1]) - (plain[chunk] - plain[chunk - 1])
+             for switched, plain in zip(result["switch"]["runs"], result["True"]["runs"])]
+    chunk_times = [plain[chunk] - plain[chunk - 1] for plain in result["True"]["runs"]]
+    median = statistics.median(extra)
+    return {"chunk": chunk, "recached_chunks": int(result["switch"]["recached"][str(chunk)]),
+            "extra_s": (median, min(extra), max(extra)), "chunks": median / statistics.median(chunk_times)}
 
 
 def _row(name: str, world: int, fused: bool, result: dict, settings: dict) -> dict:
@@ -153,6 +186,13 @@ def format_table(rows: list[dict], settings: dict) -> str:
         calls = str(exchange["calls"]) if exchange else "-"
         lines.append(f"{row['name']:<24}{cells[0]:>26}{cells[1]:>26}{cells[2]:>26}{mib(row['cache_bytes']):>16}"
                      f"{sent:>14}{calls:>11}")
+    for row in rows:
+        cost = row.get("switch")
+        if cost is not None:
+            lines.append(f"{row['name']}: a prompt switch before chunk {cost['chunk']} re-encodes "
+                         f"{cost['recached_chunks']} earlier chunk(s) and adds {cost['extra_s'][0]:.3f} s "
+                         f"[{cost['extra_s'][1]:.3f}..{cost['extra_s'][2]:.3f}] to that chunk: "
+                         f"{cost['chunks']:.2f} chunks' time")
     for degree in sorted({row["world"] for row in rows if row["world"] > 1}):
         fused = next(r for r in rows if r["world"] == degree and r["fused"])
         gather = next(r for r in rows if r["world"] == degree and not r["fused"])
@@ -193,7 +233,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     check_stream_options(shape[2], args.chunk, None, 0)
     degrees = int_list(args.sp, "--sp")
     check_repeats(args.repeats)
-    settings = {k: v for k, v in vars(args).items() if k != "plot"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("plot", "json")}
     rows = []
     for world in [1, *degrees]:
         result = run_world(rank_main, world, settings)[0]
@@ -201,8 +241,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             if (size == 1) == (world == 1):
                 label = name.replace("SP", f"SP {world}") if world > 1 else name
                 rows.append(_row(label, world, fused, result[str(fused)], settings))
+                if fused:
+                    rows[-1]["switch"] = switch_cost(result, settings)
     table = format_table(rows, settings)
     print(table)
     write_plot(rows, args.plot, table.splitlines()[0])
     print(f"plot: {args.plot}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
     return rows

@@ -163,3 +163,25 @@ def test_bad_options_exit_2_with_one_line_before_any_work(extra, message, tmp_pa
     assert len(error.splitlines()) == 1 and error.startswith("wanmesh: error:")
     assert message in error
     assert not (tmp_path / "c").exists()
+
+
+def test_bench_stream_reports_the_prompt_switch_cost_of_each_layout(tmp_path, capsys):
+    """`wanmesh bench stream`: world 1 and Ulysses 2 rows, each fused row with its prompt switch measured (the
+    chunks it re-encoded counted by the sampler: every chunk before the switch, as no KV window is set), in the
+    table and the JSON."""
+    import json
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "stream", "--width", "32", "--height", "32", "--frames", "25", "--chunk", "2",
+                 "--steps", "2", "--repeats", "1", "--plot", str(tmp_path / "bench.png"), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["world"] for row in rows] == [1, 2, 2]
+    switched = [row for row in rows if "switch" in row]
+    assert [row["fused"] for row in switched] == [True, True]
+    for row in switched:
+        assert row["switch"]["chunk"] == 2 and row["switch"]["recached_chunks"] == 2  # 4 chunks of 2: the middle
+        median, low, high = row["switch"]["extra_s"]
+        assert low <= median <= high
+    table = capsys.readouterr().out
+    assert "world 1: a prompt switch before chunk 2 re-encodes 2 earlier chunk(s)" in table
+    assert (tmp_path / "bench.png").stat().st_size > 0
