@@ -2,7 +2,7 @@
 each chunk is the matching slice of the final result, the joined chunk frames equal one whole VAE decode, the
 pool's result equals one device's, a cancel between steps keeps the chunks already delivered, and prompts posted
 while the stream runs (one before it starts, one when chunk 0 arrives) switch it at the chunks they report, as
-scheduled switches at those chunks do on one device."""
+scheduled switches at those chunks do on one device (on Ulysses 2 and on tensor parallel 2)."""
 
 from __future__ import annotations
 
@@ -134,8 +134,18 @@ def test_bad_requests_fail_in_the_driver(runner, reference):
                                    negative=[], seed=0, timesteps=[250.0, 500.0]))
 
 
-def test_prompts_posted_while_streaming_switch_like_scheduled_switches(runner, reference, tiny):
-    runner, model, _ = runner
+@pytest.fixture(scope="module")
+def tp_runner(tiny, reference):
+    """Tensor parallel 2: the text encoder and the causal model sharded, so a posted prompt's encoding is a
+    collective inside the chunk loop."""
+    with cpu_pool(world=2, tp=2) as pool:
+        runner = PoolRunner(pool)
+        yield runner, runner.load_model(tiny["t2v"]), None
+
+
+@pytest.mark.parametrize("layout", ["ulysses2", "tp2"])
+def test_prompts_posted_while_streaming_switch_like_scheduled_switches(layout, request, reference, tiny):
+    runner, model, _ = request.getfixturevalue("runner" if layout == "ulysses2" else "tp_runner")
     text_encoder = runner.load_text_encoder(tiny["text_encoder"])
     live = LivePrompts()
     posted = {"a dog on a beach": live.post("a dog on a beach")}  # before the stream starts: chunk 1
