@@ -195,10 +195,12 @@ def _expert_fields(args) -> dict:
             "guidance_scale_low": getattr(args, "guidance_scale_low", None), "end_step": getattr(args, "end_step", None)}
 
 
-def encode_prompts(runner: PoolRunner, args, files, more: list[str] = ()) -> list[list[torch.Tensor]]:
-    """--prompt, --negative and the ``more`` prompts (in order) embedded by the pool's text encoder, which is
-    unloaded afterwards."""
-    text = runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
+def encode_prompts(runner: PoolRunner, args, files, more: list[str] = (),
+                   text_encoder: str | None = None) -> list[list[torch.Tensor]]:
+    """--prompt, --negative and the ``more`` prompts (in order) embedded by the pool's text encoder: the loaded
+    ``text_encoder`` handle, kept; else the file's, loaded for this and unloaded afterwards."""
+    text = text_encoder or runner.load_text_encoder(files["text_encoder"], dtype=args.dtype)
     embedded = [runner.encode_text(text, [prompt]) for prompt in (args.prompt, args.negative, *more)]
-    runner.unload(text)
+    if text_encoder is None:
+        runner.unload(text)
     return embedded

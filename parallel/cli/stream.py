@@ -167,8 +167,9 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
     with workers as pool:
         runner = PoolRunner(pool)
         with progress.phase("encode text", timings, "text_encode"):
-            prompts = encode_prompts(runner, args, paths, list(args.prompt_switches.values()))
-        live_encoder = runner.load_text_encoder(paths["text_encoder"], dtype=args.dtype) if args.live_prompts else None
+            # --live-prompts keeps the text encoder loaded: the ranks encode each prompt read while streaming
+            live_encoder = runner.load_text_encoder(paths["text_encoder"], dtype=args.dtype) if args.live_prompts else None
+            prompts = encode_prompts(runner, args, paths, list(args.prompt_switches.values()), live_encoder)
         with progress.phase("load model and VAE", timings, "weight_load"):
             model = runner.load_model(paths["model"], dtype=args.dtype, weights=args.weights)
             vae = runner.load_vae(paths["vae"], dtype=args.dtype)
