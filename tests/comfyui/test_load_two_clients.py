@@ -27,6 +27,7 @@ from test_free_memory import post_free, workers, workers_exit
 from workflow_graph import MAX_SEED, load_workflow
 
 from wanmesh.parallel import read_video
+from wanmesh.parallel.driver.local import OWNER_FILE, POOL_DIR_PREFIX
 
 WORKFLOWS = ("t2v", "t2v_lora", "vace_r2v", "stream_t2v", "wan22_two_experts")
 PROMPTS_PER_CLIENT_AND_ROUND = 5  # two clients, four rounds: 40 prompts
@@ -105,15 +106,26 @@ def worker_anonymous_rss(server: ComfyUIServer) -> int:
     return sum(info.rss - info.shared for info in (process.memory_info() for process in workers(server)))
 
 
-def pool_folders() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("wanmesh-pool-*"))
+def pool_folders(server: ComfyUIServer) -> set[Path]:
+    """The pool temp folders this server's pools made (their owner file names the server's process): the other
+    test processes' servers and pools, running meanwhile, make their own."""
+    folders = set()
+    for folder in Path(tempfile.gettempdir()).glob(f"{POOL_DIR_PREFIX}*"):
+        try:
+            owner = int((folder / OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            continue  # being made or removed
+        if owner == server.pid:
+            folders.add(folder)
+    return folders
 
 
 def test_two_clients_forty_mixed_prompts_with_free_and_a_pool_change(comfyui_server: ComfyUIServer) -> None:
-    folders_before = pool_folders()
+    folders_before = pool_folders(comfyui_server)
     rng = random.Random(2026)
     finish_round(comfyui_server, queue_round(comfyui_server, FIRST_POOL, rng))
     first_pool_rss = worker_anonymous_rss(comfyui_server)
+    assert pool_folders(comfyui_server) - folders_before, "the running pool's temp folder is not found as the server's"
 
     post_free(comfyui_server, unload_models=True)
     finish_round(comfyui_server, queue_round(comfyui_server, SECOND_POOL, rng))
@@ -134,7 +146,7 @@ def test_two_clients_forty_mixed_prompts_with_free_and_a_pool_change(comfyui_ser
 
     workers_exit(comfyui_server, unload_models=True, free_memory=True)
     deadline = time.monotonic() + EXIT_DEADLINE_S
-    while pool_folders() - folders_before and time.monotonic() < deadline:
+    while pool_folders(comfyui_server) - folders_before and time.monotonic() < deadline:
         time.sleep(0.25)
-    left = pool_folders() - folders_before
+    left = pool_folders(comfyui_server) - folders_before
     assert not left, f"pool temp folders left behind: {left}"

@@ -163,6 +163,11 @@ class ComfyUIServer:
                 time.sleep(POLL_INTERVAL_S)
         raise ComfyUIError(f"ComfyUI did not answer /object_info within {timeout_s:.0f} s:\n{self.log()}")
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (the driver of the pools it starts)."""
+        return self._process.pid
+
     def descendants(self) -> list[psutil.Process]:
         """The server's live child processes, recursively (worker pools included); all are remembered for ``stop``."""
         if self._process is None:
