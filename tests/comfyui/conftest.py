@@ -1,9 +1,13 @@
 """Fixtures for the tests against a real ComfyUI server with this pack in its ``custom_nodes``.
 
-The servers are started once per test module on the ComfyUI copies that
-``tests/tools/prepare_comfyui.py`` makes (``comfyui_server``: the 2024 copy;
-``recent_comfyui_server``: ComfyUI 0.33), with tiny models written by
-``wanmesh make-tiny``. Outside CI a ComfyUI copy that cannot be prepared (no
+The servers run on the ComfyUI copies that ``tests/tools/prepare_comfyui.py``
+makes (``comfyui_server``: the 2024 copy; ``recent_comfyui_server``: ComfyUI
+0.33), with tiny models written by ``wanmesh make-tiny``. Each is started once
+per test process and shared by its modules, as a user's server serves one
+workflow after another (a start and stop costs about 16 s of the 2 cores, paid
+once instead of per module); a module that counts the server's pools or memory
+from a known start takes ``own_comfyui_server`` / ``own_recent_comfyui_server``,
+started for that module alone. Outside CI a ComfyUI copy that cannot be prepared (no
 access to the package registry) skips these tests; with ``CI=true`` it fails
 them, so CI never passes without having run them.
 """
@@ -102,18 +106,33 @@ def _serve(server_class: type[ComfyUIServer], comfy_dir: Path, tiny_models_dir: 
     assert not left_behind, f"processes outlived the ComfyUI server (killed now): {left_behind}"
 
 
-# Module scope: the server is stopped once its tests are done, not left idle while other suites run.
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def comfyui_server(comfyui_dir: Path, tiny_models_dir: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
-    """A running 2024 ComfyUI server; at teardown it is stopped and must leave no processes behind."""
+    """The shared running 2024 ComfyUI server; at the end of the session it is stopped and must leave no
+    processes behind."""
+    yield from _serve(ComfyUIServer, comfyui_dir, tiny_models_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def recent_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """The shared running ComfyUI 0.33 server; at the end of the session it is stopped and must leave no processes
+    behind."""
+    yield from _serve(RecentComfyUIServer, recent_comfyui_dir, tiny_models_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def own_comfyui_server(comfyui_dir: Path, tiny_models_dir: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """A 2024 ComfyUI server of this module alone (no pool or cache of other modules in it)."""
     yield from _serve(ComfyUIServer, comfyui_dir, tiny_models_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def recent_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
-                          tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
-    """A running ComfyUI 0.33 server; at teardown it is stopped and must leave no processes behind."""
+def own_recent_comfyui_server(recent_comfyui_dir: Path, tiny_models_dir: Path,
+                              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyUIServer]:
+    """A ComfyUI 0.33 server of this module alone (no pool or cache of other modules in it)."""
     yield from _serve(RecentComfyUIServer, recent_comfyui_dir, tiny_models_dir, tmp_path_factory)
 
 

@@ -51,6 +51,12 @@ UNLOAD_LOG = "unloaded the worker pool's models (its workers stay up"
 EVICTION_LOG = "memory budget"  # the worker's warning when the budget unloads a model (residency.py)
 
 
+@pytest.fixture(scope="module")
+def comfyui_server(own_comfyui_server: ComfyUIServer) -> ComfyUIServer:
+    """This module's own server: it measures the workers' memory and pools from a server that ran nothing else."""
+    return own_comfyui_server
+
+
 def quick_prompt(**pool_inputs) -> dict:
     prompt = with_inputs(load_workflow("api/t2v.json"), "WanMeshSampler", steps=1)
     if pool_inputs:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from comfyui_server import ComfyUIServer, PromptResult
 from PIL import Image
 from test_free_memory import post_free, workers, workers_exit
@@ -28,6 +29,13 @@ from workflow_graph import MAX_SEED, load_workflow
 
 from wanmesh.parallel import read_video
 from wanmesh.parallel.driver.local import OWNER_FILE, POOL_DIR_PREFIX
+
+
+@pytest.fixture(scope="module")
+def comfyui_server(own_comfyui_server: ComfyUIServer) -> ComfyUIServer:
+    """This module's own server: it measures the workers' memory and pools from a server that ran nothing else."""
+    return own_comfyui_server
+
 
 WORKFLOWS = ("t2v", "t2v_lora", "vace_r2v", "stream_t2v", "wan22_two_experts")
 PROMPTS_PER_CLIENT_AND_ROUND = 5  # two clients, four rounds: 40 prompts
