@@ -72,7 +72,7 @@ class ChunkSaver:
         server = PromptServer.instance
         message = {**self.file_info(filename), "chunk": chunk.index, "start_latent_frame": chunk.start_frame,
                    "first_frame": chunk.first_image_frame, "frames": int(chunk.frames.shape[0]),
-                   "prompt_id": getattr(server, "last_prompt_id", None), "node": self.node_id}
+                   "prompt_id": _running_prompt_id(), "node": self.node_id}
         server.send_sync(CHUNK_EVENT, message, getattr(server, "client_id", None))
 
     def save_whole(self, frames: torch.Tensor) -> dict:
@@ -82,10 +82,11 @@ class ChunkSaver:
         return self.file_info(filename)
 
 
-def _comfyui_prompt_id() -> str:
+def _running_prompt_id() -> str | None:
+    """The id of the ComfyUI prompt being executed (its server keeps it as ``last_prompt_id``)."""
     from server import PromptServer  # ComfyUI's server module
 
-    return str(getattr(PromptServer.instance, "last_prompt_id", None))
+    return getattr(PromptServer.instance, "last_prompt_id", None)
 
 
 def _live_text_encoder(text_encoder, model) -> str | None:
@@ -200,7 +201,7 @@ class WanMeshStreamSampler:
         arrange_for_job(model, samples, steps, cfg, streaming=True)
         bar = comfy.utils.ProgressBar(1)
         saver = ChunkSaver(filename_prefix, samples.shape[-1] * 8, samples.shape[-2] * 8, fps, bar, unique_id)
-        stream_id = _comfyui_prompt_id()
+        stream_id = str(_running_prompt_id())
         live = live_streams.open_stream(stream_id, takes_prompts=text_encoder is not None)
         ended = f"the stream of prompt {stream_id} failed or was stopped before a later chunk"
         try:

@@ -23,6 +23,9 @@ from .cache_settings import cache_settings, check_cache, check_stream_cache
 
 PROTOCOL_VERSION = 1
 TENSOR_TAG = "__tensor__"
+# The event rank 0 sends (in a progress message) when a prompt posted to a running stream is applied:
+# {LIVE_PROMPT_EVENT: {"chunk": the first chunk under it, "prompt": its text}}.
+LIVE_PROMPT_EVENT = "prompt_switched"
 
 PackTensor = Callable[[torch.Tensor], Any]
 UnpackTensor = Callable[[Any], torch.Tensor]

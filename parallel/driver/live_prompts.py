@@ -4,8 +4,8 @@ A client posts a prompt text from another thread (the pack's ``POST /wanmesh/str
 pool call of the running stream takes the new texts at its next poll and sends them to rank 0 as ``live``
 messages. Rank 0 applies the oldest pending text at the next chunk boundary (every rank learns it by one
 broadcast, and every rank encodes it with the stream's text encoder), and reports the chunk as a
-``prompt_switched`` event; ``applied`` then answers the poster's future with that chunk. What the stream cannot
-apply any more (it ended, failed or was cancelled) is answered with the reason by ``close``.
+``protocol.LIVE_PROMPT_EVENT`` event; ``applied`` then answers the poster's future with that chunk. What the
+stream cannot apply any more (it ended, failed or was cancelled) is answered with the reason by ``close``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future
-
-LIVE_PROMPT_EVENT = "prompt_switched"  # rank 0's event: {"chunk": index, "text": text}
 
 
 class StreamEnded(RuntimeError):

@@ -118,7 +118,6 @@ class PoolRunner:
         chunk as soon as rank 0 sends it, ``progress(step, total)`` every step. Raises ``Cancelled`` on cancel
         (chunks already delivered stay delivered). ``live`` (``live_prompts.LivePrompts``, with the request's
         ``live_text_encoder``): prompts posted while it runs, each applied at the next chunk boundary."""
-        from .live_prompts import LIVE_PROMPT_EVENT
         from .stream_chunks import chunk_progress
 
         request.validate()
@@ -127,8 +126,8 @@ class PoolRunner:
             raise ValueError("live prompts need the stream's live_text_encoder (the loaded text encoder's handle)")
 
         def on_event(event: dict) -> None:
-            if live is not None and LIVE_PROMPT_EVENT in event:
-                live.applied(event[LIVE_PROMPT_EVENT])
+            if live is not None and P.LIVE_PROMPT_EVENT in event:
+                live.applied(event[P.LIVE_PROMPT_EVENT])
 
         return self.pool.call(request, progress=chunk_progress(on_chunk, progress, on_event),
                               should_cancel=should_stop, live_inputs=None if live is None else live.take_new)

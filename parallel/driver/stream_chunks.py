@@ -39,7 +39,7 @@ def chunk_from_message(chunk: dict) -> StreamChunk:
 
 def chunk_progress(on_chunk: Callable[[StreamChunk], None] | None, progress: Callable | None,
                    on_event: Callable[[dict], None] | None = None) -> Callable:
-    """The pool's progress callback for a stream: chunks go to ``on_chunk``, events (``{"prompt_switched":
+    """The pool's progress callback for a stream: chunks go to ``on_chunk``, events (``{protocol.LIVE_PROMPT_EVENT:
     {...}}``) to ``on_event``, steps to ``progress``."""
 
     def report(step: int, total: int, preview=None, chunk: dict | None = None, event: dict | None = None) -> None:

@@ -16,7 +16,7 @@ import torch
 from ..networks.frames import pixels_to_frames
 from ..networks.vae_stream import StreamingVaeDecoder
 from ..networks.wan_inputs import compute_dtype
-from ..protocol import StreamSample
+from ..protocol import LIVE_PROMPT_EVENT, StreamSample
 from ..sampling.loop import text_context
 
 
@@ -51,7 +51,7 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
     """(raw latents [B, 16, T, h, w], frames or None, the step cache's report or {}) for a validated request;
     every rank calls it together (and, with a step cache, checks that all took the same decisions).
     ``live_prompt()``: (text, its embeddings) of a prompt posted while the stream runs, or None; the same on every
-    rank. Rank 0 reports the chunk where each applies as a ``prompt_switched`` event."""
+    rank. Rank 0 reports the chunk where each applies as a ``protocol.LIVE_PROMPT_EVENT`` event."""
     from ..cache_settings import cache_settings
     from ..sampling.stream import sample_stream, stream_sigmas  # the causal model code loads with the request
 
@@ -72,7 +72,7 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
         text, embeddings = posted
         send = getattr(progress, "send_event", None)
         if rank == 0 and send is not None:
-            send({"prompt_switched": {"chunk": int(index), "prompt": text}})
+            send({LIVE_PROMPT_EVENT: {"chunk": int(index), "prompt": text}})
         return text_context(embeddings, batch, dtype, device)
 
     latents = sample_stream(
