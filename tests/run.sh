@@ -46,6 +46,7 @@ if [ "${WANMESH_SKIP_INSTALL:-0}" != "1" ]; then
     echo "== prepare the ComfyUI copies"
     "$PYTHON" tests/tools/prepare_comfyui.py
 fi
+install_seconds=$SECONDS
 
 echo "== run the tests"
 # -ra lists every skip and failure in the final summary; a hung test fails after the timeout.
@@ -64,6 +65,18 @@ fi
 # 21 min against 26 serially. The halves run one after the other so that the second's servers and browsers
 # do not share the cores with the first's compute-bound ranks.
 status=0
-pytest_run -n 2 --dist loadfile --no-loadscope-reorder tests/unit tests/distributed || status=$?
-pytest_run -n 2 --dist loadfile --no-loadscope-reorder tests/comfyui tests/faults || status=$?
+time_row() { printf '%-28s %3d:%02d\n' "$1" $(($2 / 60)) $(($2 % 60)); }  # name, seconds
+times="$(time_row install "$install_seconds")"$'\n'
+run_suite() {  # name, test folders...; keeps going after a failure, and notes the suite's minutes
+    local name="$1" started=$SECONDS seconds
+    shift
+    pytest_run -n 2 --dist loadfile --no-loadscope-reorder "$@" || status=$?
+    seconds=$((SECONDS - started))
+    times+="$(time_row "$name" "$seconds")"$'\n'
+}
+run_suite "unit and distributed" tests/unit tests/distributed
+run_suite "ComfyUI, browser and faults" tests/comfyui tests/faults
+times+="$(time_row total "$SECONDS")"$'\n'
+echo "== time per suite (min:s)"
+printf '%s' "$times"
 exit "$status"
