@@ -8,6 +8,7 @@ Ray actor (``driver/ray_backend.py``) both drive it. Requests are dispatched to 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import logging
@@ -306,6 +307,10 @@ class WorkerRuntime:
         except Exception as exc:  # noqa: BLE001 - the request that needs the code raises it in full
             log.warning("rank %d: could not import the model code at start (%s: %s)", self.rank,
                         type(exc).__name__, exc)
+        # The imported code is about 450,000 objects that live as long as the process: moved out of the
+        # collector's sight, a full collection (every unload runs one, residency.py) takes microseconds instead of
+        # about 0.5 s of CPU. Objects made from here on (models, requests) are collected as before.
+        gc.freeze()
 
     @property
     def executor(self):

@@ -55,4 +55,11 @@ def hang(ctx, args, tensors):
     return DiagnosticResult()
 
 
-DIAGNOSTICS = {"scaled_gather": scaled_gather, "steps": steps, "fail": fail, "hang": hang}
+def collector(ctx, args, tensors):
+    """What this rank's garbage collector walks: the objects frozen out of its sight, and the objects it tracks."""
+    import gc
+
+    return DiagnosticResult(info={"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())})
+
+
+DIAGNOSTICS = {"scaled_gather": scaled_gather, "steps": steps, "fail": fail, "hang": hang, "collector": collector}

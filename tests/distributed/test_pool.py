@@ -113,6 +113,11 @@ class TestFaultsAndCancel:
         assert listening, "gloo listens on something; the test must see it"
         assert all(c.laddr.ip in ("127.0.0.1", "::1") for c in listening), listening
 
+    def test_a_full_collection_walks_only_what_was_made_after_the_imports(self, pool):
+        # Every unload runs gc.collect(); the imported code (frozen at start) would make each take about 0.5 s.
+        info = pool.call(P.Diagnostic("collector", {})).info
+        assert info["frozen"] > 5 * info["tracked"], info
+
     def test_progress_reaches_the_caller(self, pool):
         seen = []
         reply = pool.call(P.Diagnostic("steps", {"steps": 4, "step_s": 0.0}), progress=lambda s, n: seen.append((s, n)))
