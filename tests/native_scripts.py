@@ -1,5 +1,18 @@
 """Source text shared by the scripts the ComfyUI tests run in ComfyUI's own interpreter (``python -c``, with the
-ComfyUI copy as the working folder), so that each script reads as one piece and the common part is written once."""
+ComfyUI copy as the working folder), so that each script reads as one piece and the common part is written once;
+and ``run_in_comfyui``, which runs such a script."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_in_comfyui(script: str, comfy_dir: Path, *args, timeout_s: float = 600) -> None:
+    """Run ``script`` (``python -c``) in the ComfyUI copy ``comfy_dir`` with ``args`` as its argv (as strings); a
+    failure fails the test with the end of the script's standard error."""
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=comfy_dir, capture_output=True,
+                          text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 # Defines ``native_vae22(path)``: ComfyUI's VAE (``comfy.sd.VAE``, its detection, ratios and scaling) of a Wan 2.2
 # VAE file at the file's own widths. comfy/sd.py builds every Wan 2.2 VAE at the release widths (160 / 256), so its

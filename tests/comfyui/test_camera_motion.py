@@ -5,13 +5,12 @@ subprocess inside it)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from native_scripts import run_in_comfyui
 
 from wanmesh.parallel.camera_motion import CAMERA_MOTIONS, camera_embedding
 
@@ -39,9 +38,7 @@ save_file(embeddings, out_file)
 def native(recent_comfyui_dir: Path, tmp_path_factory) -> dict[str, torch.Tensor]:
     out_file = tmp_path_factory.mktemp("camera_motion") / "native.safetensors"
     poses = {name: pose for name, (pose, _, _) in CAMERA_MOTIONS.items()}
-    done = subprocess.run([sys.executable, "-c", NATIVE, str(out_file), json.dumps(poses), json.dumps(CASES)],
-                          cwd=recent_comfyui_dir, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_comfyui(NATIVE, recent_comfyui_dir, out_file, json.dumps(poses), json.dumps(CASES))
     return load_file(str(out_file))
 
 

@@ -6,13 +6,12 @@ scale."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from test_humo_network import _released_state
+from native_scripts import run_in_comfyui
 
 from wanmesh.parallel.networks.wan_humo import WanHumoTransformer3DModel
 from wanmesh.parallel.tiny.models import NATIVE_TRANSFORMER, randomise_
@@ -59,9 +58,7 @@ def test_humo_on_the_wanmesh_model_equals_native(recent_comfyui_dir: Path, tmp_p
     randomise_(model, 5)
     file = tmp_path / "humo.safetensors"
     save_file(_released_state(model, config), str(file), metadata={"num_heads": str(config["num_attention_heads"])})
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(file), str(tmp_path / "out.safetensors")],
-                          cwd=recent_comfyui_dir, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_comfyui(SCRIPT, recent_comfyui_dir, file, tmp_path / "out.safetensors")
     out = load_file(str(tmp_path / "out.safetensors"))
     scale = out["native"].abs().max().item()
     assert scale > 1.0

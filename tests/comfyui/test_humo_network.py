@@ -5,13 +5,12 @@ and without (the plain transformer), and the audio changes the prediction; the f
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file, save_file
+from native_scripts import run_in_comfyui
 
 from wanmesh.parallel.networks.wan_humo import WanHumoTransformer3DModel, frame_runs
 from wanmesh.parallel.tiny.models import NATIVE_TRANSFORMER, original_state_dict, original_transformer_names, randomise_
@@ -63,10 +62,8 @@ def test_humo_equals_comfyuis_humo_model(recent_comfyui_dir: Path, tmp_path: Pat
                          ffn_dim=config["ffn_dim"], freq_dim=256, text_dim=config["text_dim"], out_dim=16,
                          num_heads=config["num_attention_heads"], num_layers=config["num_layers"], qk_norm=True,
                          cross_attn_norm=True, eps=1e-6)
-    done = subprocess.run([sys.executable, "-c", NATIVE, str(tmp_path / "humo.safetensors"),
-                           str(tmp_path / "inputs.safetensors"), str(tmp_path / "native.safetensors"),
-                           repr(native_config)], cwd=recent_comfyui_dir, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_comfyui(NATIVE, recent_comfyui_dir, tmp_path / "humo.safetensors", tmp_path / "inputs.safetensors",
+                   tmp_path / "native.safetensors", repr(native_config))
     native = load_file(str(tmp_path / "native.safetensors"))
     with torch.no_grad():
         ours = model(hidden_states=io["x"], timestep=io["t"], encoder_hidden_states=io["context"],

@@ -17,13 +17,12 @@ crop and squeezed (no crop):
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from native_scripts import run_in_comfyui
 
 IMAGES_SHAPE = (2, 96, 160, 3)  # not 224x224: resized and cropped (or squeezed) first
 FIELDS = ("last_hidden_state", "image_embeds", "penultimate_hidden_states")
@@ -89,10 +88,8 @@ def images() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def native(recent_comfyui_dir: Path, files, images) -> dict[str, torch.Tensor]:
     save_file({"images": images}, str(files["io"]))
-    done = subprocess.run([sys.executable, "-c", NATIVE, *(str(files[name]) for name in
-                                                           ("config", "transformers", "openclip", "io"))],
-                          cwd=recent_comfyui_dir, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_comfyui(NATIVE, recent_comfyui_dir, *(files[name] for name in ("config", "transformers", "openclip", "io")),
+                   timeout_s=300)
     return load_file(str(files["io"]))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from comfyui_server import ComfyUIServer, PromptResult, RejectedPrompt
+from comfyui_server import ComfyUIServer, PromptResult
 from safetensors.torch import load_file
 from test_comfyui_server import assert_video, run_successfully, saved_video
 from test_progress_and_cancel import (INTERRUPT_DEADLINE_S, LONG_RUN_STEPS, is_interruption_of, progress_of,

@@ -16,14 +16,12 @@ in this process. Both get the same latents and frames:
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from native_scripts import NATIVE_VAE22
+from native_scripts import NATIVE_VAE22, run_in_comfyui
 
 TILE_PX, OVERLAP_PX = 64, 16  # native VAEDecodeTiled's smallest tile: 4 latents, overlap 1 latent at 16 px a latent
 LATENT_SHAPE = (1, 48, 2, 5, 6)  # 80x96 px, 5 frames: 2x2 tiles of 64 px; odd latent height
@@ -58,12 +56,6 @@ with torch.inference_mode():  # as ComfyUI's executor runs every node
 """
 
 
-def _run_native(script: str, comfy_dir: Path, *args) -> None:
-    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=comfy_dir, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def inputs() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(8)
@@ -82,7 +74,7 @@ def vae_file(tmp_path_factory) -> Path:
 def native(recent_comfyui_dir: Path, vae_file: Path, inputs, tmp_path_factory) -> dict[str, torch.Tensor]:
     io_file = tmp_path_factory.mktemp("native_vae22") / "io.safetensors"
     save_file(inputs, str(io_file))
-    _run_native(NATIVE, recent_comfyui_dir, vae_file, io_file, TILE_PX, OVERLAP_PX)
+    run_in_comfyui(NATIVE, recent_comfyui_dir, vae_file, io_file, TILE_PX, OVERLAP_PX, timeout_s=300)
     return load_file(str(io_file))
 
 

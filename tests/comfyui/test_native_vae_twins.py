@@ -18,13 +18,12 @@ rank's executor in this process. Both get the same latents and frames:
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from native_scripts import run_in_comfyui
 
 TILE_PX, OVERLAP_PX = 64, 16  # native VAEDecodeTiled's smallest tile and a quarter-tile overlap
 WIDE_OVERLAPS_PX = (32, 48)  # above a quarter of the tile (up to half was once taken as given), and above half
@@ -79,12 +78,6 @@ ODD_LATENT_SHAPE = (1, 16, 2, 5, 7)  # 56x40 px: odd latent height and width
 PREDICTION_TOLERANCE = 1e-4
 
 
-def _run_native(script: str, comfy_dir: Path, *args) -> None:
-    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=comfy_dir, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def inputs() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
@@ -101,8 +94,8 @@ def vae_file(tiny_models_dir: Path) -> Path:
 def native(recent_comfyui_dir: Path, vae_file: Path, inputs, tmp_path_factory) -> dict[str, torch.Tensor]:
     io_file = tmp_path_factory.mktemp("native_vae") / "io.safetensors"
     save_file(inputs, str(io_file))
-    _run_native(NATIVE, recent_comfyui_dir, vae_file, io_file, TILE_PX, OVERLAP_PX,
-                ",".join(map(str, WIDE_OVERLAPS_PX)))
+    run_in_comfyui(NATIVE, recent_comfyui_dir, vae_file, io_file, TILE_PX, OVERLAP_PX,
+                   ",".join(map(str, WIDE_OVERLAPS_PX)))
     return load_file(str(io_file))
 
 
@@ -168,7 +161,7 @@ def test_transformer_on_an_odd_latent_size_equals_native_wan_model(recent_comfyu
              "freq_dim": config.freq_dim, "text_dim": config.text_dim, "num_heads": config.num_attention_heads,
              "num_layers": config.num_layers, "eps": config.eps, "in_dim": config.in_channels,
              "out_dim": config.out_channels, "cross_attn_norm": config.cross_attn_norm}
-    _run_native(NATIVE_TRANSFORMER, recent_comfyui_dir, model_file, io_file, json.dumps(sizes))
+    run_in_comfyui(NATIVE_TRANSFORMER, recent_comfyui_dir, model_file, io_file, json.dumps(sizes))
     native = load_file(str(io_file))["prediction"]
     assert ours.shape == native.shape == ODD_LATENT_SHAPE
     assert float(native.std()) > 0.05

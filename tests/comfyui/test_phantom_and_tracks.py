@@ -20,7 +20,7 @@ import pytest
 from comfyui_server import ComfyUIServer, PromptResult
 from test_comfyui_server import assert_video, run_successfully, saved_video
 from test_image_to_video import ksampler, wanmesh_sampler
-from test_native_sampling import TOLERANCE, largest_difference, pool_and_prompts, pool_inputs, save_latent, saved
+from test_native_sampling import TOLERANCE, largest_difference, pool_and_prompts, save_latent, saved
 from workflow_graph import load_workflow, node_of_type
 
 WIDTH, HEIGHT, LENGTH = 48, 32, 9  # 3 latent frames; Phantom adds one per subject image
