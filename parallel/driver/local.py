@@ -32,6 +32,7 @@ from ..errors import Cancelled, RankDied
 from ..gpus import worker_device_env
 from ..transport import (SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names,
                          segment_owner_pid, take_handed_over)
+from .worker_template import shared_template, template_wanted
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
 # SIGTERM and SIGINT are blocked in every thread of a worker and taken by one (worker/main.py
@@ -51,6 +52,8 @@ BOOTSTRAP = (
     "from wanmesh.parallel.worker.main import main\n"
     "main(sys.argv[2:])\n"
 )
+# The worker template (worker/template.py) starts the same way and forks the workers from its imported code.
+TEMPLATE_BOOTSTRAP = BOOTSTRAP.replace("worker.main import main", "worker.template import main")
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
 SHUTDOWN_GRACE_S = 5.0
 POOL_DIR_PREFIX = "wanmesh-pool-"
@@ -132,6 +135,7 @@ class LocalWorkers:
     # -- start -----------------------------------------------------------------------------------------------
 
     def start(self, timeout_s: float, should_cancel=None) -> None:
+        self.start_timeout_s = timeout_s
         # Linux delivers the parent-death signal when the *thread* that forked a child ends, so the workers
         # are forked from a thread that lives exactly as long as this pool generation.
         threading.Thread(target=self._spawn_and_hold, name="wanmesh-pool-launcher", daemon=True).start()
@@ -169,7 +173,13 @@ class LocalWorkers:
             "pool_dir": self._tmpdir, "collective_timeout_s": self.config.worker_timeout,
         }
         env = {**os.environ, **LOOPBACK_ENV, **self.device_env}
+        template = shared_template(TEMPLATE_BOOTSTRAP, PACK_DIR, self.start_timeout_s) \
+            if template_wanted(self.devices) else None
         try:
+            if template is not None:
+                self.procs.append(template.spawn(settings, env, theirs.fileno()))
+                self.conns.append(Connection(ours.detach()))
+                return
             proc = subprocess.Popen(
                 # "--rank N" is for people reading `ps`; the worker reads its rank from the settings.
                 [sys.executable, "-c", BOOTSTRAP, PACK_DIR, json.dumps(settings), "--rank", str(rank)],

@@ -323,7 +323,9 @@ class WorkerRuntime:
     def health(self) -> dict[str, Any]:
         loaded = self._executor.loaded() if self._executor is not None else []
         info = {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "loaded": loaded,
-                "protocol": P.PROTOCOL_VERSION, "torch": torch.__version__}
+                "protocol": P.PROTOCOL_VERSION, "torch": torch.__version__,
+                # the GPUs this rank was given, as it sees them (a forked worker's /proc environ is its template's)
+                "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
         if self.device.type == "cuda":
             info["memory_allocated"] = torch.cuda.memory_allocated(self.device)
         return info

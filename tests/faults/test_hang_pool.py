@@ -166,6 +166,7 @@ def test_the_hosts_interrupt_during_a_model_load_stops_the_pool(patient_pool, ti
 
 
 def test_an_interrupt_during_pool_start_stops_the_starting_workers(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANMESH_WORKER_TEMPLATE", "0")  # workers that import for seconds: the start to interrupt
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
     before = set(psutil.Process().children(recursive=True))
