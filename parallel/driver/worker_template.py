@@ -141,7 +141,7 @@ class WorkerTemplate:
         token = secrets.token_hex(8)
         message = json.dumps({"kind": "spawn", "token": token, "settings": settings, "env": env}).encode()
         with self._lock:
-            socket.send_fds(self._sock, [message], [worker_fd, sys.stdout.fileno(), sys.stderr.fileno()])
+            socket.send_fds(self._sock, [message], [worker_fd, 1, 2])  # this process's standard output and error now
             with self._reply_arrived:
                 if not self._reply_arrived.wait_for(lambda: token in self._replies or self.error is not None,
                                                     SPAWN_TIMEOUT_S):
