@@ -118,7 +118,8 @@ def worker_processes(processes) -> list:
     found = []
     for proc in processes:
         try:
-            if "--rank" in proc.cmdline():
+            # " ".join, then split: a forked worker's retitled command line is one NUL-padded string
+            if "--rank" in " ".join(proc.cmdline()).split():
                 found.append(proc)
         except psutil.NoSuchProcess:
             pass

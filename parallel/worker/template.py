@@ -58,11 +58,11 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.dup2(stderr_fd, 2)
         for fd in (devnull, stdout_fd, stderr_fd):
             os.close(fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
         settings = {**request["settings"], "fd": worker_fd, "parent_pid": os.getppid()}
         argv = [json.dumps(settings), "--rank", str(settings["rank"])]
-        _set_title(argv)
+        _set_title(argv)  # before the environment changes: setproctitle moves it on its first call
+        os.environ.clear()
+        os.environ.update(request["env"])
         from .main import main as worker_main
 
         worker_main(argv)

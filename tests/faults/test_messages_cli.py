@@ -64,8 +64,11 @@ def _rank_process(cli: subprocess.Popen, rank: int, within_s: float) -> psutil.P
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         for child in psutil.Process(cli.pid).children(recursive=True):
-            if child.cmdline()[-2:] == ["--rank", str(rank)]:
-                return child
+            try:
+                if " ".join(child.cmdline()).split()[-2:] == ["--rank", str(rank)]:
+                    return child
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                pass  # a process that ended meanwhile
         time.sleep(0.1)
     raise AssertionError(f"no rank {rank} worker appeared within {within_s:g} s")
 
