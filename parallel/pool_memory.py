@@ -6,6 +6,7 @@ Neither action starts a pool: with no live pool they do nothing.
 from __future__ import annotations
 
 from .driver.pool import close_cached_pool, current_pool
+from .driver.worker_template import stop_template
 
 
 def unload_pool_models() -> bool:
@@ -20,7 +21,8 @@ def unload_pool_models() -> bool:
 
 
 def stop_pool() -> bool:
-    """Stop the live pool's workers (they exit); the next use starts a fresh pool. True when one was live."""
+    """Stop the live pool's workers (they exit) and the worker template that forked them (it holds the imported
+    model code); the next use starts a fresh pool. True when either was running."""
     live = current_pool() is not None
     close_cached_pool()
-    return live
+    return stop_template() or live

@@ -110,20 +110,25 @@ def server_process(url: str, pid: int | None):
     raise ValueError(f"no process on this machine listens on port {port}; give --server-pid")
 
 
-def worker_processes(processes) -> list:
-    """The WanMesh workers among ``processes`` (psutil processes, e.g. a server's descendants): those whose command
-    line has ``--rank``; processes that ended meanwhile are left out."""
+def worker_rank(proc) -> int | None:
+    """The rank a psutil process serves, from the ``--rank N`` its command line ends with (None for any other
+    process, or one that ended meanwhile)."""
     import psutil
 
-    found = []
-    for proc in processes:
-        try:
-            # " ".join, then split: a forked worker's retitled command line is one NUL-padded string
-            if "--rank" in " ".join(proc.cmdline()).split():
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return found
+    try:
+        # " ".join, then split: a worker forked by the worker template shows a retitled command line, which
+        # psutil reads as one string
+        words = " ".join(proc.cmdline()).split()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
+    return int(words[-1]) if len(words) >= 2 and words[-2] == "--rank" else None
+
+
+def worker_processes(processes) -> list:
+    """The WanMesh workers among ``processes`` (psutil processes, e.g. a server's descendants), in rank order;
+    processes that ended meanwhile are left out."""
+    ranked = [(worker_rank(proc), proc) for proc in processes]
+    return [proc for rank, proc in sorted(((r, p) for r, p in ranked if r is not None), key=lambda rp: rp[0])]
 
 
 def sample(server) -> dict:

@@ -131,6 +131,7 @@ class LocalWorkers:
         self._spawned = threading.Event()
         self._release = threading.Event()
         self._spawn_error: BaseException | None = None
+        self._abandon = threading.Event()  # a cancelled start: fork no more workers
 
     # -- start -----------------------------------------------------------------------------------------------
 
@@ -139,10 +140,22 @@ class LocalWorkers:
         # Linux delivers the parent-death signal when the *thread* that forked a child ends, so the workers
         # are forked from a thread that lives exactly as long as this pool generation.
         threading.Thread(target=self._spawn_and_hold, name="wanmesh-pool-launcher", daemon=True).start()
-        self._spawned.wait()
+        self._await_spawned(should_cancel)
         if self._spawn_error is not None:
             raise self._spawn_error
         self._await_hello(timeout_s, should_cancel)
+
+    def _await_spawned(self, should_cancel=None) -> None:
+        """Wait for the launcher (seconds when it waits for a cold worker template), polling ``should_cancel``;
+        a cancel stops the launcher before its next fork and waits for it, so that no worker comes after."""
+        try:
+            while not self._spawned.wait(0.2):
+                if should_cancel is not None and should_cancel():  # it may also raise the host's interrupt
+                    raise Cancelled("starting the worker pool was cancelled")
+        except BaseException:
+            self._abandon.set()
+            self._spawned.wait()
+            raise
 
     def _spawn_and_hold(self) -> None:
         try:
@@ -173,8 +186,12 @@ class LocalWorkers:
             "pool_dir": self._tmpdir, "collective_timeout_s": self.config.worker_timeout,
         }
         env = {**os.environ, **LOOPBACK_ENV, **self.device_env}
-        template = shared_template(TEMPLATE_BOOTSTRAP, PACK_DIR, self.start_timeout_s) \
+        template = shared_template(TEMPLATE_BOOTSTRAP, PACK_DIR, self.start_timeout_s, self._abandon) \
             if template_wanted(self.devices) else None
+        if self._abandon.is_set():
+            theirs.close()
+            ours.close()
+            raise Cancelled("starting the worker pool was cancelled")
         try:
             if template is not None:
                 self.procs.append(template.spawn(settings, env, theirs.fileno()))

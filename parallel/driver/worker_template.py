@@ -18,12 +18,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 TEMPLATE_ENV = "WANMESH_WORKER_TEMPLATE"
 READY_TIMEOUT_S = 300.0
 SPAWN_TIMEOUT_S = 60.0
 MAX_MESSAGE = 1 << 20
+POLL_S = 0.2
 
 
 class ForkedWorker:
@@ -102,8 +104,13 @@ class WorkerTemplate:
     def alive(self) -> bool:
         return self.error is None and self.process is not None and self.process.poll() is None
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        return self._ready.wait(timeout_s) and self.error is None
+    def wait_ready(self, timeout_s: float, abandon: threading.Event | None = None) -> bool:
+        """Whether the template is ready within ``timeout_s``; False at once when ``abandon`` is set."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(min(POLL_S, max(0.0, deadline - time.monotonic()))):
+            if (abandon is not None and abandon.is_set()) or time.monotonic() >= deadline:
+                return False
+        return self.error is None
 
     def _read_forever(self) -> None:
         while True:
@@ -126,7 +133,7 @@ class WorkerTemplate:
                 self._ready.set()
             elif kind == "exited":
                 with self._exits_lock:
-                    worker = self._workers.get(message["pid"])
+                    worker = self._workers.pop(message["pid"], None)
                     if worker is None:
                         self._early_exits[message["pid"]] = message["returncode"]
                 if worker is not None:
@@ -157,6 +164,10 @@ class WorkerTemplate:
                 worker.ended(early)
             return worker
 
+    def live_workers(self) -> list[int]:
+        with self._exits_lock:
+            return list(self._workers)  # an ended worker is dropped when its exit is read
+
     def close(self) -> None:
         self._sock.close()
         if self.process is not None:
@@ -170,22 +181,29 @@ _TEMPLATE: WorkerTemplate | None = None
 _TEMPLATE_LOCK = threading.Lock()
 
 
-def shared_template(bootstrap: str, pack_dir: str, timeout_s: float) -> WorkerTemplate | None:
-    """This driver's template, started on first use (None when it cannot run: workers then start the plain way)."""
+def shared_template(bootstrap: str, pack_dir: str, timeout_s: float,
+                    abandon: threading.Event | None = None) -> WorkerTemplate | None:
+    """This driver's template, started on first use; None when it cannot run (workers then start the plain way)
+    or when ``abandon`` is set while it imports (a cancelled pool start; the template goes on importing)."""
     global _TEMPLATE
     with _TEMPLATE_LOCK:
         if _TEMPLATE is None or not _TEMPLATE.alive():
             _TEMPLATE = WorkerTemplate(bootstrap, pack_dir)
         template = _TEMPLATE
-    if not template.wait_ready(min(timeout_s, READY_TIMEOUT_S)):
+    if not template.wait_ready(min(timeout_s, READY_TIMEOUT_S), abandon):
         return None
     return template
 
 
-def stop_template() -> None:
-    """Stop this driver's template (ComfyUI's free memory: it holds the imported code, about 400 MB)."""
+def stop_template() -> bool:
+    """Stop this driver's template (ComfyUI's free memory: it holds the imported code, about 400 MB); True when
+    stopped. A template with live workers stays: a forked worker takes the template for its driver, and would
+    leave (as an orphan) when it ends."""
     global _TEMPLATE
     with _TEMPLATE_LOCK:
-        template, _TEMPLATE = _TEMPLATE, None
-    if template is not None:
-        template.close()
+        template = _TEMPLATE
+        if template is None or template.live_workers():
+            return False
+        _TEMPLATE = None
+    template.close()
+    return True

@@ -79,8 +79,7 @@ def workers(server: ComfyUIServer) -> list[psutil.Process]:
 
 def rss_by_rank(processes: list[psutil.Process]) -> list[int]:
     """Each worker's RSS, in rank order (the ``--rank N`` of its command line)."""
-    ranked = sorted(processes, key=lambda p: int(p.cmdline()[p.cmdline().index("--rank") + 1]))
-    return [p.memory_info().rss for p in ranked]
+    return [p.memory_info().rss for p in worker_processes(processes)]
 
 
 def fresh_worker_rss() -> list[int]:
@@ -120,8 +119,21 @@ def free_until(server: ComfyUIServer, done: Callable[[], bool], what: str, **fla
 
 
 def workers_exit(server: ComfyUIServer, **flags: bool) -> None:
-    """POST /free (``free_memory``) and wait until no worker process of the server is left."""
-    free_until(server, lambda: not workers(server), "the workers did not exit after free_memory", **flags)
+    """POST /free (``free_memory``) and wait until no worker process of the server is left, and no worker
+    template (it holds the imported model code)."""
+    free_until(server, lambda: not workers(server) and not worker_templates(server),
+               "the workers or their template did not exit after free_memory", **flags)
+
+
+def worker_templates(server: ComfyUIServer) -> list[psutil.Process]:
+    found = []
+    for proc in server.descendants():
+        try:
+            if "--template" in proc.cmdline():
+                found.append(proc)
+        except psutil.Error:
+            pass  # ended meanwhile
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from wanmesh.parallel import protocol as P
 from wanmesh.parallel.config import latent_shape
 from wanmesh.parallel.driver import pool as pool_module
 from wanmesh.parallel.driver.pool import Cancelled, WorkerError, WorkerPool
+from wanmesh.parallel.driver import worker_template
 
 DIAGNOSTICS = str(Path(__file__).with_name("hang_diagnostics.py"))
 WORKER_TIMEOUT_S = 6.0
@@ -165,8 +166,14 @@ def test_the_hosts_interrupt_during_a_model_load_stops_the_pool(patient_pool, ti
     assert patient_pool.health().ranks[0]["rank"] == 0  # the next call starts a fresh pool
 
 
-def test_an_interrupt_during_pool_start_stops_the_starting_workers(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANMESH_WORKER_TEMPLATE", "0")  # workers that import for seconds: the start to interrupt
+@pytest.mark.parametrize("start", ["cold worker template", "no worker template"])
+def test_an_interrupt_during_pool_start_stops_the_starting_workers(start, tmp_path, monkeypatch):
+    """The interrupt comes while the start imports the model code: in the worker template (started anew here;
+    it goes on importing for the next pool, and is not a worker), or in each worker."""
+    if start == "cold worker template":  # a template of its own (the module's pools keep theirs)
+        monkeypatch.setattr(worker_template, "_TEMPLATE", None)
+    else:
+        monkeypatch.setenv("WANMESH_WORKER_TEMPLATE", "0")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
     before = set(psutil.Process().children(recursive=True))
@@ -179,5 +186,10 @@ def test_an_interrupt_during_pool_start_stops_the_starting_workers(tmp_path, mon
     finally:
         pool_module.set_interrupt_check(None)
     assert waited < CANCEL_WITHIN_S
-    _gone([p.pid for p in set(psutil.Process().children(recursive=True)) - before])
+    started = set(psutil.Process().children(recursive=True)) - before
+    templates = [p for p in started if "--template" in p.cmdline()]
+    template_family = set(templates).union(*(t.children(recursive=True) for t in templates))  # its resource tracker
+    if start == "cold worker template":
+        worker_template._TEMPLATE.close()  # it forked no worker
+    _gone([p.pid for p in started - template_family])
     assert not list(tmp_path.glob("wanmesh-pool-*")), "the cancelled start left its temp folder"

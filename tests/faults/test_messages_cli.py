@@ -15,6 +15,7 @@ import pytest
 from cli_runs import run_cli
 from test_validation_cli import QUICK, sampling_cli
 from wanmesh.nodes.pool import WanMeshPool
+from wanmesh.parallel.bench.soak import worker_rank
 from wanmesh.parallel.driver import local
 from wanmesh.parallel.driver.pool import current_pool
 
@@ -64,11 +65,8 @@ def _rank_process(cli: subprocess.Popen, rank: int, within_s: float) -> psutil.P
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         for child in psutil.Process(cli.pid).children(recursive=True):
-            try:
-                if " ".join(child.cmdline()).split()[-2:] == ["--rank", str(rank)]:
-                    return child
-            except (psutil.ZombieProcess, psutil.NoSuchProcess):
-                pass  # a process that ended meanwhile
+            if worker_rank(child) == rank:
+                return child
         time.sleep(0.1)
     raise AssertionError(f"no rank {rank} worker appeared within {within_s:g} s")
 
