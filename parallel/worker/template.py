@@ -43,6 +43,10 @@ def preload() -> None:
 
     for name in PRELOADED_MODULES:
         importlib.import_module(name, __package__)
+    try:
+        import setproctitle  # noqa: F401 - each fork retitles itself (_set_title)
+    except ImportError:
+        pass
     gc.freeze()
 
 
@@ -60,7 +64,7 @@ def run_child(request: dict, fds: list[int]) -> None:
             os.close(fd)
         settings = {**request["settings"], "fd": worker_fd, "parent_pid": os.getppid()}
         argv = [json.dumps(settings), "--rank", str(settings["rank"])]
-        _set_title(argv)  # before the environment changes: setproctitle moves it on its first call
+        _set_title(settings)  # before the environment changes: setproctitle moves it on its first call
         os.environ.clear()
         os.environ.update(request["env"])
         from .main import main as worker_main
@@ -73,14 +77,16 @@ def run_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def _set_title(argv: list[str]) -> None:
-    """The worker's command line as ``ps`` shows it (and as workers are found by ``--rank``), when setproctitle is
-    installed; a fork otherwise shows the template's."""
+def _set_title(settings: dict) -> None:
+    """The worker's command line as ``ps`` shows it: its pool folder and ``--rank N`` (as workers are found), when
+    setproctitle is installed; a fork otherwise shows the template's. The settings are left out (a retitled
+    command line has only the room of the template's command line and environment)."""
     try:
         import setproctitle
     except ImportError:
         return
-    setproctitle.setproctitle(" ".join([sys.executable, "-m", "wanmesh-worker", *argv[1:]]))
+    words = [sys.executable, "-m", "wanmesh-worker", "--pool", settings["pool_dir"], "--rank", str(settings["rank"])]
+    setproctitle.setproctitle(" ".join(words))
 
 
 def serve(sock: socket.socket, parent_pid: int) -> None:
