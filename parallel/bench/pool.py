@@ -7,12 +7,16 @@ in the same run, so the ratio says what the process boundary costs. A third meas
 (``--chunk-frames`` frames of that size) reaches the driver: handed over in a shared-memory segment of its
 own, as rank 0 sends it, against pickling it through a socket pair, interleaved; it reports how long the
 sender is held (rank 0, and so every rank at its next collective) and how long until the receiver holds it.
+A fourth (CPU pools) times pool starts until every rank answered a first request, with the workers forked from
+the worker template against each worker importing its code in a fresh interpreter, interleaved after one
+warm-up of each, and checks which parent each worker had.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import threading
@@ -26,6 +30,7 @@ import torch
 from .. import protocol as P
 from ..config import ParallelConfig
 from ..driver.pool import WorkerPool
+from ..driver.worker_template import TEMPLATE_ENV, shared_template_pid
 from ..transport import new_segment_prefix, pack_handed_over, take_handed_over
 from .common import measured_runs
 
@@ -43,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--empty-repeats", type=int, default=50, help="timed empty requests")
     parser.add_argument("--chunk-frames", type=int, default=12, help="frames of one streaming chunk (3 latent frames)")
     parser.add_argument("--chunk-repeats", type=int, default=10, help="timed chunk hand-overs per transport")
+    parser.add_argument("--start-repeats", type=int, default=3,
+                        help="timed pool starts per way of starting (after one warm-up each; CPU pools; 0: none)")
     parser.add_argument("--json", type=Path, help="also write the results here")
 
 
@@ -129,6 +136,46 @@ def measure_chunk_handover(frames: int, height: int, width: int, repeats: int) -
     return results
 
 
+def _start_once(config: ParallelConfig, template: bool) -> tuple[float, bool]:
+    """Seconds from nothing to every rank having answered an empty request, and whether every worker was forked
+    by the worker template (its parent)."""
+    import psutil
+
+    saved = os.environ.get(TEMPLATE_ENV)
+    os.environ[TEMPLATE_ENV] = "1" if template else "0"
+    try:
+        start = time.perf_counter()
+        with WorkerPool(config) as pool:
+            pool.call(P.Diagnostic("echo"))
+            elapsed = time.perf_counter() - start
+            parents = {psutil.Process(pid).ppid() for pid in pool.pids()}
+    finally:
+        if saved is None:
+            os.environ.pop(TEMPLATE_ENV, None)
+        else:
+            os.environ[TEMPLATE_ENV] = saved
+    return elapsed, parents == {shared_template_pid()}
+
+
+def measure_pool_starts(config: ParallelConfig, repeats: int) -> dict[str, Any]:
+    """Median and spread (min, max) in seconds of both ways to start, alternated after one warm-up each (the
+    template's warm-up pays its own imports), and whether each way's workers had the parent it should."""
+    samples: dict[str, list[float]] = {"template": [], "fresh": []}
+    forked = {"template": True, "fresh": False}
+    for index in range(repeats + 1):
+        for way in samples:
+            seconds, by_template = _start_once(config, way == "template")
+            forked[way] = (forked[way] and by_template) if way == "template" else (forked[way] or by_template)
+            if index > 0:
+                samples[way].append(seconds)
+    results: dict[str, Any] = {"start_template_forked": forked["template"], "start_fresh_forked": forked["fresh"]}
+    for way, values in samples.items():
+        results[f"start_{way}_s"] = statistics.median(values)
+        results[f"start_{way}_spread_s"] = (min(values), max(values))
+    results["start_ratio"] = results["start_fresh_s"] / results["start_template_s"]
+    return results
+
+
 def _ms(r: dict[str, Any], key: str) -> str:
     low, high = r[f"{key}_spread_ms"]
     return f"{r[f'{key}_ms']:.1f} ms  ({low:.1f}..{high:.1f})"
@@ -147,6 +194,13 @@ def format_table(config: ParallelConfig, shape: tuple[int, ...], r: dict[str, fl
         ("  until received, shared memory", _ms(r, "chunk_shm_received")),
         ("  until received, pickled through a pipe", _ms(r, "chunk_pipe_received")),
     ]
+    if "start_ratio" in r:
+        seconds = lambda key: (f"{r[f'{key}_s']:.2f} s  ({r[f'{key}_spread_s'][0]:.2f}..{r[f'{key}_spread_s'][1]:.2f})")  # noqa: E731
+        rows += [
+            ("pool start, workers forked from the template", seconds("start_template")),
+            ("pool start, each worker importing its code", seconds("start_fresh")),
+            ("importing / forked", f"{r['start_ratio']:.1f}x"),
+        ]
     width = max(len(name) for name, _ in rows)
     lines = [f"pool: {config.describe()}", "-" * (width + 30)]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]
@@ -157,6 +211,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     """Run the benchmark described by ``args`` (see :func:`add_arguments`), print a table, return the numbers."""
     config = ParallelConfig(world=args.world, devices=args.devices, backend=args.backend)
     shape = (args.frames, args.height, args.width, 3)
+    if args.start_repeats < 0:
+        raise ValueError(f"--start-repeats must be 0 or more, got {args.start_repeats}")
     if min(shape) < 1 or min(args.repeats, args.empty_repeats, args.chunk_frames, args.chunk_repeats) < 1:
         raise ValueError(f"frames, height, width, chunk frames and repeats must be positive, got shape {shape}, "
                          f"repeats {args.repeats}, empty repeats {args.empty_repeats}, chunk frames "
@@ -167,6 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         results = measure(pool, image, args.repeats, args.empty_repeats, run)
     run(f"{args.chunk_repeats} chunk hand-overs per transport")
     results.update(measure_chunk_handover(args.chunk_frames, args.height, args.width, args.chunk_repeats))
+    if args.start_repeats and all(device.startswith("cpu") for device in config.rank_devices()):
+        run(f"{args.start_repeats + 1} pool starts per way of starting")
+        results.update(measure_pool_starts(config, args.start_repeats))
     print(format_table(config, shape, results))
     if args.json is not None:
         args.json.write_text(json.dumps({"config": config.to_dict(), "shape": shape, **results}, indent=2))

@@ -138,7 +138,8 @@ def bench_named(argv: list[str]) -> str | bool:
 
 BENCHMARKS = {
     "dit": ("dit", "one denoise step: WanMesh against diffusers' transformer"),
-    "pool": ("pool", "worker pool: empty round trip, moving a video to the workers and back"),
+    "pool": ("pool", "worker pool: empty round trip, moving a video to the workers and back, pool start "
+                     "forked from the worker template against importing"),
     "tp": ("tp", "tensor parallelism: bytes per collective, time per step, weight memory"),
     "vae": ("vae", "VAE patch parallelism: decode time and peak memory per rank"),
     "attention": ("attention", "ring attention with and without overlap against all-gather attention"),

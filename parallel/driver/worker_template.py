@@ -195,6 +195,12 @@ def shared_template(bootstrap: str, pack_dir: str, timeout_s: float,
     return template
 
 
+def shared_template_pid() -> int | None:
+    """The process id of this driver's running template (None when none runs)."""
+    template = _TEMPLATE
+    return template.process.pid if template is not None and template.alive() else None
+
+
 def stop_template() -> bool:
     """Stop this driver's template (ComfyUI's free memory: it holds the imported code, about 400 MB); True when
     stopped. A template with live workers stays: a forked worker takes the template for its driver, and would

@@ -41,3 +41,20 @@ def test_a_handed_over_segment_keeps_other_values_and_is_unlinked_once_taken():
     assert taken["index"] == 3 and taken["none"] is None
     torch.testing.assert_close(taken["frames"], frames, rtol=0, atol=0)
     assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
+
+
+def test_pool_starts_are_timed_both_ways_and_the_workers_have_the_parent_each_way_gives():
+    """One warm-up and one timed start of each way on a 1-rank CPU pool: the template's workers are its children,
+    the others are not, and the table shows both rows."""
+    config = ParallelConfig(world=1, devices="cpu")
+    results = bench_pool.measure_pool_starts(config, repeats=1)
+    assert results["start_template_forked"] is True and results["start_fresh_forked"] is False
+    for way in ("template", "fresh"):
+        low, high = results[f"start_{way}_spread_s"]
+        assert 0 < low <= results[f"start_{way}_s"] <= high
+    assert results["start_ratio"] == results["start_fresh_s"] / results["start_template_s"]
+    table = bench_pool.format_table(config, (5, 16, 32, 3), {
+        "empty_request_ms": 1.0, "empty_request_p90_ms": 2.0, "tensor_mib": 1.0, "pool_round_trip_s": 0.1,
+        "pool_gib_per_s": 1.0, "copy_s": 0.1, "copy_gib_per_s": 1.0, "ratio": 1.0,
+        **bench_pool.measure_chunk_handover(frames=1, height=8, width=8, repeats=1), **results})
+    assert "workers forked from the template" in table and "each worker importing its code" in table
