@@ -32,7 +32,7 @@ from ..errors import Cancelled, RankDied
 from ..gpus import worker_device_env
 from ..transport import (SHM_DIR, SegmentJanitor, ShmReader, ShmWriter, new_segment_prefix, segment_names,
                          segment_owner_pid, take_handed_over)
-from .worker_template import shared_template, template_wanted
+from .worker_template import TemplateGone, shared_template, template_wanted
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack root
 # SIGTERM and SIGINT are blocked in every thread of a worker and taken by one (worker/main.py
@@ -194,9 +194,12 @@ class LocalWorkers:
             raise Cancelled("starting the worker pool was cancelled")
         try:
             if template is not None:
-                self.procs.append(template.spawn(settings, env, theirs.fileno()))
-                self.conns.append(Connection(ours.detach()))
-                return
+                try:
+                    self.procs.append(template.spawn(settings, env, theirs.fileno()))
+                    self.conns.append(Connection(ours.detach()))
+                    return
+                except TemplateGone:
+                    pass  # it ended since it was ready: this worker starts the plain way
             proc = subprocess.Popen(
                 # "--rank N" is for people reading `ps`; the worker reads its rank from the settings.
                 [sys.executable, "-c", BOOTSTRAP, PACK_DIR, json.dumps(settings), "--rank", str(rank)],

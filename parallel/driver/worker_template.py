@@ -28,6 +28,10 @@ MAX_MESSAGE = 1 << 20
 POLL_S = 0.2
 
 
+class TemplateGone(RuntimeError):
+    """The template ended before it was asked for a worker (nothing was forked: start the worker the plain way)."""
+
+
 class ForkedWorker:
     """The part of ``subprocess.Popen`` the local backend uses, for a worker the template forked."""
 
@@ -148,7 +152,11 @@ class WorkerTemplate:
         token = secrets.token_hex(8)
         message = json.dumps({"kind": "spawn", "token": token, "settings": settings, "env": env}).encode()
         with self._lock:
-            socket.send_fds(self._sock, [message], [worker_fd, 1, 2])  # this process's standard output and error now
+            try:
+                socket.send_fds(self._sock, [message], [worker_fd, 1, 2])  # this process's standard output and error now
+            except OSError as exc:
+                self.error = self.error or f"the worker template's socket: {exc}"
+                raise TemplateGone(self.error) from exc
             with self._reply_arrived:
                 if not self._reply_arrived.wait_for(lambda: token in self._replies or self.error is not None,
                                                     SPAWN_TIMEOUT_S):
