@@ -166,6 +166,7 @@ class WanMeshStreamSampler:
                 "text_encoder": ("WANMESH_TEXT_ENCODER", {"tooltip": "takes prompts posted while the stream runs "
                                                                      "(POST /wanmesh/stream/<prompt id>/prompt), "
                                                                      "encoded by this text encoder on the pool"}),
+                "reanchor": node_input("reanchor"),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -183,7 +184,7 @@ class WanMeshStreamSampler:
 
     def sample(self, model, positive, latent, seed, steps, shift, cfg, chunk, kv_window, sink, filename_prefix, fps,
                negative=None, vae=None, timesteps="", start_image=None, cache=None, prompt_switches=(), text_encoder=None,
-               unique_id=None):
+               reanchor=False, unique_id=None):
         import comfy.utils
 
         samples = latent_to_tensor(latent)
@@ -192,7 +193,7 @@ class WanMeshStreamSampler:
             handle=model.handle, latent=samples, positive=read_conditioning(positive, "positive").embeddings,
             negative=[] if negative is None else read_conditioning(negative, "negative").embeddings, seed=seed,
             steps=steps, shift=shift, timesteps=parse_stream_timesteps(timesteps), guidance_scale=cfg, chunk=chunk,
-            kv_window=kv_window or None, sink=sink, vae_handle=None if vae is None else vae.handle,
+            kv_window=kv_window or None, sink=sink, reanchor=reanchor, vae_handle=None if vae is None else vae.handle,
             preview=previews_enabled(model.runner), start_latent=start_latent, cache=cache,
             switch_chunks=[index for index, _ in prompt_switches],
             switch_positive=[embeddings for _, embeddings in prompt_switches],

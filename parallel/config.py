@@ -678,9 +678,17 @@ def check_model_loras(model_loras: dict) -> None:
 # -- causal streaming --------------------------------------------------------------------------------------
 
 
-def check_stream_options(latent_frames: int, chunk: int, kv_window: int | None, sink: int) -> None:
+def check_stream_options(latent_frames: int, chunk: int, kv_window: int | None, sink: int, reanchor: bool = False,
+                         use_cache: bool = True) -> None:
     """Chunked causal generation: a chunk of at least one latent frame, a KV window (latent frames attended,
-    the current chunk included; None = the whole video) that holds a whole chunk next to the pinned sink frames."""
+    the current chunk included; None = the whole video) that holds a whole chunk next to the pinned sink frames;
+    re-anchoring only with a rolling window, pinned frames and the KV cache."""
+    if reanchor and (kv_window is None or not sink):
+        raise ValueError(f"reanchor moves the pinned sink frames of a rolling window, but kv_window={kv_window} and "
+                         f"sink={sink}; valid: a kv_window and a sink of 1 or more frames, or reanchor off")
+    if reanchor and not use_cache:
+        raise ValueError("reanchor turns the keys held in the KV cache; the uncached reference (use_cache off, "
+                         "--no-kv-cache) has none: turn one of them off")
     if not _is_whole(latent_frames) or latent_frames < 1:
         raise ValueError(f"the latent must have at least 1 frame, got {latent_frames!r}")
     if not _is_whole(chunk) or chunk < 1:

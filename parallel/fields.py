@@ -247,6 +247,11 @@ FIELDS: tuple[Field, ...] = (
     Field("sink", "INT", 0, "first latent frames always kept in the cache when a window rolls", 0, MAX_CACHE_FRAMES,
           valid=Valid(0), nodes=("WanMeshStreamSampler.sink",), flags=("stream --sink",),
           checked=("StreamSample.sink",)),
+    Field("reanchor", "BOOLEAN", False, "with a kv_window and sink frames: move the sink in time to sit right "
+          "before the window's oldest frame, so that a stream past the trained length sees only the distances of "
+          "one window; off: the sink keeps its place at the start (Self-Forcing's rolling cache)",
+          nodes=("WanMeshStreamSampler.reanchor",), flags=("stream --reanchor",),
+          checked=("StreamSample.reanchor",)),
     Field("timesteps", "STRING", "", "comma list of timesteps in (0, 1000], e.g. 1000,750,500,250, replacing steps "
           "and shift; empty: from steps and shift", nodes=("WanMeshStreamSampler.timesteps",),
           flags=("stream --timesteps",), checked=("StreamSample.timesteps",), flag_default=None, unset=""),

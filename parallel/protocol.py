@@ -291,6 +291,7 @@ class StreamSample(Request):
     chunk: int = 3
     kv_window: int | None = None  # latent frames kept in the cache; None = the whole video
     sink: int = 0
+    reanchor: bool = False  # the sink turned to sit right before the window's oldest frame (networks/causal.py)
     use_cache: bool = True
     vae_handle: str | None = None
     preview: bool = True  # rank 0 sends each finished chunk (latents and decoded frames) with its progress
@@ -311,7 +312,7 @@ class StreamSample(Request):
                        guidance_scale=self.guidance_scale)
         check_seed(self.seed)
         check_latent(self.latent, (LATENT_CHANNELS,))  # the causal checkpoints are Wan 2.1 models
-        check_stream_options(self.latent.shape[2], self.chunk, self.kv_window, self.sink)
+        check_stream_options(self.latent.shape[2], self.chunk, self.kv_window, self.sink, self.reanchor, self.use_cache)
         if self.start_latent is not None:
             check_stream_start_latent(self.start_latent, tuple(self.latent.shape), self.kv_window, self.sink)
         check_stream_timesteps(self.timesteps)

@@ -185,6 +185,7 @@ def add_stream_arguments(sub) -> argparse.ArgumentParser:
     add_flag(p, "stream_cfg", "stream", "--cfg", dest="guidance_scale")
     add_flag(p, "kv_window", "stream")
     add_flag(p, "sink", "stream")
+    add_flag(p, "reanchor", "stream")
     add_flag(p, "cache", "stream")
     p.add_argument("--no-kv-cache", action="store_true",
                    help="recompute all earlier chunks every time (the reference the cache must equal)")

@@ -41,7 +41,7 @@ def check_stream_arguments(args) -> tuple[int, ...]:
     shape = latent_shape(args.width, args.height, args.frames)
     check_sampling(sampler="euler", steps=args.steps, shift=args.shift, denoise=1.0,
                    guidance_scale=args.guidance_scale)
-    check_stream_options(shape[2], args.chunk, args.kv_window, args.sink)
+    check_stream_options(shape[2], args.chunk, args.kv_window, args.sink, args.reanchor, not args.no_kv_cache)
     args.step_cache = parse_cache(getattr(args, "cache", None))
     check_stream_cache(args.step_cache, not args.no_kv_cache)
     args.start_image = None
@@ -180,7 +180,8 @@ def stream(args, files: ModelFiles, defaults: str = "") -> None:
         request = StreamSample(
             handle=model, latent=torch.zeros(shape), positive=prompts[0], negative=prompts[1], seed=args.seed,
             steps=args.steps, shift=args.shift, timesteps=args.timesteps, guidance_scale=args.guidance_scale,
-            chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, use_cache=not args.no_kv_cache,
+            chunk=args.chunk, kv_window=args.kv_window, sink=args.sink, reanchor=args.reanchor,
+            use_cache=not args.no_kv_cache,
             vae_handle=vae, preview=True, start_latent=start_latent, cache=cache_fields(args.step_cache),
             switch_chunks=list(args.prompt_switches), switch_positive=prompts[2:], live_text_encoder=live_encoder,
         )

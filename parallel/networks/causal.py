@@ -21,7 +21,12 @@ equals the cache's view exactly, so cached and uncached sampling agree to float 
 
 Rolling window: ``kv_window`` latent frames are attended (the current chunk included), the first ``sink``
 frames pinned; a key frame ``f`` is visible to a chunk ending at frame ``e`` when ``f < e`` and
-(``f < sink`` or ``f >= e - (kv_window - sink)``). Positions keep growing with the global frame index.
+(``f < sink`` or ``f >= e - (kv_window - sink)``). Positions keep growing with the global frame index; attention
+sees only their differences, which stay within the window, except the sink's distance, which grows with the
+stream. Re-anchored (``CacheWindow.reanchor``), the sink's keys are turned later in time to sit right before the
+oldest recent frame (``BlockKVCache.anchor_sink``), so every distance a query sees stays within the window's, as in
+a video of the trained length. A rotation only adds an angle, so the cached (roped) keys are turned, not
+recomputed.
 
 How the attention itself is split (one device and tensor parallel here; Ulysses sequence parallel in
 ``distributed/causal_sp.py``) is a strategy object with ``attend(cache, q, k, v)`` and
@@ -55,6 +60,15 @@ class CacheWindow:
 
     kv_window: int | None = None
     sink: int = 0
+    reanchor: bool = False  # the sink sits right before the oldest recent frame (``sink_shift``)
+
+    def sink_shift(self, chunk_end: int) -> int:
+        """Frames the pinned sink is moved later in time for a chunk ending at ``chunk_end`` when re-anchored: to
+        sit right before the oldest recent frame, so that it stays within the window of the chunk's queries
+        however long the stream runs (0 until the window rolls, and always without re-anchoring)."""
+        if not self.reanchor or not self.sink or self.kv_window is None:
+            return 0
+        return max(0, self.first_recent_frame(chunk_end) - self.sink)
 
     def first_recent_frame(self, chunk_end: int) -> int:
         """The oldest non-sink frame still visible to a chunk that ends (exclusive) at ``chunk_end``."""
@@ -80,31 +94,55 @@ def frame_visibility(chunks: list[tuple[int, int]], window: CacheWindow, frames:
 
 
 class CausalRope:
-    """Wan's RoPE (cos, sin) for every token of the whole video, in one contiguous table, indexed by global frame.
+    """Wan's RoPE (cos, sin) rows of the frames a forward covers, indexed by global frame, and the rows that turn
+    roped keys later in time (re-anchoring).
 
-    Built once from the model's own ``WanRotaryPosEmbed`` (so the frequencies are diffusers' exactly) over the
-    whole latent; a chunk is a slice of rows, never a rebuilt table."""
+    Rows are cut from the model's own ``WanRotaryPosEmbed`` frequency buffers exactly as its ``forward`` cuts
+    them (so the numbers are diffusers'), but for frames ``start .. start+count`` rather than ``0 .. frames``:
+    its forward can only start at frame 0, and a table of the whole video would grow with the stream (a
+    480p frame's rows are about 3 MiB), where these rows stay the size of one chunk. The last rows asked for are
+    kept (a chunk's denoising steps ask for the same ones)."""
 
     def __init__(self, model: nn.Module, frames: int, height: int, width: int):
         patch_t, patch_h, patch_w = model.config.patch_size
-        if frames // patch_t > model.rope.max_seq_len:
+        rope = model.rope
+        if frames // patch_t > rope.max_seq_len:
             raise ValueError(f"the video has {frames} latent frames but the model's RoPE covers "
-                             f"{model.rope.max_seq_len}; stream at most {model.rope.max_seq_len} latent frames")
-        # The model pads the latent to its patches (``wan.pad_inputs_to_patches``): the table covers the padded grid.
-        height, width = -(-height // patch_h) * patch_h, -(-width // patch_w) * patch_w
-        probe = torch.empty((1, 1, frames, height, width), device="meta")
-        # Called unbound: hooks on model.rope (the stream's own, context parallel's) must not touch the table.
-        cos, sin = type(model.rope).forward(model.rope, probe)
-        self.cos, self.sin = cos.contiguous(), sin.contiguous()  # [1, frames * hw, 1, head_dim]
-        self.tokens_per_frame = (height // patch_h) * (width // patch_w)
+                             f"{rope.max_seq_len}; stream at most {rope.max_seq_len} latent frames")
+        # The model pads the latent to its patches (``wan.pad_inputs_to_patches``): rows cover the padded grid.
+        self.grid = (-(-height // patch_h), -(-width // patch_w))
+        self.tokens_per_frame = self.grid[0] * self.grid[1]
+        split = [rope.t_dim, rope.h_dim, rope.w_dim]
+        self._cos, self._sin = rope.freqs_cos.split(split, dim=1), rope.freqs_sin.split(split, dim=1)
+        self._last: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _cut(self, parts: tuple[torch.Tensor, ...], time: torch.Tensor) -> torch.Tensor:
+        count, (rows, cols) = time.shape[0], self.grid
+        pieces = [time.view(count, 1, 1, -1).expand(count, rows, cols, -1),
+                  parts[1][:rows].view(1, rows, 1, -1).expand(count, rows, cols, -1),
+                  parts[2][:cols].view(1, 1, cols, -1).expand(count, rows, cols, -1)]
+        return torch.cat(pieces, dim=-1).reshape(1, count * rows * cols, 1, -1)
 
     def frames(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The table rows of frames ``start .. start+count`` (views, no copy)."""
-        first, rows = start * self.tokens_per_frame, count * self.tokens_per_frame
-        return self.cos[:, first : first + rows], self.sin[:, first : first + rows]
+        """The rows of frames ``start .. start+count`` ([1, count * tokens per frame, 1, head_dim] each)."""
+        if self._last is None or self._last[0] != (start, count):
+            rows = (self._cut(self._cos, self._cos[0][start : start + count]),
+                    self._cut(self._sin, self._sin[0][start : start + count]))
+            self._last = ((start, count), rows)
+        return self._last[1]
+
+    def time_shift(self, shift: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows that turn the roped keys of ``count`` frames ``shift`` frames later in time: the time part of the
+        rotation by ``shift``, the height and width parts the identity (rotations add their angles)."""
+        time = lambda part: part[0][shift : shift + 1].expand(count, -1)  # noqa: E731
+        ones = tuple(torch.ones_like(part) for part in self._cos)
+        zeros = tuple(torch.zeros_like(part) for part in self._sin)
+        return self._cut(ones, time(self._cos)), self._cut(zeros, time(self._sin))
 
     def to(self, device: torch.device) -> "CausalRope":
-        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self._cos = tuple(part.to(device) for part in self._cos)
+        self._sin = tuple(part.to(device) for part in self._sin)
+        self._last = None
         return self
 
 
@@ -122,13 +160,17 @@ class BlockKVCache:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self._written_frames: list[int] = []
+        self._sink_keys: torch.Tensor | None = None  # the sink's keys as written (re-anchoring turns a copy)
+        self._sink_shift = 0
 
     @property
     def kept_tokens(self) -> int:
         return len(self.frame_ids) * self.tokens_per_frame
 
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        """The buffers, and the copy of the sink's keys that re-anchoring keeps."""
+        kept = 0 if self._sink_keys is None else self._sink_keys.nbytes
+        return kept + (0 if self.keys is None else self.keys.nbytes + self.values.nbytes)
 
     def evict(self, window: CacheWindow, chunk_end: int) -> None:
         """Drop the kept frames a chunk ending at ``chunk_end`` no longer sees (they never come back)."""
@@ -142,6 +184,19 @@ class BlockKVCache:
                 self.keys[:, slot * per : (slot + 1) * per] = self.keys[:, index * per : (index + 1) * per]
                 self.values[:, slot * per : (slot + 1) * per] = self.values[:, index * per : (index + 1) * per]
         self.frame_ids = [self.frame_ids[i] for i in keep]
+
+    def anchor_sink(self, window: CacheWindow, chunk_end: int, turn) -> None:
+        """Re-anchoring: the kept sink frames' keys turned ``window.sink_shift(chunk_end)`` frames later in time
+        (``turn(keys, shift)``), always from the keys as written, so no rounding accumulates; values have no
+        position. The sink is the buffer's prefix, which eviction never moves."""
+        shift = window.sink_shift(chunk_end)
+        if shift == self._sink_shift:
+            return
+        tokens = sum(1 for frame in self.frame_ids if frame < window.sink) * self.tokens_per_frame
+        if self._sink_keys is None:
+            self._sink_keys = self.keys[:, :tokens].clone()
+        self.keys[:, :tokens] = turn(self._sink_keys, shift)
+        self._sink_shift = shift
 
     def with_chunk(self, keys: torch.Tensor, values: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the kept frames followed by this chunk's (written after them, not kept yet)."""
@@ -276,7 +331,8 @@ class CausalWan:
 
     def __post_init__(self):
         _, _, frames, height, width = self.latent_shape
-        check_stream_options(frames, self.chunk, self.window.kv_window, self.window.sink)
+        check_stream_options(frames, self.chunk, self.window.kv_window, self.window.sink, self.window.reanchor,
+                             self.use_cache)
         check_stream_start(self.start_frames, frames, self.window.kv_window, self.window.sink)
         self.frames = frames
         self.chunks = stream_chunks(frames, self.chunk, self.start_frames)
@@ -328,6 +384,17 @@ class CausalWan:
                                         for _ in self.model.blocks]
         return self.caches[self.branch]
 
+    def _make_room(self, chunk_end: int) -> None:
+        """Before a cached forward of the chunk ending at ``chunk_end``: each block's cache drops what the chunk no
+        longer sees and, re-anchored, turns its sink to the chunk's place."""
+        for cache in self._block_caches():
+            cache.evict(self.window, chunk_end)
+            cache.anchor_sink(self.window, chunk_end, self._turn_later)
+
+    def _turn_later(self, keys: torch.Tensor, shift: int) -> torch.Tensor:
+        cos, sin = self.rope.time_shift(shift, keys.shape[1] // self.rope.tokens_per_frame)
+        return apply_wan_rotary(keys, cos, sin)
+
     def self_attention(self, block: int, q, k, v) -> torch.Tensor:
         current = self.current
         if current.mask is not None:
@@ -355,8 +422,7 @@ class CausalWan:
         count = chunk_latents.shape[2]
         batch = chunk_latents.shape[0]
         if self.use_cache:
-            for cache in self._block_caches():
-                cache.evict(self.window, start + count)
+            self._make_room(start + count)
             self.current = _Forward(start, count)
             t = torch.full((batch,), float(timestep), device=chunk_latents.device)
             return self._run(chunk_latents, t, context)
@@ -401,7 +467,6 @@ class CausalWan:
         if not self.use_cache:
             return
         self.branch = branch
-        for cache in self._block_caches():
-            cache.evict(self.window, start + clean_chunk.shape[2])
+        self._make_room(start + clean_chunk.shape[2])
         self.current = _Forward(start, clean_chunk.shape[2], commit=True)
         self._run(clean_chunk, torch.zeros(clean_chunk.shape[0], device=clean_chunk.device), context)

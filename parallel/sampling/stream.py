@@ -107,8 +107,8 @@ def _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale) -> N
 
 def sample_stream(
     model, *, positive: torch.Tensor, negative: torch.Tensor | None, latent_shape: tuple[int, ...], seed: int,
-    sigmas: list[float], chunk: int, kv_window: int | None = None, sink: int = 0, use_cache: bool = True,
-    guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
+    sigmas: list[float], chunk: int, kv_window: int | None = None, sink: int = 0, reanchor: bool = False,
+    use_cache: bool = True, guidance_scale: float = 1.0, plan=None, on_chunk: Callable | None = None, should_stop: Callable | None = None,
     progress: Callable | None = None, fused_all_to_all: bool = True, stats: dict | None = None,
     start_latent: torch.Tensor | None = None, step_cache=None, prompt_switches: dict[int, torch.Tensor] | None = None,
     live_switch: Callable[[int], torch.Tensor | None] | None = None,
@@ -119,7 +119,8 @@ def sample_stream(
     ``guidance_scale != 1``. ``on_chunk(index, start_frame, raw_latents [B, 16, n, h, w])`` is called on every
     rank the moment a chunk is clean; ``should_stop()`` is polled before every step (raises ``Cancelled``);
     ``progress(done, total)`` follows every step, over all chunks. ``use_cache=False`` recomputes every earlier
-    frame at every step (the reference). ``fused_all_to_all=False`` runs the Ulysses split with three
+    frame at every step (the reference). ``reanchor`` (with ``kv_window`` and ``sink``) keeps the pinned sink right
+    before the window's oldest frame in time (``networks/causal.py``). ``fused_all_to_all=False`` runs the Ulysses split with three
     all-gathers instead of one all-to-all (the baseline the benchmark compares). ``stats``, a dict, receives
     ``chunk_seconds`` (time from the start to each finished chunk) and ``cache_bytes`` (this rank's KV cache).
 
@@ -140,7 +141,7 @@ def sample_stream(
     rank, in step): a positive context it returns (a prompt posted while the stream runs) is a switch there."""
     latent_shape = tuple(int(s) for s in latent_shape)
     _check_inputs(latent_shape, sigmas, positive, negative, guidance_scale)
-    check_stream_options(latent_shape[2], chunk, kv_window, sink)
+    check_stream_options(latent_shape[2], chunk, kv_window, sink, reanchor, use_cache)
     check_stream_cache(step_cache, use_cache)
     start_frames = 0 if start_latent is None else check_stream_start_latent(start_latent, latent_shape, kv_window, sink)
     switches = dict(prompt_switches or {})
@@ -158,7 +159,7 @@ def sample_stream(
     seeded = 1 if start_frames else 0  # the start image's block takes no steps
     total_steps = (len(chunks) - seeded) * steps
     timer = _ChunkTimer(stats, device)
-    with torch.no_grad(), CausalWan(model, latent_shape, chunk, CacheWindow(kv_window, sink), use_cache,
+    with torch.no_grad(), CausalWan(model, latent_shape, chunk, CacheWindow(kv_window, sink, reanchor), use_cache,
                                     strategy, start_frames=start_frames) as causal, \
             _chunk_cache(step_cache, causal, plan, strategy, steps) as cache:
         for index, (start, count) in enumerate(chunks):

@@ -78,7 +78,7 @@ def run_stream(model, vae, request: StreamSample, *, device, rank: int, plan=Non
     latents = sample_stream(
         model, positive=positive, negative=negative, latent_shape=tuple(request.latent.shape), seed=request.seed,
         sigmas=stream_sigmas(request.steps, request.shift, request.timesteps), chunk=request.chunk,
-        kv_window=request.kv_window, sink=request.sink, use_cache=request.use_cache,
+        kv_window=request.kv_window, sink=request.sink, reanchor=request.reanchor, use_cache=request.use_cache,
         guidance_scale=request.guidance_scale, plan=plan, on_chunk=forwarder, should_stop=should_stop,
         progress=progress, start_latent=request.start_latent, step_cache=cache_settings(request.cache), stats=stats,
         prompt_switches=switches, live_switch=None if live_prompt is None else live_switch,

@@ -4,7 +4,8 @@ before the node finishes), each file reopens with the frame count the Wan VAE gi
 is saved, and ComfyUI's interrupt stops the run between steps keeping the chunks already written. Its WanMesh
 Prompt Switch (a second prompt from chunk 2 on) gives the command line's latents with ``--prompt-at 2:PROMPT`` (on
 one rank: the workflow's two Ulysses ranks equal it), and the chunks before it are those of the workflow without
-the switch. On ComfyUI 0.33, prompts posted to ``/wanmesh/stream/<prompt id>/prompt`` (one while the prompt is
+the switch; a re-anchored rolling window (kv_window, sink, reanchor) gives the command line's latents too. On
+ComfyUI 0.33, prompts posted to ``/wanmesh/stream/<prompt id>/prompt`` (one while the prompt is
 queued, one once the first is answered, while the stream runs) switch the stream at the chunks the answers name,
 as WanMesh Prompt Switch nodes at those chunks do; a stream without a text encoder, an unknown id and a body
 without a prompt are answered 409, 404 and 400 in one line."""
@@ -128,6 +129,35 @@ def test_the_prompt_switch_is_the_command_lines_and_keeps_the_chunks_before_it(
     before = switch["inputs"]["chunk"] * inputs["chunk"]  # latent frames before the switch
     assert largest_difference(latents["switched"][:, :, :before], latents["plain"][:, :, :before]) < 1e-4
     assert largest_difference(latents["switched"][:, :, before:], latents["plain"][:, :, before:]) > 1e-2
+
+
+def test_a_reanchored_window_is_the_command_lines(comfyui_server: ComfyUIServer, stream_prompt: dict[str, Any],
+                                                 tiny_models_dir, tmp_path) -> None:
+    """kv_window 3, sink 1 and reanchor on the sampler (its prompt switch left in): the latents equal the command
+    line's with ``--kv-window 3 --sink 1 --reanchor`` and the same switch on one rank, and differ from the same
+    window without re-anchoring after it rolls."""
+    sampler_id = _node_id(stream_prompt, SAMPLER)
+    switch = stream_prompt[stream_prompt[sampler_id]["inputs"]["prompt_switches"][0]]
+    later_text = stream_prompt[switch["inputs"]["positive"][0]]["inputs"]["text"]
+    first_text = stream_prompt[stream_prompt[sampler_id]["inputs"]["positive"][0]]["inputs"]["text"]
+    latents = {}
+    for reanchor in (True, False):
+        prompt = with_inputs(stream_prompt, SAMPLER, kv_window=3, sink=1, reanchor=reanchor)
+        prompt = {**prompt, "latent_out": save_latent(sampler_id, f"stream_reanchor_{reanchor}")}
+        result = comfyui_server.run(prompt, PROMPT_TIMEOUT_S)
+        assert result.status == "success", result.error_text()
+        latents[reanchor] = saved(comfyui_server, result, "latent_out")
+    inputs, size = stream_prompt[sampler_id]["inputs"], stream_prompt[_node_id(stream_prompt, "WanMeshEmptyLatent")]
+    saved_latents = tmp_path / "latents.safetensors"
+    assert main(["stream", "--models", str(tiny_models_dir), "--prompt", first_text, "--prompt-at",
+                 f"{switch['inputs']['chunk']}:{later_text}", "--width", str(size["inputs"]["width"]),
+                 "--height", str(size["inputs"]["height"]), "--frames", str(size["inputs"]["length"]),
+                 "--chunk", str(inputs["chunk"]), "--steps", str(inputs["steps"]), "--shift", str(inputs["shift"]),
+                 "--seed", str(inputs["seed"]), "--kv-window", "3", "--sink", "1", "--reanchor", "--device", "cpu",
+                 "--quiet", "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "chunks"),
+                 "--save-latents", str(saved_latents)]) == 0
+    assert largest_difference(latents[True], load_file(str(saved_latents))["latents"]) < 1e-4
+    assert largest_difference(latents[True], latents[False]) > 1e-2
 
 
 LIVE_TEXTS = ("the fox leaps over a frozen stream", "the fox curls up asleep in a den")

@@ -5,7 +5,8 @@ result itself (the unsplit model, same seed) and checks, per layout: the cached 
 per direction equals it; the unfused three-gather baseline equals it too; the uncached reference (masked, split
 the same way) equals it; each rank's KV cache is 1/(tp x ulysses) of one device's; the collective calls per forward are what the design says (2 all-to-alls per block, no
 gather in attention, when fused) and their bytes match ``exchange_bytes_per_chunk``; the model keeps its
-ordinary context-parallel plan afterwards; streaming from a start image (its latent frame written to the cache
+ordinary context-parallel plan afterwards; a re-anchored rolling window (the sink turned later in time on every
+rank's heads) equals one device's; streaming from a start image (its latent frame written to the cache
 first) equals one device's too, and so does a stream whose prompt switches twice (the caches rebuilt under each
 new prompt on every rank). Chunks of 2 over 5 frames of 3 x 3 tokens: 18 and 9 tokens, neither
 divisible by 4 (padding), and a shorter last chunk.
@@ -35,6 +36,7 @@ SHAPE = (1, 16, 5, 6, 6)
 CHUNK = 2
 SIGMAS = stream_sigmas(3, 5.0)
 LAYOUTS = (dict(ulysses=4), dict(ulysses=2), dict(tp=2), dict(tp=2, ulysses=2))
+REANCHORED = dict(kv_window=3, sink=1, reanchor=True)  # the window rolls for the chunks ending at 4 and 5
 
 
 def _model() -> WanTransformer3DModel:
@@ -104,7 +106,8 @@ def _output_gather_bytes(plan: ParallelContext) -> int:
 
 
 def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, reference_cache: int,
-                  reference_start: torch.Tensor, reference_switched: torch.Tensor) -> None:
+                  reference_start: torch.Tensor, reference_switched: torch.Tensor,
+                  reference_reanchored: torch.Tensor) -> None:
     plan = _plan(rank, world, layout)
     model = _model()
     apply_tensor_parallel(model, plan.tp_group)
@@ -128,6 +131,7 @@ def _check_layout(rank: int, world: int, layout: dict, reference: torch.Tensor, 
     _check_close(f"{name} uncached", _stream(model, plan, use_cache=False), reference)
     _check_close(f"{name} from a start image", _stream(model, plan, start_latent=_start_latent()), reference_start)
     _check_close(f"{name} with prompt switches", _stream(model, plan, prompt_switches=_switches()), reference_switched)
+    _check_close(f"{name} re-anchored", _stream(model, plan, **REANCHORED), reference_reanchored)
     # the ordinary sequence-parallel forward works again afterwards
     latents = torch.randn(SHAPE, generator=torch.Generator().manual_seed(2))
     own = model(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=_context(),
@@ -144,8 +148,12 @@ def _rank_main(rank: int, world: int) -> None:
         reference_start = _stream(_model(), start_latent=_start_latent())
         reference_switched = _stream(_model(), prompt_switches=_switches())
         assert (reference_switched - reference).abs().max() > 100 * TOLERANCE, "the switches change nothing"
+        reference_reanchored = _stream(_model(), **REANCHORED)
+        windowed = _stream(_model(), **{**REANCHORED, "reanchor": False})
+        assert (reference_reanchored - windowed).abs().max() > 100 * TOLERANCE, "re-anchoring changes nothing"
         for layout in LAYOUTS:
-            _check_layout(rank, world, layout, reference, stats["cache_bytes"], reference_start, reference_switched)
+            _check_layout(rank, world, layout, reference, stats["cache_bytes"], reference_start, reference_switched,
+                          reference_reanchored)
             dist.barrier()
 
 

@@ -1,5 +1,6 @@
 """Causal streaming on one device, with the tiny T2V model: the KV cache equals recomputation, the causal RoPE is
-the whole video's table, and the sampling scheme equals an independent hand-written loop.
+the whole video's table cut to each chunk, re-anchoring turns the sink as roping it later would, and the
+sampling scheme equals an independent hand-written loop.
 
 References used: ``use_cache=False`` (every earlier frame recomputed under a block-causal frame mask, no cache
 code at all); the ordinary bidirectional diffusers forward; the native scheme written out in this file with the
@@ -104,7 +105,39 @@ def test_causal_rope_at_start_frame_is_the_whole_video_table_sliced(causal_model
                                            TINY_TRANSFORMER["attention_head_dim"])
     assert torch.allclose(cos[0, :, 0].double(), ref_cos, atol=1e-6)
     assert torch.allclose(sin[0, :, 0].double(), ref_sin, atol=1e-6)
-    assert cos.data_ptr() == rope.cos.data_ptr() + start * 6 * cos.shape[-1] * cos.element_size()  # a view
+    # exactly the rows of diffusers' own RoPE over the whole video, cut to the chunk
+    whole_cos, whole_sin = type(causal_model.rope).forward(causal_model.rope, torch.empty(1, 1, *SHAPE[2:], device="meta"))
+    rows = slice(start * 6, (start + count) * 6)
+    assert torch.equal(cos, whole_cos[:, rows]) and torch.equal(sin, whole_sin[:, rows])
+
+
+@pytest.mark.parametrize("frame,shift", [(0, 1), (1, 5), (2, 3)])
+def test_turning_roped_keys_later_in_time_equals_roping_them_there(causal_model, frame, shift):
+    """Re-anchoring's rotation: keys roped at ``frame`` and turned ``shift`` frames later equal the same keys
+    roped at ``frame + shift`` (height and width positions untouched)."""
+    from wanmesh.parallel.distributed.context_parallel import apply_wan_rotary
+
+    rope = CausalRope(causal_model, SHAPE[2], SHAPE[3], SHAPE[4])
+    keys = torch.randn(1, 2 * 6, 2, TINY_TRANSFORMER["attention_head_dim"], generator=torch.Generator().manual_seed(4))
+    turned = apply_wan_rotary(apply_wan_rotary(keys, *rope.frames(frame, 2)), *rope.time_shift(shift, 2))
+    there = apply_wan_rotary(keys, *rope.frames(frame + shift, 2))
+    assert torch.allclose(turned, there, atol=1e-6), (turned - there).abs().max()
+    assert (turned - apply_wan_rotary(keys, *rope.frames(frame, 2))).abs().max() > 1e-3
+
+
+def test_reanchoring_changes_nothing_until_the_window_rolls_then_moves_only_the_sink(causal_model, text_contexts):
+    """kv_window 5, sink 1, chunks of 2 over 8 frames: the window first drops a frame for the chunk ending at 6,
+    so chunks 0 and 1 are the plain window's exactly; later chunks differ (the sink now sits right before the
+    oldest recent frame), and the KV cache holds one copy of the sink's keys more."""
+    options = dict(chunk=2, kv_window=5, sink=1)
+    plain, plain_stats, anchored_stats = {}, {}, {}
+    plain = _stream(causal_model, text_contexts, stats=plain_stats, **options)
+    anchored = _stream(causal_model, text_contexts, reanchor=True, stats=anchored_stats, **options)
+    assert torch.equal(anchored[:, :, :4], plain[:, :, :4])
+    assert (anchored[:, :, 4:] - plain[:, :, 4:]).abs().max() > 1e-3
+    blocks, heads, head_dim = (TINY_TRANSFORMER[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim"))
+    sink_keys = blocks * 6 * heads * head_dim * 4  # one frame of keys per block, fp32
+    assert anchored_stats["cache_bytes"] == plain_stats["cache_bytes"] + sink_keys
 
 
 def test_short_last_chunk_callbacks_and_progress(causal_model, text_contexts):

@@ -33,6 +33,9 @@ def test_native_schedule_and_explicit_timesteps():
     ((8, 3, 6, 4), "sink=4 plus a chunk of 3 exceed kv_window=6"),
     ((8, 3, None, -1), "sink must be a whole number of latent frames >= 0, got -1"),
     ((0, 3, None, 0), "the latent must have at least 1 frame, got 0"),
+    ((8, 3, None, 0, True), "reanchor moves the pinned sink frames of a rolling window, but kv_window=None"),
+    ((8, 3, 6, 0, True), "but kv_window=6 and sink=0; valid: a kv_window and a sink of 1 or more"),
+    ((8, 3, 6, 1, True, False), "the uncached reference .* has none: turn one of them off"),
 ])
 def test_bad_options_give_one_line_errors(args, message):
     with pytest.raises(ValueError, match=message) as error:
@@ -65,6 +68,7 @@ def _plan(**layout):
     (dict(chunk=0), "chunk must be"),
     (dict(kv_window=1), "smaller than a chunk"),
     (dict(kv_window=4, sink=5), "larger than kv_window"),
+    (dict(kv_window=4, sink=1, reanchor=True, use_cache=False), "reanchor turns the keys held in the KV cache"),
     (dict(sigmas=[1.0, 0.5]), "end with 0"),
     (dict(guidance_scale=3.0), "needs a negative context"),
     (dict(plan=_plan(ring=2)), "ring attention with a KV cache"),

@@ -103,6 +103,33 @@ def test_prompt_at_switches_the_prompt_as_the_request_in_process(models, tmp_pat
     assert (latents["switched"][:, :, 4:] - latents["plain"][:, :, 4:]).abs().max() > 1e-2
 
 
+def test_reanchor_on_ulysses_2_equals_the_one_device_stream_in_process(models, tmp_path, capsys, monkeypatch):
+    """--kv-window 3 --sink 1 --reanchor on a 2-rank Ulysses pool: the saved latents are the in-process world-1
+    stream's with the same window re-anchored; the chunks before the window rolls are the plain window's."""
+    from wanmesh.parallel.protocol import StreamSample
+    from wanmesh.parallel.tiny.files import TINY_FILES
+    from wanmesh.parallel.worker.executors import RankExecutor
+
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    common = ["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
+              "--frames", "25", "--chunk", "2", "--steps", "2", "--seed", "3", "--kv-window", "3", "--sink", "1",
+              "--device", "cpu"]
+    latents = {}
+    for name, extra in (("plain", []), ("reanchored", ["--reanchor", "--world", "2", "--ulysses", "2"])):
+        out = tmp_path / name
+        assert main([*common, *extra, "--out", str(out / "v.mp4"), "--chunk-dir", str(out / "chunks"),
+                     "--save-latents", str(out / "latents.safetensors")]) == 0, capsys.readouterr().err
+        latents[name] = load_file(str(out / "latents.safetensors"))["latents"]
+    engine = RankExecutor("cpu")
+    text = engine.load_text_encoder(str(models / TINY_FILES["text_encoder"]))
+    model = engine.load_model(str(models / TINY_FILES["model"]))
+    request = StreamSample(handle=model, latent=torch.zeros(1, 16, 7, 4, 4), positive=engine.encode_text(text, ["a fox"]),
+                           negative=[], seed=3, steps=2, chunk=2, kv_window=3, sink=1, reanchor=True)
+    torch.testing.assert_close(latents["reanchored"], engine.stream(request)[0], rtol=0, atol=1e-5)
+    assert (latents["reanchored"][:, :, :2] - latents["plain"][:, :, :2]).abs().max() < 1e-5  # before the roll
+    assert (latents["reanchored"][:, :, 4:] - latents["plain"][:, :, 4:]).abs().max() > 1e-3
+
+
 def test_live_prompts_from_standard_input_switch_where_the_command_says(models, tmp_path, capsys, monkeypatch):
     """--live-prompts with a line on standard input: the command prints the chunk where it applied, and the saved
     latents are the in-process stream's with a switch to that line at that chunk."""
@@ -135,6 +162,8 @@ BAD = [
     (["--chunk", "0"], "chunk must be a whole number of latent frames >= 1, got 0"),
     (["--chunk", "3", "--kv-window", "2"], "kv_window=2 latent frames is smaller than a chunk of 3"),
     (["--chunk", "2", "--kv-window", "3", "--sink", "4"], "sink=4 is larger than kv_window=3"),
+    (["--reanchor"], "reanchor moves the pinned sink frames of a rolling window, but kv_window=None and sink=0"),
+    (["--kv-window", "6", "--sink", "1", "--reanchor", "--no-kv-cache"], "reanchor turns the keys held in the KV cache"),
     (["--frames", "16"], "frame"),
     (["--timesteps", "250,500"], "timesteps must be a non-empty, strictly descending list"),
     (["--timesteps", "1000,x"], "timesteps must be a comma list of numbers"),
