@@ -149,6 +149,8 @@ BENCHMARKS = {
     "i2v": ("i2v", "image-to-video against text-to-video: one guided step of each model kind at the same size"),
     "plan": ("plan", "auto layout: predicted against measured step time of every layout, Spearman, the choice; "
                      "with --hardware NAME, every layout predicted on a GPU cluster from its datasheet"),
+    "long-stream": ("long_stream", "a stream of many times the trained length: memory per chunk and the step at "
+                                   "the window's edge, whole cache against a rolling window and a re-anchored one"),
     "cache": ("cache", "step caching (TeaCache, MagCache, first-block cache) against no cache: wall time, calls, "
                        "latents' distance, per layout"),
     "real-size": ("real_size", "released Wan models at their real sizes, written on the fly: load time, memory per "

@@ -258,14 +258,15 @@ def _check_model(model) -> None:
 
 
 class _ChunkTimer:
-    """Fills the caller's ``stats`` dict: seconds to each finished chunk (from the start) and the KV cache bytes
-    this rank holds (all blocks and branches; with Ulysses / tp only this rank's heads)."""
+    """Fills the caller's ``stats`` dict: seconds to each finished chunk (from the start), and the KV cache bytes
+    this rank holds (all blocks and branches; with Ulysses / tp only this rank's heads): the largest, and after
+    each chunk (``chunk_cache_bytes``)."""
 
     def __init__(self, stats: dict | None, device: torch.device):
         self.stats, self.device = stats, device
         self.start = time.perf_counter()
         if stats is not None:
-            stats.update(chunk_seconds=[], cache_bytes=0)
+            stats.update(chunk_seconds=[], cache_bytes=0, chunk_cache_bytes=[])
 
     def chunk_done(self, causal: CausalWan) -> None:
         if self.stats is None:
@@ -273,7 +274,9 @@ class _ChunkTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats["chunk_seconds"].append(time.perf_counter() - self.start)
-        self.stats["cache_bytes"] = max(self.stats["cache_bytes"], causal.cache_bytes())
+        held = causal.cache_bytes()
+        self.stats["chunk_cache_bytes"].append(held)
+        self.stats["cache_bytes"] = max(self.stats["cache_bytes"], held)
 
 
 def _denoise_chunk(predict: Callable, x: torch.Tensor, sigmas: list[float], seed: int, index: int, name: str,

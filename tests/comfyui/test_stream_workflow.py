@@ -52,6 +52,23 @@ def _file(server: ComfyUIServer, info: dict[str, Any]):
     return server.output_dir / info["subfolder"] / info["filename"]
 
 
+def _command_line_latents(prompt: dict[str, Any], models_dir, tmp_path, *extra: str) -> torch.Tensor:
+    """The latents `wanmesh stream` saves on one rank for the workflow's texts, prompt switch, size and sampler
+    inputs, with ``extra`` flags."""
+    sampler_id = _node_id(prompt, SAMPLER)
+    inputs, size = prompt[sampler_id]["inputs"], prompt[_node_id(prompt, "WanMeshEmptyLatent")]["inputs"]
+    switch = prompt[inputs["prompt_switches"][0]]["inputs"]
+    text = lambda node: prompt[node["positive"][0]]["inputs"]["text"]  # noqa: E731
+    saved_latents = tmp_path / "latents.safetensors"
+    assert main(["stream", "--models", str(models_dir), "--prompt", text(inputs), "--prompt-at",
+                 f"{switch['chunk']}:{text(switch)}", "--width", str(size["width"]), "--height", str(size["height"]),
+                 "--frames", str(size["length"]), "--chunk", str(inputs["chunk"]), "--steps", str(inputs["steps"]),
+                 "--shift", str(inputs["shift"]), "--seed", str(inputs["seed"]), *extra, "--device", "cpu", "--quiet",
+                 "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "chunks"),
+                 "--save-latents", str(saved_latents)]) == 0
+    return load_file(str(saved_latents))["latents"]
+
+
 def test_stream_workflow_announces_each_chunk_file_then_saves_the_video(comfyui_server: ComfyUIServer,
                                                                          stream_prompt: dict[str, Any]) -> None:
     sampler_id = _node_id(stream_prompt, SAMPLER)
@@ -107,8 +124,6 @@ def test_the_prompt_switch_is_the_command_lines_and_keeps_the_chunks_before_it(
         comfyui_server: ComfyUIServer, stream_prompt: dict[str, Any], tiny_models_dir, tmp_path) -> None:
     sampler_id = _node_id(stream_prompt, SAMPLER)
     switch = stream_prompt[stream_prompt[sampler_id]["inputs"]["prompt_switches"][0]]
-    later_text = stream_prompt[switch["inputs"]["positive"][0]]["inputs"]["text"]
-    first_text = stream_prompt[stream_prompt[sampler_id]["inputs"]["positive"][0]]["inputs"]["text"]
     plain = {**stream_prompt, sampler_id: {**stream_prompt[sampler_id], "inputs": {
         key: value for key, value in stream_prompt[sampler_id]["inputs"].items() if key != "prompt_switches"}}}
     latents = {}
@@ -117,16 +132,8 @@ def test_the_prompt_switch_is_the_command_lines_and_keeps_the_chunks_before_it(
         result = comfyui_server.run(prompt, PROMPT_TIMEOUT_S)
         assert result.status == "success", result.error_text()
         latents[name] = saved(comfyui_server, result, "latent_out")
-    inputs, size = stream_prompt[sampler_id]["inputs"], stream_prompt[_node_id(stream_prompt, "WanMeshEmptyLatent")]
-    saved_latents = tmp_path / "latents.safetensors"
-    assert main(["stream", "--models", str(tiny_models_dir), "--prompt", first_text, "--prompt-at",
-                 f"{switch['inputs']['chunk']}:{later_text}", "--width", str(size["inputs"]["width"]),
-                 "--height", str(size["inputs"]["height"]), "--frames", str(size["inputs"]["length"]),
-                 "--chunk", str(inputs["chunk"]), "--steps", str(inputs["steps"]), "--shift", str(inputs["shift"]),
-                 "--seed", str(inputs["seed"]), "--device", "cpu", "--quiet", "--out", str(tmp_path / "v.mp4"),
-                 "--chunk-dir", str(tmp_path / "chunks"), "--save-latents", str(saved_latents)]) == 0
-    assert largest_difference(latents["switched"], load_file(str(saved_latents))["latents"]) < 1e-4
-    before = switch["inputs"]["chunk"] * inputs["chunk"]  # latent frames before the switch
+    assert largest_difference(latents["switched"], _command_line_latents(stream_prompt, tiny_models_dir, tmp_path)) < 1e-4
+    before = switch["inputs"]["chunk"] * stream_prompt[sampler_id]["inputs"]["chunk"]  # latent frames before it
     assert largest_difference(latents["switched"][:, :, :before], latents["plain"][:, :, :before]) < 1e-4
     assert largest_difference(latents["switched"][:, :, before:], latents["plain"][:, :, before:]) > 1e-2
 
@@ -137,9 +144,6 @@ def test_a_reanchored_window_is_the_command_lines(comfyui_server: ComfyUIServer,
     line's with ``--kv-window 3 --sink 1 --reanchor`` and the same switch on one rank, and differ from the same
     window without re-anchoring after it rolls."""
     sampler_id = _node_id(stream_prompt, SAMPLER)
-    switch = stream_prompt[stream_prompt[sampler_id]["inputs"]["prompt_switches"][0]]
-    later_text = stream_prompt[switch["inputs"]["positive"][0]]["inputs"]["text"]
-    first_text = stream_prompt[stream_prompt[sampler_id]["inputs"]["positive"][0]]["inputs"]["text"]
     latents = {}
     for reanchor in (True, False):
         prompt = with_inputs(stream_prompt, SAMPLER, kv_window=3, sink=1, reanchor=reanchor)
@@ -147,16 +151,9 @@ def test_a_reanchored_window_is_the_command_lines(comfyui_server: ComfyUIServer,
         result = comfyui_server.run(prompt, PROMPT_TIMEOUT_S)
         assert result.status == "success", result.error_text()
         latents[reanchor] = saved(comfyui_server, result, "latent_out")
-    inputs, size = stream_prompt[sampler_id]["inputs"], stream_prompt[_node_id(stream_prompt, "WanMeshEmptyLatent")]
-    saved_latents = tmp_path / "latents.safetensors"
-    assert main(["stream", "--models", str(tiny_models_dir), "--prompt", first_text, "--prompt-at",
-                 f"{switch['inputs']['chunk']}:{later_text}", "--width", str(size["inputs"]["width"]),
-                 "--height", str(size["inputs"]["height"]), "--frames", str(size["inputs"]["length"]),
-                 "--chunk", str(inputs["chunk"]), "--steps", str(inputs["steps"]), "--shift", str(inputs["shift"]),
-                 "--seed", str(inputs["seed"]), "--kv-window", "3", "--sink", "1", "--reanchor", "--device", "cpu",
-                 "--quiet", "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "chunks"),
-                 "--save-latents", str(saved_latents)]) == 0
-    assert largest_difference(latents[True], load_file(str(saved_latents))["latents"]) < 1e-4
+    expected = _command_line_latents(stream_prompt, tiny_models_dir, tmp_path, "--kv-window", "3", "--sink", "1",
+                                     "--reanchor")
+    assert largest_difference(latents[True], expected) < 1e-4
     assert largest_difference(latents[True], latents[False]) > 1e-2
 
 

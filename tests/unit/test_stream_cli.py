@@ -76,29 +76,44 @@ def test_stream_from_an_image_starts_with_its_latent_frame(models, tmp_path, cap
     assert read_video(out).shape == (17, 32, 32, 3)
 
 
-def test_prompt_at_switches_the_prompt_as_the_request_in_process(models, tmp_path, capsys, monkeypatch):
-    """--prompt-at 2:PROMPT: the saved latents are the in-process stream's with that switch (the prompts encoded by
-    the same text encoder), the chunks before it are the unswitched stream's."""
+COMMON = ["stream", "--prompt", "a fox", "--width", "32", "--height", "32", "--frames", "25", "--chunk", "2",
+          "--steps", "2", "--seed", "3", "--device", "cpu"]
+
+
+def _saved_latents(models, tmp_path, capsys, variants: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """The latents `wanmesh stream` (COMMON) saves with each variant's extra flags."""
+    latents = {}
+    for name, extra in variants.items():
+        out = tmp_path / name
+        assert main([*COMMON, "--models", str(models), *extra, "--out", str(out / "v.mp4"), "--chunk-dir",
+                     str(out / "chunks"), "--save-latents", str(out / "latents.safetensors")]) == 0, capsys.readouterr().err
+        latents[name] = load_file(str(out / "latents.safetensors"))["latents"]
+    return latents
+
+
+def _in_process(models, switch_texts: dict[int, str] | None = None, **fields) -> torch.Tensor:
+    """COMMON's stream on one device in this process, with StreamSample ``fields`` and prompt switches."""
     from wanmesh.parallel.protocol import StreamSample
     from wanmesh.parallel.tiny.files import TINY_FILES
     from wanmesh.parallel.worker.executors import RankExecutor
 
-    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
-    common = ["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
-              "--frames", "25", "--chunk", "2", "--steps", "2", "--seed", "3", "--device", "cpu"]
-    latents = {}
-    for name, extra in (("plain", []), ("switched", ["--prompt-at", "2:a red balloon rises"])):
-        out = tmp_path / name
-        assert main([*common, *extra, "--out", str(out / "v.mp4"), "--chunk-dir", str(out / "chunks"),
-                     "--save-latents", str(out / "latents.safetensors")]) == 0, capsys.readouterr().err
-        latents[name] = load_file(str(out / "latents.safetensors"))["latents"]
     engine = RankExecutor("cpu")
     text = engine.load_text_encoder(str(models / TINY_FILES["text_encoder"]))
     model = engine.load_model(str(models / TINY_FILES["model"]))
-    request = StreamSample(handle=model, latent=torch.zeros(1, 16, 7, 4, 4),
-                           positive=engine.encode_text(text, ["a fox"]), negative=[], seed=3, steps=2, chunk=2,
-                           switch_chunks=[2], switch_positive=[engine.encode_text(text, ["a red balloon rises"])])
-    torch.testing.assert_close(latents["switched"], engine.stream(request)[0], rtol=0, atol=1e-5)
+    switches = switch_texts or {}
+    request = StreamSample(handle=model, latent=torch.zeros(1, 16, 7, 4, 4), positive=engine.encode_text(text, ["a fox"]),
+                           negative=[], seed=3, steps=2, chunk=2, switch_chunks=list(switches),
+                           switch_positive=[engine.encode_text(text, [t]) for t in switches.values()], **fields)
+    return engine.stream(request)[0]
+
+
+def test_prompt_at_switches_the_prompt_as_the_request_in_process(models, tmp_path, capsys, monkeypatch):
+    """--prompt-at 2:PROMPT: the saved latents are the in-process stream's with that switch (the prompts encoded by
+    the same text encoder), the chunks before it are the unswitched stream's."""
+    monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
+    latents = _saved_latents(models, tmp_path, capsys, {"plain": [], "switched": ["--prompt-at", "2:a red balloon rises"]})
+    expected = _in_process(models, {2: "a red balloon rises"})
+    torch.testing.assert_close(latents["switched"], expected, rtol=0, atol=1e-5)
     assert (latents["switched"][:, :, :4] - latents["plain"][:, :, :4]).abs().max() == 0
     assert (latents["switched"][:, :, 4:] - latents["plain"][:, :, 4:]).abs().max() > 1e-2
 
@@ -106,26 +121,12 @@ def test_prompt_at_switches_the_prompt_as_the_request_in_process(models, tmp_pat
 def test_reanchor_on_ulysses_2_equals_the_one_device_stream_in_process(models, tmp_path, capsys, monkeypatch):
     """--kv-window 3 --sink 1 --reanchor on a 2-rank Ulysses pool: the saved latents are the in-process world-1
     stream's with the same window re-anchored; the chunks before the window rolls are the plain window's."""
-    from wanmesh.parallel.protocol import StreamSample
-    from wanmesh.parallel.tiny.files import TINY_FILES
-    from wanmesh.parallel.worker.executors import RankExecutor
-
     monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
-    common = ["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
-              "--frames", "25", "--chunk", "2", "--steps", "2", "--seed", "3", "--kv-window", "3", "--sink", "1",
-              "--device", "cpu"]
-    latents = {}
-    for name, extra in (("plain", []), ("reanchored", ["--reanchor", "--world", "2", "--ulysses", "2"])):
-        out = tmp_path / name
-        assert main([*common, *extra, "--out", str(out / "v.mp4"), "--chunk-dir", str(out / "chunks"),
-                     "--save-latents", str(out / "latents.safetensors")]) == 0, capsys.readouterr().err
-        latents[name] = load_file(str(out / "latents.safetensors"))["latents"]
-    engine = RankExecutor("cpu")
-    text = engine.load_text_encoder(str(models / TINY_FILES["text_encoder"]))
-    model = engine.load_model(str(models / TINY_FILES["model"]))
-    request = StreamSample(handle=model, latent=torch.zeros(1, 16, 7, 4, 4), positive=engine.encode_text(text, ["a fox"]),
-                           negative=[], seed=3, steps=2, chunk=2, kv_window=3, sink=1, reanchor=True)
-    torch.testing.assert_close(latents["reanchored"], engine.stream(request)[0], rtol=0, atol=1e-5)
+    window = ["--kv-window", "3", "--sink", "1"]
+    latents = _saved_latents(models, tmp_path, capsys, {
+        "plain": window, "reanchored": [*window, "--reanchor", "--world", "2", "--ulysses", "2"]})
+    expected = _in_process(models, kv_window=3, sink=1, reanchor=True)
+    torch.testing.assert_close(latents["reanchored"], expected, rtol=0, atol=1e-5)
     assert (latents["reanchored"][:, :, :2] - latents["plain"][:, :, :2]).abs().max() < 1e-5  # before the roll
     assert (latents["reanchored"][:, :, 4:] - latents["plain"][:, :, 4:]).abs().max() > 1e-3
 
@@ -136,26 +137,15 @@ def test_live_prompts_from_standard_input_switch_where_the_command_says(models, 
     import io
     import re
 
-    from wanmesh.parallel.protocol import StreamSample
-    from wanmesh.parallel.tiny.files import TINY_FILES
-    from wanmesh.parallel.worker.executors import RankExecutor
-
     monkeypatch.setenv("WANMESH_WORKER_THREADS", "1")
     monkeypatch.setattr("sys.stdin", io.StringIO("\na red balloon rises\n"))
     saved = tmp_path / "latents.safetensors"
-    assert main(["stream", "--models", str(models), "--prompt", "a fox", "--width", "32", "--height", "32",
-                 "--frames", "25", "--chunk", "2", "--steps", "2", "--seed", "3", "--device", "cpu", "--live-prompts",
-                 "--out", str(tmp_path / "v.mp4"), "--chunk-dir", str(tmp_path / "chunks"),
-                 "--save-latents", str(saved)]) == 0, capsys.readouterr().err
+    assert main([*COMMON, "--models", str(models), "--live-prompts", "--out", str(tmp_path / "v.mp4"),
+                 "--chunk-dir", str(tmp_path / "chunks"), "--save-latents", str(saved)]) == 0, capsys.readouterr().err
     said = re.findall(r"prompt switched at chunk (\d+): a red balloon rises", capsys.readouterr().err)
     assert len(said) == 1, "the command did not say where the prompt applied"
-    engine = RankExecutor("cpu")
-    text = engine.load_text_encoder(str(models / TINY_FILES["text_encoder"]))
-    model = engine.load_model(str(models / TINY_FILES["model"]))
-    request = StreamSample(handle=model, latent=torch.zeros(1, 16, 7, 4, 4),
-                           positive=engine.encode_text(text, ["a fox"]), negative=[], seed=3, steps=2, chunk=2,
-                           switch_chunks=[int(said[0])], switch_positive=[engine.encode_text(text, ["a red balloon rises"])])
-    torch.testing.assert_close(load_file(str(saved))["latents"], engine.stream(request)[0], rtol=0, atol=1e-5)
+    expected = _in_process(models, {int(said[0]): "a red balloon rises"})
+    torch.testing.assert_close(load_file(str(saved))["latents"], expected, rtol=0, atol=1e-5)
 
 
 BAD = [
