@@ -32,7 +32,7 @@ COMFYUI_SIDE = {
     "parallel.image_to_video", "parallel.protocol",
     "parallel.pool_memory",
     "parallel.driver", "parallel.driver.live_prompts", "parallel.driver.pool", "parallel.driver.runner",
-    "parallel.driver.timings",
+    "parallel.driver.timings", "parallel.driver.worker_template",
     "parallel.validation", "parallel.video_io",
     "parallel.vace", "parallel.vace.builders", "parallel.vace.encode",
     "parallel.weights", "parallel.weights.checkpoint", "parallel.weights.detect", "parallel.weights.gguf_file",
