@@ -177,12 +177,19 @@ class WorkerTemplate:
             return list(self._workers)  # an ended worker is dropped when its exit is read
 
     def close(self) -> None:
+        # shutdown first: the reader thread is blocked in recv on this socket, and a close alone leaves the socket
+        # open under that call (the template would never read its end of file)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the template already ended
         self._sock.close()
         if self.process is not None:
             try:
                 self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
 
 
 _TEMPLATE: WorkerTemplate | None = None
