@@ -39,7 +39,8 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 # -- the local-backend process -------------------------------------------------------------------------
 
 
-def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | None = None) -> None:
+def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | None = None,
+                            driver_pid: int | None = None) -> None:
     """Die with the driver: a parent-death signal (Linux) plus a thread that watches the parent pid.
 
     The parent-death signal is SIGTERM. SIGTERM and SIGINT are blocked in every thread (the local backend's
@@ -59,14 +60,14 @@ def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | N
         _leave(cleanup)
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while not driver_gone(parent_pid, settle=False, driver_pid=driver_pid):
             time.sleep(PARENT_POLL_S)
         _leave(cleanup)
 
     def take_stop_signals() -> None:
         received = signal.sigwait(STOP_SIGNALS)
         # SIGTERM may be the parent-death signal, which comes before the driver is gone: give that a moment.
-        if driver_gone(parent_pid, settle=received == signal.SIGTERM):
+        if driver_gone(parent_pid, settle=received == signal.SIGTERM, driver_pid=driver_pid):
             _leave(cleanup)
         _end_by(received)  # a live driver cleans up itself
 
@@ -74,14 +75,27 @@ def guard_against_orphaning(parent_pid: int, on_orphaned: Callable[[], None] | N
     threading.Thread(target=take_stop_signals, name="wanmesh-stop-signals", daemon=True).start()
 
 
-def driver_gone(parent_pid: int, settle: bool = True) -> bool:
-    """Whether the driver has died (this worker was re-parented). With ``settle``, wait up to ``ORPHAN_SETTLE_S``
-    for that to show: a dying driver's parent-death signal and closed connections come when its launcher thread
-    ends, before its process is gone."""
+def driver_gone(parent_pid: int, settle: bool = True, driver_pid: int | None = None) -> bool:
+    """Whether the driver has died: this worker was re-parented, or (a worker forked by the worker template, whose
+    parent is the template) the driver process ``driver_pid`` has ended, which shows before the template's own
+    death does. With ``settle``, wait up to ``ORPHAN_SETTLE_S`` for that to show: a dying driver's parent-death
+    signal and closed connections come when its launcher thread ends, before its process is gone."""
     deadline = time.monotonic() + (ORPHAN_SETTLE_S if settle else 0.0)
-    while os.getppid() == parent_pid and time.monotonic() < deadline:
+    gone = lambda: os.getppid() != parent_pid or (driver_pid is not None and process_ended(driver_pid))  # noqa: E731
+    while not gone() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return os.getppid() != parent_pid
+    return gone()
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
 
 
 # Held while this process creates a shared-memory segment, and taken for good by _leave before its cleanup: a
@@ -210,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     follows it so that ``ps`` shows which rank a process is)."""
     settings = json.loads((argv if argv is not None else sys.argv[1:])[0])
     leftovers = lambda: remove_pool_leftovers(settings["shm_prefix"], settings.get("pool_dir"))  # noqa: E731
-    guard_against_orphaning(settings["parent_pid"], leftovers)
+    guard_against_orphaning(settings["parent_pid"], leftovers, settings.get("driver_pid"))
     conn = Connection(settings["fd"])
     rank = settings["rank"]
     try:
@@ -227,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     # A closed connection is not always a dead driver (a live driver closes its end when it stops the pool, and
     # removes its segments itself): remove the pool's leftovers only when the driver really is gone.
     worker = LocalWorker(session, conn, settings["shm_prefix"],
-                         lambda: leftovers() if driver_gone(settings["parent_pid"]) else None)
+                         lambda: leftovers() if driver_gone(settings["parent_pid"], driver_pid=settings.get("driver_pid"))
+                         else None)
     # Before the hello: the pool's start (under its start timeout) waits for the imports, not its first request
     # (which is watched by heartbeats that a worker busy importing would not send).
     session.preload_model_code()

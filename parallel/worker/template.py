@@ -62,7 +62,9 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.dup2(stderr_fd, 2)
         for fd in (devnull, stdout_fd, stderr_fd):
             os.close(fd)
-        settings = {**request["settings"], "fd": worker_fd, "parent_pid": os.getppid()}
+        # the worker's parent is this template; the driver (the parent the settings name) is watched as well
+        settings = {**request["settings"], "fd": worker_fd, "parent_pid": os.getppid(),
+                    "driver_pid": request["settings"]["parent_pid"]}
         argv = [json.dumps(settings), "--rank", str(settings["rank"])]
         _set_title(settings)  # before the environment changes: setproctitle moves it on its first call
         os.environ.clear()
