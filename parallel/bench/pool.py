@@ -218,12 +218,13 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                          f"repeats {args.repeats}, empty repeats {args.empty_repeats}, chunk frames "
                          f"{args.chunk_frames}, chunk repeats {args.chunk_repeats}")
     image = torch.rand(shape, dtype=torch.float32)
-    run = measured_runs(3)
+    starts = args.start_repeats and all(device.startswith("cpu") for device in config.rank_devices())
+    run = measured_runs(4 if starts else 3)
     with WorkerPool(config) as pool:
         results = measure(pool, image, args.repeats, args.empty_repeats, run)
     run(f"{args.chunk_repeats} chunk hand-overs per transport")
     results.update(measure_chunk_handover(args.chunk_frames, args.height, args.width, args.chunk_repeats))
-    if args.start_repeats and all(device.startswith("cpu") for device in config.rank_devices()):
+    if starts:
         run(f"{args.start_repeats + 1} pool starts per way of starting")
         results.update(measure_pool_starts(config, args.start_repeats))
     print(format_table(config, shape, results))

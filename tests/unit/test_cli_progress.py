@@ -42,10 +42,12 @@ def test_make_tiny_names_each_file_as_it_writes_it(made, tiny_models_root):
 def test_bench_announces_each_measured_run_and_quiet_none(tmp_path):
     command = ["bench", "pool", "--world", "1", "--frames", "2", "--height", "16", "--width", "16", "--repeats", "2",
                "--empty-repeats", "3", "--chunk-repeats", "2", "--chunk-frames", "1"]
-    shown, quiet = run_cli(command, tmp_path, ENV), run_cli([*command, "--quiet"], tmp_path, ENV)
+    shown = run_cli([*command, "--start-repeats", "1"], tmp_path, ENV)  # the pool starts are a fourth run
+    quiet = run_cli([*command, "--start-repeats", "0", "--quiet"], tmp_path, ENV)
     assert shown["code"] == quiet["code"] == 0, shown["stderr"] + quiet["stderr"]
     runs = re.findall(r"^bench pool: run (\d+)/(\d+) \((.+?)\)", shown["stderr"], re.MULTILINE)
-    assert [(int(n), int(total)) for n, total, _ in runs] == [(1, 3), (2, 3), (3, 3)], shown["stderr"]
+    assert [(int(n), int(total)) for n, total, _ in runs] == [(1, 4), (2, 4), (3, 4), (4, 4)], shown["stderr"]
+    assert "2 pool starts per way of starting" in runs[3][2]
     assert "3 empty requests" in runs[0][2] and "s left" in shown["stderr"]
     assert "bench pool: run" not in quiet["stderr"] and "empty request round trip" in quiet["stdout"]
 
