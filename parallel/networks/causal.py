@@ -115,6 +115,7 @@ class CausalRope:
         split = [rope.t_dim, rope.h_dim, rope.w_dim]
         self._cos, self._sin = rope.freqs_cos.split(split, dim=1), rope.freqs_sin.split(split, dim=1)
         self._last: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last_shift: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _cut(self, parts: tuple[torch.Tensor, ...], time: torch.Tensor) -> torch.Tensor:
         count, (rows, cols) = time.shape[0], self.grid
@@ -133,16 +134,19 @@ class CausalRope:
 
     def time_shift(self, shift: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows that turn the roped keys of ``count`` frames ``shift`` frames later in time: the time part of the
-        rotation by ``shift``, the height and width parts the identity (rotations add their angles)."""
-        time = lambda part: part[0][shift : shift + 1].expand(count, -1)  # noqa: E731
-        ones = tuple(torch.ones_like(part) for part in self._cos)
-        zeros = tuple(torch.zeros_like(part) for part in self._sin)
-        return self._cut(ones, time(self._cos)), self._cut(zeros, time(self._sin))
+        rotation by ``shift``, the height and width parts the identity (rotations add their angles). The last
+        rows are kept: every block's cache turns its sink by the same shift."""
+        if self._last_shift is None or self._last_shift[0] != (shift, count):
+            time = lambda part: part[0][shift : shift + 1].expand(count, -1)  # noqa: E731
+            ones = tuple(torch.ones_like(part) for part in self._cos)
+            zeros = tuple(torch.zeros_like(part) for part in self._sin)
+            self._last_shift = ((shift, count), (self._cut(ones, time(self._cos)), self._cut(zeros, time(self._sin))))
+        return self._last_shift[1]
 
     def to(self, device: torch.device) -> "CausalRope":
         self._cos = tuple(part.to(device) for part in self._cos)
         self._sin = tuple(part.to(device) for part in self._sin)
-        self._last = None
+        self._last = self._last_shift = None
         return self
 
 
