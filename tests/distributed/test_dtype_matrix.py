@@ -3,7 +3,7 @@ dtype and against the fp32 result, on the tiny models (CPU ranks, gloo).
 
 The matrix: features (text-to-video through ComfyUI's uni_pc and through wan_unipc, VACE with two contexts,
 image-to-video with CLIP vision tokens, chained LoRAs, GGUF Q8_0 and scaled fp8 kept quantized, one native-MODEL
-call, a causal stream, the same stream with a prompt switch, a VAE decode) x layouts (world 1, tp 2, ulysses 2, ring 2, cfg parallel 2, VAE patch 2 for
+call, a causal stream, the same stream with a prompt switch, and with a re-anchored rolling window, a VAE decode) x layouts (world 1, tp 2, ulysses 2, ring 2, cfg parallel 2, VAE patch 2 for
 the decode; streams run where streaming runs: world 1, tp 2, ulysses 2) x dtypes (bf16, fp16).
 
 Tolerances (relative: ``|a - b| / |b|`` in the Frobenius norm over the whole result):
@@ -40,13 +40,13 @@ LAYOUTS = {"world1": dict(world=1), "tp2": dict(world=2, tp=2), "ulysses2": dict
            "ring2": dict(world=2, ring=2), "cfg2": dict(world=2, cfg_parallel=True)}
 STREAM_LAYOUTS = ("world1", "tp2", "ulysses2")
 SAMPLED = ("t2v", "t2v_wan_unipc", "vace", "i2v", "lora", "gguf_q8_0_kept", "fp8_scaled_kept")
-STREAMED = ("stream", "stream_switch")
+STREAMED = ("stream", "stream_switch", "stream_reanchor")
 FEATURES = (*SAMPLED, "forward", *STREAMED)
 WIDTH, HEIGHT, LENGTH = 48, 32, 9
 I2V_TEXT_WIDTH = 4096  # the image-to-video tiny model is a native twin: umT5-XXL's width
 MODEL_FILES = {"t2v": "t2v", "t2v_wan_unipc": "t2v", "vace": "vace", "i2v": "i2v", "lora": "t2v",
                "gguf_q8_0_kept": "t2v_gguf_q8_0", "fp8_scaled_kept": "t2v_fp8_scaled", "forward": "t2v",
-               "stream": "t2v", "stream_switch": "t2v"}
+               "stream": "t2v", "stream_switch": "t2v", "stream_reanchor": "t2v"}
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +94,15 @@ def _forward_request(handle: str) -> P.ModelForward:
                           timestep=torch.tensor([700.0, 700.0]), context=torch.randn(2, 9, 64, generator=generator))
 
 
-def _stream_request(handle: str, switch: bool = False) -> P.StreamSample:
-    """A stream of 3 chunks; with ``switch`` its prompt changes before the last (the caches rebuilt under it)."""
+def _stream_request(handle: str, switch: bool = False, reanchor: bool = False) -> P.StreamSample:
+    """A stream of 3 chunks; with ``switch`` its prompt changes before the last (the caches rebuilt under it); with
+    ``reanchor`` a window of 3 frames, sink 1, re-anchored (it rolls for the chunks ending at 4 and 5)."""
     generator = torch.Generator().manual_seed(9)
     positive, later = torch.randn(9, 64, generator=generator), torch.randn(9, 64, generator=generator)
     return P.StreamSample(handle=handle, latent=torch.zeros(latent_shape(32, 32, 17)), positive=[positive],
                           negative=[], seed=4, steps=2, chunk=2, vae_handle=None, preview=False,
-                          switch_chunks=[2] if switch else [], switch_positive=[[later]] if switch else [])
+                          switch_chunks=[2] if switch else [], switch_positive=[[later]] if switch else [],
+                          **(dict(kv_window=3, sink=1, reanchor=True) if reanchor else {}))
 
 
 def _load(engine, tiny: dict, feature: str, dtype: str) -> str:
@@ -115,7 +117,8 @@ def _run(engine, tiny: dict, feature: str, dtype: str) -> torch.Tensor:
         if feature == "forward":
             return engine.forward(_forward_request(handle))
         if feature in STREAMED:
-            stream = engine.stream(_stream_request(handle, switch=feature == "stream_switch"))
+            stream = engine.stream(_stream_request(handle, switch=feature == "stream_switch",
+                                                   reanchor=feature == "stream_reanchor"))
             return stream.latents if isinstance(stream, P.Streamed) else stream[0]
         return engine.sample(_sample_request(feature, handle, tiny))
     finally:
